@@ -1,0 +1,3 @@
+from llmcluster.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""The `llmcluster` command: parse, dispatch, and turn bad input into one line + exit 2.
+
+Each subcommand lives in its own small module here that only declares its arguments and imports the
+capability that does the work lazily, so `llmcluster plan` never pays for importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from llmcluster import __version__
+from llmcluster.errors import EXIT_USAGE, UserError
+
+# (module under llmcluster.cli, in --help order)
+_COMMAND_MODULES = (
+    "storage", "data", "train", "bench", "export", "generate",
+    "plan", "launch", "jobs", "validate", "monitor",
+)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse prints usage + error; we print one line and exit 2."""
+
+    def error(self, message: str):  # noqa: D401
+        print(f"{self.prog}: error: {' '.join(message.split())}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = OneLineParser(
+        prog="llmcluster",
+        description="Plan, validate, train on, launch, monitor and manage the storage of an LLM cluster.",
+    )
+    parser.add_argument("--version", action="version", version=f"llmcluster {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    sub.required = True
+    for name in _COMMAND_MODULES:
+        importlib.import_module(f"llmcluster.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as e:
+        print(f"llmcluster {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"llmcluster {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `llmcluster ... | head`
+        return 0

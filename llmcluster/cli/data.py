@@ -1,0 +1,39 @@
+"""`llmcluster data prepare`: tokenizer + token shards under datasets/<kind>/<name>/."""
+
+from __future__ import annotations
+
+from llmcluster.cli.common import add_root_arg
+
+
+def register(sub) -> None:
+    p = sub.add_parser("data", help="prepare datasets: train a BPE tokenizer and write token shards")
+    dsub = p.add_subparsers(dest="data_cmd", metavar="ACTION")
+    dsub.required = True
+    prep = dsub.add_parser("prepare", help="tokenize source files into datasets/<kind>/<name>/")
+    prep.add_argument("--source", nargs="+", metavar="PATH",
+                      help="files or directories (default: the Python standard library's own source)")
+    prep.add_argument("--name", default="stdlib", help="dataset name (default: stdlib)")
+    prep.add_argument("--kind", choices=("code", "text"), default="code")
+    prep.add_argument("--tokenizer", default="bpe:8192", metavar="bpe:N|byte|PATH",
+                      help="train a byte-level BPE of N tokens, use raw bytes, or load a tokenizer.json")
+    prep.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out")
+    prep.add_argument("--shard-tokens", type=int, default=16 * 1024 * 1024, help="tokens per shard")
+    prep.add_argument("--max-bytes", type=int, default=None, help="stop reading sources after this many bytes")
+    prep.add_argument("--seed", type=int, default=1337)
+    add_root_arg(prep)
+    prep.set_defaults(func=run)
+    ver = dsub.add_parser("verify", help="check a prepared dataset's shards against their checksums")
+    ver.add_argument("--name", default="stdlib")
+    ver.add_argument("--kind", choices=("code", "text"), default="code")
+    add_root_arg(ver)
+    ver.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from llmcluster.data import prepare
+    from llmcluster.paths import resolve_storage_root
+
+    root = resolve_storage_root(args.root)
+    if args.data_cmd == "prepare":
+        return prepare.prepare_cli(args, root)
+    return prepare.verify_cli(args, root)

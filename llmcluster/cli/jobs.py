@@ -1,0 +1,12 @@
+"""`llmcluster jobs` (placeholder until its capability lands)."""
+
+from llmcluster.errors import UserError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("jobs", help="(not yet implemented)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    raise UserError("'jobs' is not implemented yet")

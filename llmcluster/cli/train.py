@@ -1,0 +1,20 @@
+"""`llmcluster train`: one process, or every rank under torchrun."""
+
+from __future__ import annotations
+
+from llmcluster.cli.common import add_config_args, add_root_arg
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a model from a job config (run under torchrun for several ranks)")
+    add_config_args(p)
+    add_root_arg(p)
+    p.add_argument("--resume", default="auto", metavar="auto|never|PATH",
+                   help="auto: newest complete checkpoint of the run (default); never; or a step directory")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from llmcluster.train.trainer import train_cli
+
+    return train_cli(args)

@@ -1,0 +1,165 @@
+"""Load a YAML job config, apply `--set` overrides, validate, and explain errors in one line."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from llmcluster.errors import UserError
+from llmcluster.paths import preset_path
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def read_yaml(path: str | Path, what: str = "config") -> dict[str, Any]:
+    """A YAML mapping from a file, or a one-line UserError."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{what} file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise UserError(f"{p}: invalid YAML{where}: {problem}") from None
+    except (UnicodeDecodeError, OSError) as e:
+        raise UserError(f"{p}: cannot read {what}: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"{p}: a {what} must be a YAML mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def locate_config(name_or_path: str) -> Path:
+    """A path, or a preset name from configs/ (llm_tiny, llm_7b, ...)."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    preset = preset_path(name_or_path)
+    if preset is not None:
+        return preset
+    raise UserError(f"config file not found: {name_or_path} (nor a preset in configs/)")
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'train.lr=3e-4' -> (['train', 'lr'], 0.0003). Values are typed by YAML."""
+    if "=" not in item:
+        raise UserError(f"override {item!r} must look like key.path=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not part for part in parts):
+        raise UserError(f"override {item!r}: bad key path {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # not YAML: keep the string, the schema decides
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], schema: type[BaseModel]) -> dict[str, Any]:
+    for item in overrides:
+        parts, value = parse_override(item)
+        _check_path(schema, parts)
+        node = data
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def _section_fields(schema: type[BaseModel], path: list[str]) -> tuple[type[BaseModel] | None, list[str]]:
+    """The model class at `path` inside `schema` and its valid keys (field names and aliases)."""
+    cls: type[BaseModel] | None = schema
+    for part in path:
+        if cls is None:
+            return None, []
+        field = _field(cls, part)
+        if field is None:
+            return None, []
+        ann = field.annotation
+        cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    if cls is None:
+        return None, []
+    keys = []
+    for name, f in cls.model_fields.items():
+        keys.append(f.alias or name)
+    return cls, keys
+
+
+def _field(cls: type[BaseModel], key: str):
+    for name, f in cls.model_fields.items():
+        if key in (name, f.alias):
+            return f
+    return None
+
+
+def _unknown_key_message(schema: type[BaseModel], path: list[str]) -> str:
+    _, keys = _section_fields(schema, path[:-1])
+    dotted = ".".join(path)
+    prefix = ".".join(path[:-1])
+    close = difflib.get_close_matches(path[-1], keys, n=1, cutoff=0.5)
+    hint = f" (did you mean '{prefix + '.' if prefix else ''}{close[0]}'?)" if close else ""
+    if not close and keys:
+        hint = f" (valid keys{' in ' + prefix if prefix else ''}: {', '.join(keys)})"
+    return f"unknown key '{dotted}'{hint}"
+
+
+def _check_path(schema: type[BaseModel], parts: list[str]) -> None:
+    for i in range(len(parts)):
+        cls, keys = _section_fields(schema, parts[:i])
+        if cls is None:
+            raise UserError(f"override key '{'.'.join(parts)}': '{'.'.join(parts[:i])}' is not a section")
+        if parts[i] not in keys:
+            raise UserError(_unknown_key_message(schema, parts[: i + 1]))
+
+
+def explain(err: ValidationError, schema: type[BaseModel], source: str = "") -> str:
+    """The first pydantic error as one line naming the key."""
+    e = err.errors()[0]
+    loc = [str(x) for x in e["loc"] if not isinstance(x, int)]
+    where = f"{source}: " if source else ""
+    if e["type"] == "extra_forbidden":
+        return where + _unknown_key_message(schema, loc)
+    msg = e["msg"]
+    if msg.startswith("Value error, "):
+        return where + msg[len("Value error, "):]
+    key = ".".join(loc) or "config"
+    got = e.get("input")
+    shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+    return f"{where}{key}: {msg[0].lower() + msg[1:]}{shown}"
+
+
+def validate(data: Any, schema: type[M], source: str = "") -> M:
+    try:
+        return schema.model_validate(data)
+    except ValidationError as err:
+        raise UserError(explain(err, schema, source)) from None
+
+
+def load_job_config(name_or_path: str | None, overrides: list[str] | None = None):
+    """The validated JobConfig from a file or preset (None: all defaults = the tiny CPU job)."""
+    from llmcluster.config.schema import JobConfig
+
+    data: dict[str, Any] = {}
+    source = ""
+    if name_or_path:
+        path = locate_config(name_or_path)
+        data = read_yaml(path)
+        source = str(name_or_path)
+    apply_overrides(data, list(overrides or []), JobConfig)
+    return validate(data, JobConfig, source)
+
+
+def config_to_dict(cfg: BaseModel) -> dict[str, Any]:
+    return cfg.model_dump(mode="json", by_alias=True)

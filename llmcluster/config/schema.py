@@ -1,0 +1,176 @@
+"""The one job-config schema: run, model, data, train, parallel, checkpoint, log, dist, job.
+
+Every section forbids unknown keys so a typo is an error, not a silently ignored setting. Cross-field
+rules that need the world size (batch divisibility by data-parallel degree) live in `train.mesh`, the
+rest are checked here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from llmcluster.config.job import JobSpec
+
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_run_name(name: str) -> str:
+    """Run names become directory names and shell words: letters, digits, '.', '_', '-' only."""
+    if not RUN_NAME_RE.match(name) or ".." in name:
+        raise ValueError(
+            f"invalid run name {name!r}: use letters, digits, '.', '_' and '-' "
+            "(no '/', '..', spaces or shell metacharacters)")
+    return name
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class RunConfig(Section):
+    name: str = "llm-tiny"
+    storage: str | None = None  # None: $LLMCLUSTER_STORAGE, else ./storage
+    seed: int = 1337
+
+    _check_name = field_validator("name")(classmethod(lambda cls, v: check_run_name(v)))
+
+
+class ModelConfig(Section):
+    """A Llama-style decoder. Defaults are the tiny CPU model."""
+    n_layers: int = Field(4, ge=1)
+    d_model: int = Field(256, ge=8)
+    n_heads: int = Field(8, ge=1)
+    n_kv_heads: int | None = Field(None, ge=1)  # None: = n_heads (multi-head attention)
+    ffn_hidden: int = Field(768, ge=1)
+    vocab_size: int = Field(8192, ge=2)
+    max_seq_len: int = Field(2048, ge=1)
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-5, gt=0)
+    tie_embeddings: bool = False
+    init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _heads(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.n_heads ({self.n_heads}) must divide model.d_model ({self.d_model})")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("model.d_model / model.n_heads must be even (RoPE rotates pairs)")
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_kv_heads ({self.n_kv_heads}) must divide model.n_heads ({self.n_heads})")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class DataConfig(Section):
+    dataset: str = "stdlib"        # a name under datasets/<kind>/, or a path to a prepared dataset dir
+    kind: Literal["code", "text", "multimodal"] = "code"
+    seq_len: int = Field(256, ge=1)
+
+
+class TrainConfig(Section):
+    steps: int = Field(1000, ge=1)
+    micro_batch: int = Field(8, ge=1)          # sequences per rank per forward
+    grad_accum: int = Field(1, ge=1)           # micro-batches per optimizer step
+    global_batch: int | None = Field(None, ge=1)  # if set: must equal micro_batch * grad_accum * dp
+    lr: float = Field(3e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(100, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0)        # 0 disables clipping
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    compile: bool = False
+    threads: int | None = Field(None, ge=1)    # torch intra-op threads per rank (CPU); None: cores / ranks
+    max_bad_steps: int = Field(5, ge=1)        # non-finite steps in a row before the run stops
+    spike_zscore: float | None = Field(None, gt=0)  # loss z-score over the window that counts as a spike
+    spike_window: int = Field(100, ge=10)
+    skip_spikes: bool = False
+
+    @model_validator(mode="after")
+    def _warmup(self):
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"train.warmup_steps ({self.warmup_steps}) exceeds train.steps ({self.steps})")
+        return self
+
+
+class ParallelConfig(Section):
+    """Mesh degrees; -1 means "whatever is left of the world size" (at most one of them)."""
+    dp_replicate: int = Field(1, ge=-1)
+    dp_shard: int = Field(-1, ge=-1)
+    tp: int = Field(1, ge=1)
+    activation_checkpoint: Literal["none", "selective", "full"] = "none"
+    ac_every: int = Field(2, ge=1)             # selective: checkpoint every k-th block
+    fsdp_reshard_after_forward: bool = True
+
+    @model_validator(mode="after")
+    def _degrees(self):
+        for k in ("dp_replicate", "dp_shard"):
+            if getattr(self, k) == 0:
+                raise ValueError(f"parallel.{k} must be >= 1 or -1")
+        if self.dp_replicate == -1 and self.dp_shard == -1:
+            raise ValueError("only one of parallel.dp_replicate and parallel.dp_shard may be -1")
+        return self
+
+
+class CheckpointConfig(Section):
+    interval_steps: int = Field(100, ge=1)     # a checkpoint is also written at the last step
+    interval: Literal["steps", "auto"] = "steps"  # auto: Young/Daly sqrt(2*C*MTBF) from measured C
+    mtbf_hours: float = Field(24.0, gt=0)      # mean time between failures of the whole job (for auto)
+    keep_last: int = Field(3, ge=2)
+    keep_every: int | None = Field(None, ge=1)  # milestone: also keep every M-th step
+    async_save: bool = Field(False, alias="async")
+    grace_period_s: float = Field(120.0, gt=0)  # preemption: the checkpoint must finish within this
+
+
+class LogConfig(Section):
+    interval: int = Field(10, ge=1)
+    eval_interval: int = Field(100, ge=1)
+    eval_batches: int = Field(8, ge=1)
+    tensorboard: bool = False
+    progress: bool = True                     # rank 0 progress bar on a terminal
+    metrics_port: int | None = Field(None, ge=0, le=65535)  # Prometheus llmcluster_train_* (0: any free)
+    straggler_factor: float = Field(1.5, gt=1)  # a rank slower than median * factor is named
+
+
+class DistConfig(Section):
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout_s: float = Field(600.0, gt=0)     # a collective that takes longer fails, naming step and rank
+
+
+class JobConfig(Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+    dist: DistConfig = DistConfig()
+    job: JobSpec = JobSpec()
+
+    @model_validator(mode="after")
+    def _cross(self):
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
+        if self.parallel.tp > 1 and self.model.n_heads % self.parallel.tp:
+            raise ValueError(f"parallel.tp ({self.parallel.tp}) must divide model.n_heads ({self.model.n_heads})")
+        if self.parallel.tp > 1 and self.model.kv_heads % self.parallel.tp:
+            raise ValueError(
+                f"parallel.tp ({self.parallel.tp}) must divide the kv heads ({self.model.kv_heads})")
+        return self

@@ -1,0 +1,134 @@
+"""The storage layout: datasets/{code,text,multimodal}, checkpoints/<run>/step_<N>/, logs/, models/, scratch/.
+
+Checkpoint directories are only trusted once their completion marker exists (written last, after an atomic
+rename), so a crash mid-write leaves a directory that every reader here ignores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmcluster.errors import UserError
+
+AREAS = ("datasets", "checkpoints", "logs", "models", "scratch")
+DATASET_KINDS = ("code", "text", "multimodal")
+STEP_DIR_RE = re.compile(r"^step_(\d+)$")
+COMPLETE_MARKER = "COMPLETE.json"   # written last: {"step", "files": {relpath: sha256}, ...}
+TMP_PREFIX = ".tmp-"                # checkpoints are written under .tmp-step_N-* and renamed
+
+
+def check_run_name(name: str) -> str:
+    from llmcluster.config.schema import RUN_NAME_RE
+
+    if not isinstance(name, str) or not RUN_NAME_RE.match(name) or ".." in name:
+        raise UserError(f"invalid run name {name!r}: use letters, digits, '.', '_' and '-' "
+                        "(no '/', '..', spaces or shell metacharacters)")
+    return name
+
+
+@dataclass(frozen=True)
+class Storage:
+    root: Path
+
+    @property
+    def datasets(self) -> Path:
+        return self.root / "datasets"
+
+    def dataset_dir(self, kind: str, name: str) -> Path:
+        return self.datasets / kind / check_run_name(name)
+
+    def run_checkpoints(self, run: str) -> Path:
+        return self.root / "checkpoints" / check_run_name(run)
+
+    def step_dir(self, run: str, step: int) -> Path:
+        return self.run_checkpoints(run) / f"step_{step}"
+
+    def run_logs(self, run: str) -> Path:
+        return self.root / "logs" / check_run_name(run)
+
+    def model_dir(self, run: str) -> Path:
+        return self.root / "models" / check_run_name(run)
+
+    def scratch(self, job: str) -> Path:
+        return self.root / "scratch" / check_run_name(job)
+
+    # -- creation -----------------------------------------------------------------------------
+    def init(self) -> list[Path]:
+        """Create every area (idempotent); returns the directories that did not exist before."""
+        created = []
+        wanted = [self.root / a for a in AREAS] + [self.datasets / k for k in DATASET_KINDS]
+        for d in wanted:
+            if not d.is_dir():
+                try:
+                    d.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise UserError(f"cannot create {d}: {e.strerror or e}") from None
+                created.append(d)
+        return created
+
+    def require_writable(self, path: Path) -> Path:
+        """mkdir -p and prove we can write there, or a one-line error."""
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f".write-probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise UserError(f"storage is not writable: {path}: {e.strerror or e}") from None
+        return path
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def checkpoint_steps(self, run: str) -> list[tuple[int, Path, bool]]:
+        """(step, dir, complete) for every step_<N> of a run, oldest first. Temp dirs are not listed."""
+        base = self.run_checkpoints(run)
+        out = []
+        if base.is_dir():
+            for d in base.iterdir():
+                m = STEP_DIR_RE.match(d.name)
+                if m and d.is_dir():
+                    out.append((int(m.group(1)), d, (d / COMPLETE_MARKER).is_file()))
+        return sorted(out)
+
+    def latest_complete_step(self, run: str) -> int | None:
+        steps = [s for s, _, ok in self.checkpoint_steps(run) if ok]
+        return steps[-1] if steps else None
+
+    def runs(self) -> list[str]:
+        names = set()
+        for area in ("checkpoints", "logs", "models"):
+            d = self.root / area
+            if d.is_dir():
+                names.update(p.name for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+        return sorted(names)
+
+
+def read_marker(step_dir: Path) -> dict | None:
+    try:
+        return json.loads((step_dir / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def disk_usage(path: Path) -> tuple[int, int]:
+    """(bytes, files) under path, without following links."""
+    total = files = 0
+    for dirpath, _dirs, names in os.walk(path):
+        for n in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+                files += 1
+            except OSError:
+                pass
+    return total, files
+
+
+def free_bytes(path: Path) -> int:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free

@@ -1,0 +1,82 @@
+"""`llmcluster storage init|status`: create the layout, and show what is in it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmcluster.storage.layout import AREAS, Storage, disk_usage, free_bytes, read_marker
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def init(root: Path) -> int:
+    created = Storage(root).init()
+    print(f"storage root {root}: {len(created)} {'directory' if len(created) == 1 else 'directories'} created")
+    for d in created:
+        print(f"  + {d.relative_to(root)}/")
+    return 0
+
+
+def status_dict(root: Path) -> dict:
+    st = Storage(root)
+    areas = {}
+    for a in AREAS:
+        p = root / a
+        size, files = disk_usage(p) if p.is_dir() else (0, 0)
+        areas[a] = {"exists": p.is_dir(), "bytes": size, "files": files,
+                    "free_bytes": free_bytes(p)}
+    runs = {}
+    for run in st.runs():
+        try:
+            steps = st.checkpoint_steps(run)
+        except Exception:
+            continue
+        complete = [s for s, _, ok in steps if ok]
+        latest = complete[-1] if complete else None
+        marker = read_marker(st.step_dir(run, latest)) if latest is not None else None
+        runs[run] = {"checkpoints": len(steps), "complete": len(complete),
+                     "incomplete": [s for s, _, ok in steps if not ok],
+                     "latest_complete_step": latest,
+                     "latest_bytes": (marker or {}).get("bytes"),
+                     "exported": (st.model_dir(run) / "config.json").is_file()}
+    return {"root": str(root), "areas": areas, "runs": runs}
+
+
+def status(root: Path, as_json: bool = False) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    info = status_dict(root)
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return 0
+    c = Console()
+    if not root.is_dir():
+        c.print(f"storage root {root} does not exist: run `llmcluster storage init --root {root}`")
+        return 1
+    t = Table(title=f"storage {root}")
+    for col in ("area", "size", "files", "free"):
+        t.add_column(col, justify="left" if col == "area" else "right")
+    for a, v in info["areas"].items():
+        t.add_row(a + "/" if v["exists"] else f"{a}/ (missing)", human_bytes(v["bytes"]), str(v["files"]),
+                  human_bytes(v["free_bytes"]))
+    c.print(t)
+    if info["runs"]:
+        r = Table(title="runs")
+        for col in ("run", "checkpoints", "latest complete step", "incomplete", "exported"):
+            r.add_column(col)
+        for name, v in info["runs"].items():
+            r.add_row(name, str(v["checkpoints"]),
+                      "-" if v["latest_complete_step"] is None else str(v["latest_complete_step"]),
+                      ", ".join(f"step_{s}" for s in v["incomplete"]) or "-",
+                      "yes" if v["exported"] else "no")
+        c.print(r)
+    return 0

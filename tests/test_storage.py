@@ -1,0 +1,49 @@
+from pathlib import Path
+
+from conftest import assert_one_line_error, run_cli
+
+
+def test_init_creates_layout_and_is_idempotent(tmp_path: Path):
+    root = tmp_path / "s"
+    run_cli("storage", "init", "--root", root, check=True)
+    for d in ("datasets/code", "datasets/text", "datasets/multimodal", "checkpoints", "logs", "models", "scratch"):
+        assert (root / d).is_dir(), d
+    again = run_cli("storage", "init", "--root", root, check=True)
+    assert "0 directories created" in again.stdout
+
+
+def test_root_from_env_then_config(tmp_path: Path):
+    from conftest import cli_env
+    env_root = tmp_path / "from_env"
+    run_cli("storage", "init", env=cli_env(LLMCLUSTER_STORAGE=str(env_root)), check=True)
+    assert (env_root / "checkpoints").is_dir()
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"run:\n  storage: {tmp_path / 'from_cfg'}\n")
+    run_cli("storage", "init", "--config", cfg, check=True)
+    assert (tmp_path / "from_cfg" / "logs").is_dir()
+
+
+def test_status_lists_runs_and_latest_complete(tmp_path: Path):
+    import json
+    root = tmp_path / "s"
+    run_cli("storage", "init", "--root", root, check=True)
+    for step, complete in ((10, True), (20, True), (30, False)):
+        d = root / "checkpoints" / "r1" / f"step_{step}"
+        d.mkdir(parents=True)
+        (d / "x.bin").write_bytes(b"0" * 100)
+        if complete:
+            (d / "COMPLETE.json").write_text(json.dumps({"step": step}))
+    out = run_cli("storage", "status", "--root", root, "--json", check=True)
+    info = json.loads(out.stdout)
+    assert info["runs"]["r1"]["latest_complete_step"] == 20
+    assert info["runs"]["r1"]["incomplete"] == [30]
+    assert info["areas"]["checkpoints"]["files"] == 5
+    table = run_cli("storage", "status", "--root", root, check=True).stdout
+    assert "r1" in table and "step_30" in table
+
+
+def test_unwritable_root_is_one_line(tmp_path: Path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    proc = run_cli("storage", "init", "--root", blocker / "sub")
+    assert_one_line_error(proc, "cannot create")
