@@ -21,8 +21,8 @@ def params(m: ModelSpec) -> int:
 
 
 def flops_per_token(m: ModelSpec) -> float:
-    """6N + 12·L·H·Q·T (PaLM appendix B): 6N for the matmuls, 12·L·d·T for attention scores and values."""
-    return 6 * params(m) + 12 * m.n_layers * m.d_model * m.seq_len
+    """6N + 12·L·H·Q·T (PaLM appendix B): 6N for the matmuls, 12·L·(H·Q)·T for attention scores and values."""
+    return 6 * params(m) + 12 * m.n_layers * m.attn_dim * m.seq_len
 
 
 def hardware_flops_per_token(m: ModelSpec, recompute: str, flash: bool) -> float:
@@ -32,7 +32,7 @@ def hardware_flops_per_token(m: ModelSpec, recompute: str, flash: bool) -> float
     if recompute == "full":
         return f * 4 / 3
     if recompute == "selective" and not flash:
-        return f + 4 * m.n_layers * m.d_model * m.seq_len
+        return f + 4 * m.n_layers * m.attn_dim * m.seq_len
     return f
 
 

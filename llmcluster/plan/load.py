@@ -43,7 +43,10 @@ def resolve_model(data: dict[str, Any]) -> None:
 
 def load_plan(path: str | Path, overrides: list[str] | None = None) -> PlanSpec:
     data = read_yaml(path, "plan")
+    overrides = list(overrides or [])
+    # `--set model=llm_70b` (or model={...dims}) swaps the whole model: apply it before resolving presets.
+    whole = [o for o in overrides if o.split("=", 1)[0].strip() == "model"]
+    apply_overrides(data, whole, PlanSpec)
     resolve_model(data)
-    apply_overrides(data, list(overrides or []), PlanSpec)
-    resolve_model(data)  # `--set model=llm_70b` swaps the whole model
+    apply_overrides(data, [o for o in overrides if o not in whole], PlanSpec)
     return validate(data, PlanSpec, str(path))

@@ -47,8 +47,8 @@ class ParamCount:
 
 def count_params(m: ModelSpec) -> ParamCount:
     """Llama/GPT-style decoder without biases: q, k, v, o; MLP; two norms per layer; final norm."""
-    d, head_dim = m.d_model, m.d_model // m.n_heads
-    attn = 2 * d * d + 2 * d * m.kv_heads * head_dim
+    d, head_dim = m.d_model, m.attn_dim // m.n_heads
+    attn = 2 * d * m.attn_dim + 2 * d * m.kv_heads * head_dim
     mlp = (3 if m.ffn_type == "swiglu" else 2) * d * m.ffn_hidden
     emb = m.vocab_size * d
     return ParamCount(embedding=emb, output=0 if m.tie_embeddings else emb,
@@ -80,7 +80,8 @@ def model_states(psi: float, dp: int, zero: int, convention: str = "zero-paper",
     ZeRO stage 1 shards the optimizer states over the dp ranks, stage 2 also the gradients, stage 3
     (= FSDP full shard) everything. `unit_params` is the largest unit that is gathered whole under
     stage 3 (an FSDP block): fsdp2 holds it in bf16 twice (current + prefetched) plus its unsharded
-    bf16 gradient; DeepSpeed's estimator adds 4 bytes x largest layer (params + grads in fp16).
+    bf16 gradient; DeepSpeed's estimator adds 4 bytes x largest layer (params + grads in fp16) and keeps
+    no other fp16 gradient at stage 3 (its 16 bytes include the fp32 gradient partition).
     """
     w, g, o = CONVENTIONS[convention]
     weights, grads, optim = w * psi, g * psi, o * psi
@@ -93,9 +94,9 @@ def model_states(psi: float, dp: int, zero: int, convention: str = "zero-paper",
         if convention == "fsdp2":
             weights += 2 * 2 * unit_params
             grads += 2 * unit_params
-        elif convention == "deepspeed":
+        elif convention == "deepspeed":  # 18Ψ/N: sharded fp16 grads go straight into the fp32 copy
             weights += 2 * unit_params
-            grads += 2 * unit_params
+            grads = 2 * unit_params
     return weights, grads, optim
 
 

@@ -25,6 +25,7 @@ class ModelSpec(Section):
     d_model: int = Field(ge=8)
     n_heads: int = Field(ge=1)
     n_kv_heads: int | None = Field(None, ge=1)   # None: = n_heads (multi-head attention)
+    head_dim: int | None = Field(None, ge=1)     # None: d_model / n_heads (PaLM: 256 with d_model 18432)
     ffn_hidden: int = Field(ge=1)
     ffn_type: Literal["swiglu", "gelu"] = "swiglu"
     vocab_size: int = Field(ge=2)
@@ -35,7 +36,7 @@ class ModelSpec(Section):
 
     @model_validator(mode="after")
     def _heads(self):
-        if self.d_model % self.n_heads:
+        if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"model.n_heads ({self.n_heads}) must divide model.d_model ({self.d_model})")
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_kv_heads ({self.n_kv_heads}) must divide model.n_heads ({self.n_heads})")
@@ -44,6 +45,11 @@ class ModelSpec(Section):
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def attn_dim(self) -> int:
+        """H·Q: heads x head dimension (= d_model unless head_dim says otherwise)."""
+        return self.n_heads * (self.head_dim or self.d_model // self.n_heads)
 
 
 class ClusterSpec(Section):
