@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Stop what scripts/slurm_up.sh started, by PID file only, and remove its /etc/hosts line. Idempotent.
+command -v scancel >/dev/null && scancel --quiet --user=root 2>/dev/null || true
+sleep 1
+for f in /run/slurmd-n*.pid /run/slurmctld.pid /run/munge/munged.pid; do
+  [ -s "$f" ] || continue
+  pid=$(cat "$f")
+  if kill "$pid" 2>/dev/null; then
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
+  fi
+  rm -f "$f"
+done
+if grep -q "# llmcluster-slurm$" /etc/hosts 2>/dev/null; then
+  hosts=$(grep -v "# llmcluster-slurm$" /etc/hosts)
+  printf '%s\n' "$hosts" > /etc/hosts
+fi
+exit 0
