@@ -100,12 +100,19 @@ for i in $(seq 1 "$NODES"); do
   echo "NodeName=n$i NodeHostname=${H} NodeAddr=127.0.0.1 Port=$((17000 + i)) CPUs=${CPUS} RealMemory=${MEM_MB} State=UNKNOWN"
 done
 echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
-} > /etc/slurm/slurm.conf
+} > /etc/slurm/slurm.conf.new
 
 # 5. daemons (a fresh controller starts from empty state: no old jobs, job ids from 1)
 alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+if cmp -s /etc/slurm/slurm.conf.new /etc/slurm/slurm.conf; then
+  rm -f /etc/slurm/slurm.conf.new
+else
+  # node definitions can't be reconfigured live: restart whatever runs with the old file
+  if alive /run/slurmctld.pid; then log "slurm.conf changed: restarting"; bash "$(dirname "$0")/slurm_down.sh" --daemons-only; fi
+  mv /etc/slurm/slurm.conf.new /etc/slurm/slurm.conf
+fi
 if alive /run/slurmctld.pid; then
-  log "slurmctld already running; reconfiguring"; scontrol reconfigure
+  log "slurmctld already running"
 else
   rm -rf /var/spool/slurmctld/*; : > /var/log/slurm/jobcomp.log
   log "starting slurmctld"; slurmctld -c

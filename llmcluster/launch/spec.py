@@ -117,6 +117,8 @@ def build_spec(cfg, args, root: Path) -> LaunchSpec:
     if args.scheduler == "local" and job.nodes > 1:
         raise UserError(f"--scheduler local runs on this machine only; job.nodes is {job.nodes} "
                         "(use --scheduler slurm or k8s)")
+    if job.signal_before_s >= job.time_s:
+        raise UserError(f"job.signal_before_s ({job.signal_before_s}) must be shorter than job.time ({job.time})")
     if args.scheduler == "k8s" and not job.image:
         raise UserError("--scheduler k8s needs a container image: --image or job.image")
     check_text(str(root), "storage root")
