@@ -26,7 +26,7 @@ def register(sub) -> None:
     p.add_argument("--namespace", metavar="NS", help="Kubernetes namespace")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch script / YAML / command only")
     p.add_argument("--apply", action="store_true", help="k8s: create the objects (in-cluster or kubeconfig)")
-    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD",
+    p.add_argument("program", nargs=argparse.REMAINDER, metavar="-- CMD",
                    help="a program every rank runs instead of the trainer (e.g. -- hostname)")
     p.set_defaults(func=run)
 
@@ -38,8 +38,8 @@ def run(args) -> int:
     from llmcluster.launch.spec import build_spec
     from llmcluster.paths import resolve_storage_root
 
-    if args.command and args.command[0] == "--":
-        args.command = args.command[1:]
+    if args.program and args.program[0] == "--":
+        args.program = args.program[1:]
     if args.apply and args.scheduler != "k8s":
         raise UserError("--apply is for --scheduler k8s (slurm and local submit without it)")
     cfg = load_job_config(args.config, args.overrides)

@@ -86,9 +86,12 @@ def trainer_command(config_path: str, root: str) -> list[str]:
 
 def apply_flags(job: JobSpec, args) -> JobSpec:
     """Command-line flags override the config's job section (validated by the same model)."""
-    from pydantic import ValidationError
+    from pydantic import BaseModel, ValidationError
 
     from llmcluster.config.load import explain
+
+    class Wrapped(BaseModel):   # so errors name the key as in the config file: job.nodes
+        job: JobSpec
 
     flags = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "procs_per_node": args.procs_per_node,
              "time": args.time, "partition": args.partition, "image": args.image,
@@ -100,9 +103,9 @@ def apply_flags(job: JobSpec, args) -> JobSpec:
     if getattr(args, "namespace", None):
         data["k8s"]["namespace"] = args.namespace
     try:
-        return JobSpec.model_validate(data)
+        return Wrapped.model_validate({"job": data}).job
     except ValidationError as err:
-        raise UserError(explain(err, JobSpec, "job")) from None
+        raise UserError(explain(err, Wrapped)) from None
 
 
 def build_spec(cfg, args, root: Path) -> LaunchSpec:
@@ -124,7 +127,7 @@ def build_spec(cfg, args, root: Path) -> LaunchSpec:
     check_text(str(root), "storage root")
     for m in job.mounts:
         check_text(m.source, "mount")
-    generic = bool(args.command)
+    generic = bool(args.program)
     cfg = cfg.model_copy(update={"job": job})
     if args.scheduler == "k8s":
         storage = job.k8s.storage_path
@@ -132,7 +135,7 @@ def build_spec(cfg, args, root: Path) -> LaunchSpec:
     else:
         storage = str(root)
         config_path = str(root / "logs" / cfg.run.name / "config.yaml")
-    command = [check_text(c, "command word") for c in args.command] if generic else \
+    command = [check_text(c, "command word") for c in args.program] if generic else \
         trainer_command(config_path, storage)
     python = "python" if (job.image or args.scheduler == "k8s") else sys.executable
     return LaunchSpec(run=cfg.run.name, scheduler=args.scheduler, root=root, job=job, command=command,
