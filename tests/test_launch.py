@@ -56,10 +56,16 @@ def test_pyxis_container_flags(tmp_path):
 
 @pytest.mark.parametrize("bad", HOSTILE)
 def test_hostile_names_are_refused(tmp_path, bad):
-    for args in (["--set", f"run.name={bad}"], ["--partition", bad], ["--image", bad], ["--time", bad],
-                 ["--set", f"job.mem_per_node={bad}"]):
-        p = dry(tmp_path, *args)
-        assert_one_line_error(p)
+    from llmcluster.config.load import load_job_config
+    from llmcluster.errors import UserError
+
+    # every value that lands in an #SBATCH line or a Kubernetes name: refused by the config itself
+    for key in ("run.name", "job.partition", "job.account", "job.image", "job.time", "job.mem_per_node",
+                "job.k8s.namespace", "job.k8s.storage_claim"):
+        with pytest.raises(UserError):
+            load_job_config(None, [f"{key}={bad}"])
+    # and through the CLI: one line, exit 2, nothing run
+    assert_one_line_error(dry(tmp_path, "--partition", bad), "partition")
     assert not Path("/tmp/pwned").exists()
 
 

@@ -45,12 +45,17 @@ def time_to_seconds(value: str) -> int:
     return ((d * 24 + h) * 60 + mi) * 60 + s
 
 
-def _match(regex: re.Pattern, what: str):
-    def check(cls, v):
+def _match(regex: re.Pattern, prefix: str, allowed: str):
+    """A field validator: the value must match `regex`; the error names the key and what is allowed."""
+    def check(cls, v, info):
         if v is not None and not regex.match(v):
-            raise ValueError(f"{what} {v!r} is not allowed (characters: {regex.pattern})")
+            raise ValueError(f"{prefix}{info.field_name} {v!r} is not allowed: {allowed}")
         return v
     return classmethod(check)
+
+
+NAME_CHARS = "letters, digits, '.', '_', '-' (at most 63)"
+PATH_CHARS = "an absolute path of letters, digits and ._/+- (no spaces, quotes or newlines)"
 
 
 class Mount(BaseModel):
@@ -60,8 +65,7 @@ class Mount(BaseModel):
     path: str
     read_only: bool = False
 
-    _src = field_validator("source")(_match(PATH_RE, "mount source"))
-    _dst = field_validator("path")(_match(PATH_RE, "mount path"))
+    _paths = field_validator("source", "path")(_match(PATH_RE, "job.mounts.", PATH_CHARS))
 
 
 class K8sSpec(BaseModel):
@@ -78,8 +82,8 @@ class K8sSpec(BaseModel):
     rdzv_port: int = Field(29500, ge=1024, le=65535)
 
     _ns = field_validator("namespace", "storage_claim", "queue", "service_account")(
-        _match(NAME_RE, "Kubernetes name"))
-    _sp = field_validator("storage_path")(_match(PATH_RE, "k8s.storage_path"))
+        _match(NAME_RE, "job.k8s.", NAME_CHARS))
+    _sp = field_validator("storage_path")(_match(PATH_RE, "job.k8s.", PATH_CHARS))
 
     @field_validator("shm_size")
     @classmethod
@@ -110,9 +114,9 @@ class JobSpec(BaseModel):
     k8s: K8sSpec = K8sSpec()
 
     _time = field_validator("time")(classmethod(lambda cls, v: (time_to_seconds(v), v)[1]))
-    _mem = field_validator("mem_per_node")(_match(MEM_RE, "job.mem_per_node"))
-    _names = field_validator("partition", "account")(_match(NAME_RE, "Slurm name"))
-    _image = field_validator("image")(_match(IMAGE_RE, "job.image"))
+    _mem = field_validator("mem_per_node")(_match(MEM_RE, "job.", "a number with an optional K/M/G/T unit"))
+    _names = field_validator("partition", "account")(_match(NAME_RE, "job.", NAME_CHARS))
+    _image = field_validator("image")(_match(IMAGE_RE, "job.", "an image reference (registry/repo:tag)"))
 
     @field_validator("env")
     @classmethod
