@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import slurm, wait_for  # noqa: F401
+from slurm_cluster import ACTIVE, job_state, slurm, wait_for  # noqa: F401
 
 from conftest import REPO, run_cli
 
@@ -27,8 +27,12 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow,
                                  reason="needs the trainer (llmcluster/train/trainer.py)")]
 
 STEPS = 12
-TINY = ["--config", "llm_tiny", "--set", "data.dataset=src", "--set", "model.vocab_size=256",
-        "--set", "data.seq_len=64", "--set", "train.micro_batch=2", "--set", "train.precision=fp32",
+# llm_tiny shrunk further (2 layers, d_model 64) so two ranks on shared CPU cores step fast; byte
+# tokenizer: 256 bytes + EOS = vocab 257.
+TINY = ["--config", "llm_tiny", "--set", "data.dataset=src", "--set", "model.vocab_size=257",
+        "--set", "model.n_layers=2", "--set", "model.d_model=64", "--set", "model.n_heads=4",
+        "--set", "model.n_kv_heads=2", "--set", "model.ffn_hidden=128",
+        "--set", "data.seq_len=32", "--set", "train.micro_batch=2", "--set", "train.precision=fp32",
         "--set", "train.warmup_steps=2", "--set", "log.interval=1", "--set", "log.eval_interval=1000"]
 
 
@@ -57,13 +61,22 @@ def metrics(root: Path, run: str) -> list[dict]:
     return [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()] if f.is_file() else []
 
 
-def wait_step(root: Path, run: str, step: int, timeout: float = 180) -> None:
+def wait_step(root: Path, run: str, job: str, step: int, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(m["step"] >= step for m in metrics(root, run)):
             return
+        if job_state(job) not in ACTIVE:   # fail now, with the reason, not after the timeout
+            raise AssertionError(f"{run} ended as {job_state(job)} before step {step}:\n{log_tail(root, run)}")
         time.sleep(0.5)
     raise AssertionError(f"{run} did not reach step {step} in {timeout}s")
+
+
+def log_tail(root: Path, run: str) -> str:
+    """The job's own log and the ranks' stderr: what a failed run said."""
+    logs = root / "logs" / run
+    files = sorted(logs.glob("slurm-*.out")) + sorted(logs.glob("ranks/*/*/attempt_*/*/stderr.log"))
+    return "\n".join(f"--- {f.relative_to(logs)}\n{f.read_text()[-2000:]}" for f in files)
 
 
 def final_loss(root: Path, run: str) -> float:
@@ -76,7 +89,7 @@ def test_two_nodes_train_and_requeue_gives_the_same_loss(root):
     straight = launch(root, "straight", "--set", f"train.steps={STEPS}", "--set", "checkpoint.interval_steps=4")
     interrupted = launch(root, "interrupted", "--set", f"train.steps={STEPS}",
                          "--set", "checkpoint.interval_steps=100")   # only the signal's checkpoint exists
-    wait_step(root, "interrupted", 3)
+    wait_step(root, "interrupted", interrupted, 3)
     subprocess.run(["scancel", "--batch", "--signal=USR2", interrupted], check=True)
     assert wait_for(straight, ("COMPLETED",), timeout=300) == "COMPLETED"
     assert wait_for(interrupted, ("COMPLETED",), timeout=300) == "COMPLETED"
