@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -99,7 +100,10 @@ def test_two_nodes_train_and_requeue_gives_the_same_loss(root):
     assert st["state"] == "COMPLETED" and st["nodes"] == "n[1-2]"
     ranks = list((root / "logs" / "straight" / "ranks").glob(f"{straight}-0/*/attempt_0/0"))
     assert len(ranks) == 2, "one torchrun agent with one rank on each node"
-    assert (root / "checkpoints" / "straight" / f"step_{STEPS}" / "COMPLETE.json").is_file()
+    assert all(len(m["rank_step_time_s"]) == 2 for m in metrics(root, "straight")), "world size 2"
+    last = root / "checkpoints" / "straight" / f"step_{STEPS}"
+    assert (last / "COMPLETE.json").is_file()
+    assert sorted(p.name for p in (last / "rng").iterdir()) == ["rank_0.json", "rank_1.json"]
     out = run_cli("jobs", "logs", "straight", "--root", root, check=True).stdout
     assert "rendezvous n1:" in out and "srun exited with 0" in out
 
@@ -107,6 +111,11 @@ def test_two_nodes_train_and_requeue_gives_the_same_loss(root):
     log = (root / "logs" / "interrupted" / f"slurm-{interrupted}.out").read_text()
     assert "SIGUSR2: checkpoint and stop" in log and f"requeueing job {interrupted}" in log
     assert "attempt 1" in log
+    # the second attempt continued from the signal's checkpoint (a restart from scratch would give the same
+    # loss too, being deterministic): only that checkpoint and the final one exist
+    resumed = re.search(r"resumed from \S+/step_(\d+) \(step (\d+)\)", log)
+    assert resumed, log[-3000:]
+    assert 3 <= int(resumed[1]) < STEPS
     assert final_loss(root, "interrupted") == pytest.approx(final_loss(root, "straight"), rel=1e-5)
 
 
