@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED")
+# Slurm's non-terminal states, typed out here rather than imported: tests don't trust what they check.
+# SIGNALING shows up while `scancel --signal` / the time-limit signal is being delivered.
+ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
+          "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT", "SPECIAL_EXIT", "STOPPED")
 
 
 @pytest.fixture(scope="module")

@@ -45,15 +45,17 @@ def test_two_node_job_status_and_logs(slurm, tmp_path):
 
 
 def test_time_limit_signal_reaches_ranks_and_requeues(slurm, tmp_path):
-    """1-minute limit, USR2 50 s before it (Slurm checks every ~30 s: it arrives 10-40 s in). The first
-    attempt traps USR2 on every rank and exits 75 like the trainer; the job requeues itself; the second
-    attempt (SLURM_RESTART_COUNT=1) finishes."""
+    """3-minute limit, USR2 90 s before it. sbatch(1): "the signal may be sent up to 60 seconds earlier
+    than specified", so it arrives 30-90 s in (with 50 s before a 1-minute limit it came at 0-10 s, before
+    torchrun was up). The first attempt traps USR2 on every rank and exits 75 like the trainer; the job
+    requeues itself; the second attempt (SLURM_RESTART_COUNT=1) must end before its own signal: 30 s leaves
+    room for torchrun's start on loaded cores."""
     root = tmp_path / "s"
     program = ('if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then '
                'trap \'echo "rank $RANK got USR2"; exit 75\' USR2; echo "rank $RANK waiting"; '
-               'for i in $(seq 1200); do sleep 0.1; done; echo "rank $RANK: no signal"; exit 1; '
+               'for i in $(seq 1500); do sleep 0.1; done; echo "rank $RANK: no signal"; exit 1; '
                'else echo "rank $RANK attempt $SLURM_RESTART_COUNT done"; fi')
-    job = launch(root, "sig", program, "--time", "00:01:00", "--set", "job.signal_before_s=50")
+    job = launch(root, "sig", program, "--time", "00:03:00", "--set", "job.signal_before_s=90")
     assert wait_for(job, ("COMPLETED",), timeout=240) == "COMPLETED"
     out = (root / "logs" / "sig" / f"slurm-{job}.out").read_text()
     assert "rank 0 got USR2" in out and "rank 1 got USR2" in out, out

@@ -16,6 +16,15 @@ from llmcluster.launch.launcher import read_record
 from llmcluster.storage.layout import Storage
 
 
+# States in which a job may still produce output: Slurm's non-terminal job states (squeue(1) "JOB STATE
+# CODES": SIGNALING, STAGE_OUT and the REQUEUE_* forms are short-lived but real) plus the local and
+# Kubernetes ones. Anything else is an end state.
+ACTIVE_STATES = frozenset({
+    "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUED", "REQUEUE_FED",
+    "REQUEUE_HOLD", "RESV_DEL_HOLD", "SIGNALING", "SPECIAL_EXIT", "STAGE_OUT", "STOPPED",
+})
+
+
 def _record(root: Path, run: str) -> tuple[Path, dict]:
     logs = Storage(root).run_logs(run)
     rec = read_record(logs)
@@ -110,8 +119,7 @@ def logs(root: Path, run: str, follow: bool = False) -> int:
                 offsets[f] += len(chunk)
                 sys.stdout.write(chunk.decode(errors="replace"))
         sys.stdout.flush()
-        if not follow or state(rec)["state"] not in ("PENDING", "RUNNING", "CONFIGURING", "REQUEUED",
-                                                     "COMPLETING", "SUSPENDED"):
+        if not follow or state(rec)["state"] not in ACTIVE_STATES:
             # one last read after the job ended, so -f never drops the tail
             if follow:
                 follow = False
