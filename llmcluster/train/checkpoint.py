@@ -276,5 +276,9 @@ def load_model_weights(path: Path, model) -> None:
     """Model weights only, in one process without a process group (export, generate)."""
     sd = get_model_state_dict(model, options=StateDictOptions())
     state = {"model": sd}
-    dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    import warnings
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=True)
     model.load_state_dict(state["model"])
