@@ -347,3 +347,25 @@ def test_alert_and_recording_rules_read_only_exported_metrics(storage):
             for r in g["rules"]:
                 used = promql_metric_names(r["expr"])
                 assert used and used <= known, (f, r.get("alert", r.get("record")), sorted(used - known))
+
+
+def test_real_nvml_on_a_gpu_machine():
+    """The real NVML path, on a machine with a GPU (skipped on CPU-only machines, where NVML cannot load)."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        pytest.skip(f"no NVML here: {e}")
+    pynvml.nvmlShutdown()
+    registry, gpus, _ = build_registry(None, None)
+    try:
+        f = families(generate_latest(registry).decode())
+        assert gpus.count >= 1 and len(f["DCGM_FI_DEV_GPU_TEMP"]) == gpus.count
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=uuid,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True).stdout.splitlines()
+        for i, line in enumerate(smi):
+            uuid, total_mib = (x.strip() for x in line.split(","))
+            assert value(f, "DCGM_FI_DEV_FB_TOTAL", UUID=uuid) == pytest.approx(float(total_mib), rel=0.01)
+            assert 0 < value(f, "DCGM_FI_DEV_GPU_TEMP", UUID=uuid) < 120
+            assert value(f, "DCGM_FI_DEV_POWER_USAGE", UUID=uuid) > 0
+    finally:
+        gpus.close()

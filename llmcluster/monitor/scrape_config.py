@@ -177,10 +177,17 @@ def kubernetes_manifests(namespace: str, image: str, port: int, train_port_name:
     return [daemonset, pm_node, pm_train, rule]
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """No &id001 anchors for dicts used twice: people read and kubectl-diff these files."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
 def dump(docs: dict | list[dict]) -> str:
     if isinstance(docs, dict):
-        return yaml.safe_dump(docs, sort_keys=False)
-    return yaml.safe_dump_all(docs, sort_keys=False)
+        docs = [docs]
+    return yaml.dump_all(docs, Dumper=_PlainDumper, sort_keys=False)
 
 
 _DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")

@@ -90,8 +90,8 @@ def render(snaps: list[Snapshot], prev: dict[str, Snapshot]) -> Group:
     for c in ("target", "area", "used %", "avail GiB", "inodes used %"):
         disks.add_column(c, justify="left" if c in ("target", "area") else "right")
     train = Table(title="training", title_justify="left")
-    for c in ("target", "run", "rank", "step", "loss", "tokens/s", "MFU %", "step s", "ckpt age s",
-              "bad steps", "straggler"):
+    for c in ("target", "run", "rank", "step", "loss", "tokens/s", "MFU %", "step s", "ckpt age",
+              "bad", "straggler"):
         train.add_column(c, justify="left" if c in ("target", "run") else "right")
 
     for s in snaps:
@@ -138,7 +138,7 @@ def render(snaps: list[Snapshot], prev: dict[str, Snapshot]) -> Group:
                           _f(s.one("llmcluster_train_tokens_per_second", **key)),
                           _f(None if mfu is None else 100 * mfu, "{:.1f}"),
                           _f(s.one("llmcluster_train_step_time_seconds", **key), "{:.3f}"),
-                          _f(s.one("llmcluster_train_checkpoint_age_seconds", **key)),
+                          _f(s.one("llmcluster_train_checkpoint_age_seconds", **key), "{:.0f}s"),
                           _f(s.one("llmcluster_train_bad_steps_total", **key)),
                           "-" if straggler is None or straggler < 0 else f"[yellow]rank {straggler:.0f}[/yellow]")
     parts = [t for t in (nodes, gpus, disks, train) if t.row_count]
