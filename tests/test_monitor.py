@@ -241,6 +241,9 @@ def test_config_static_nodes_slurm_nodelist_and_cluster_spec(tmp_path):
     spec.write_text("gpus_per_node: 8\nnodes:\n  - name: a1\n  - {name: 'b[1-2]', gpus: 4}\n  - c9\n")
     cfg = yaml.safe_load(run_cli("monitor", "config", "--cluster", spec, check=True).stdout)
     assert cfg["scrape_configs"][0]["static_configs"][0]["targets"] == ["a1:9400", "b1:9400", "b2:9400", "c9:9400"]
+    spec.write_text("cluster:\n  gpu: H100\n  hosts: gpu[1-2]\n")
+    cfg = yaml.safe_load(run_cli("monitor", "config", "--cluster", spec, check=True).stdout)
+    assert cfg["scrape_configs"][0]["static_configs"][0]["targets"] == ["gpu1:9400", "gpu2:9400"]
 
 
 def test_config_bad_input_is_one_line(tmp_path):
@@ -252,6 +255,8 @@ def test_config_bad_input_is_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("nodes: {a: 1}\n")
     assert_one_line_error(run_cli("monitor", "config", "--cluster", bad), "nodes:")
+    bad.write_text("cluster:\n  gpu: H100\n  nodes: 4\n  gpus_per_node: 8\n")  # a plan file: a count, no names
+    assert_one_line_error(run_cli("monitor", "config", "--cluster", bad), "4 node(s) but no host names")
     bad.write_text("nodes:\n  - {name: a, gpus: -2}\n")
     assert_one_line_error(run_cli("monitor", "config", "--cluster", bad), "nodes[0].gpus")
     assert_one_line_error(run_cli("monitor", "config"), "one of the arguments")

@@ -3,7 +3,8 @@
 Three sources of the node list, one output shape:
   --nodes a,b,c            a plain list (hostnames or IPs)
   --slurm-nodelist EXPR    Slurm's compressed hostlist ("gpu[01-04,07]", e.g. from `sinfo -h -o %N`)
-  --cluster FILE           a cluster spec YAML: `nodes:` as names, or mappings with name/host and gpus
+  --cluster FILE           a cluster spec YAML: `nodes:` (or `hosts:`, also inside a `cluster:` section)
+                           as names, a Slurm hostlist, or mappings with name/host and gpus
 and `--format kubernetes` instead writes a DaemonSet for the exporter, PodMonitors for it and for the
 training pods, and a PrometheusRule carrying monitoring/alerts.yml and the recording rules (prometheus-
 operator CRDs, as kube-prometheus-stack installs them).
@@ -67,11 +68,16 @@ def read_cluster_nodes(path: str | Path) -> list[dict[str, Any]]:
     from llmcluster.config.load import read_yaml
 
     data = read_yaml(path, what="cluster spec")
-    raw = data.get("nodes")
+    if isinstance(data.get("cluster"), dict):  # a plan file's `cluster:` section, or a spec nested like it
+        data = data["cluster"]
+    raw = data.get("hosts", data.get("nodes"))
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raise UserError(f"{path}: the cluster has {raw} node(s) but no host names: add `hosts:` (a list or a "
+                        f"Slurm hostlist like gpu[01-{raw:02d}]) or use --nodes / --slurm-nodelist")
     if isinstance(raw, str):
         raw = expand_hostlist(raw)
     if not isinstance(raw, list) or not raw:
-        raise UserError(f"{path}: cluster spec needs a non-empty 'nodes:' list (or a Slurm hostlist string)")
+        raise UserError(f"{path}: cluster spec needs a non-empty 'nodes:' (or 'hosts:') list or Slurm hostlist")
     default_gpus = data.get("gpus_per_node")
     nodes = []
     for i, n in enumerate(raw):
@@ -81,11 +87,8 @@ def read_cluster_nodes(path: str | Path) -> list[dict[str, Any]]:
             gpus = n.get("gpus", default_gpus)
             if gpus is not None and (not isinstance(gpus, int) or gpus < 0):
                 raise UserError(f"{path}: nodes[{i}].gpus must be a non-negative integer (got {gpus!r})")
-            count = int(n.get("count", 1))
             name = n.get("host", n.get("name"))
             names = expand_hostlist(name) if "[" in name else [name]
-            if count > 1 and len(names) == 1:  # {name: gpu, count: 4} -> gpu1..gpu4 is too magic: refuse
-                raise UserError(f"{path}: nodes[{i}]: give each host's name (or a Slurm hostlist), not a count")
             nodes.extend({"name": nm, "gpus": gpus} for nm in names)
         else:
             raise UserError(f"{path}: nodes[{i}] must be a host name or a mapping with 'name' (got {n!r})")
