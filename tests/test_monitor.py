@@ -155,6 +155,10 @@ def test_nvml_readings_map_to_dcgm_exporter_names_labels_and_units(tmp_path):
     f2 = families(generate_latest(registry).decode())
     assert value(f2, "DCGM_FI_DEV_XID_ERRORS", gpu="1") == 79
     assert value(f, "llmcluster_node_gpus_present") == 2 and value(f, "llmcluster_node_nvml_up") == 1
+    nv.gpus[1]["fb_total"] = pynvml.NVMLError_GpuIsLost()  # GPU 1 falls off the bus while we run
+    f3 = families(generate_latest(registry).decode())
+    assert value(f3, "llmcluster_node_gpus_present") == 1 and value(f3, "llmcluster_node_gpus_expected") == 2
+    assert [s.labels["gpu"] for s in f3["DCGM_FI_DEV_FB_USED"]] == ["0"]
     # the names are dcgm-exporter's (etc/default-counters.csv) and every one we declare is exported
     assert {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_XID_ERRORS",
             "DCGM_FI_DEV_ROW_REMAP_FAILURE"} <= set(GPU_METRIC_NAMES)

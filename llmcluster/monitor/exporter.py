@@ -19,7 +19,7 @@ DEFAULT_PORT = 9400  # dcgm-exporter's port: run one or the other on a node, das
 def build_registry(storage_root: Path | None, expected_gpus: int | None, nvml=None,
                    hostname: str | None = None) -> tuple[CollectorRegistry, GpuCollector, NodeCollector]:
     gpus = GpuCollector(nvml, hostname=hostname)
-    node = NodeCollector(storage_root, expected_gpus, gpu_count=gpus.count, nvml_up=gpus.error is None)
+    node = NodeCollector(storage_root, expected_gpus, gpus_present=gpus.responding, nvml_up=gpus.error is None)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(gpus)
     registry.register(node)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -39,11 +40,11 @@ def read_meminfo(meminfo: Path = Path("/proc/meminfo")) -> dict[str, int]:
 
 
 class NodeCollector:
-    def __init__(self, storage_root: Path | None, expected_gpus: int | None, gpu_count: int,
+    def __init__(self, storage_root: Path | None, expected_gpus: int | None, gpus_present: Callable[[], int],
                  nvml_up: bool):
         self.storage_root = storage_root
         self.expected_gpus = expected_gpus
-        self.gpu_count = gpu_count
+        self.gpus_present = gpus_present  # asked at every scrape: GPUs can disappear while we run
         self.nvml_up = nvml_up
 
     def areas(self) -> list[tuple[str, Path]]:
@@ -89,7 +90,7 @@ class NodeCollector:
         yield from (size, avail, files, files_free)
 
         yield GaugeMetricFamily("llmcluster_node_gpus_present", "GPUs NVML can see on this node.",
-                                value=self.gpu_count)
+                                value=self.gpus_present())
         if self.expected_gpus is not None:
             yield GaugeMetricFamily("llmcluster_node_gpus_expected", "GPUs this node should have "
                                     "(--expected-gpus).", value=self.expected_gpus)

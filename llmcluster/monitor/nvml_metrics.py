@@ -143,20 +143,19 @@ class GpuCollector:
             self.error = f"NVML unavailable: {e}"
             return
         for i in range(nvml.nvmlDeviceGetCount()):
-            h = nvml.nvmlDeviceGetHandleByIndex(i)
             try:
-                minor = nvml.nvmlDeviceGetMinorNumber(h)
-            except nvml.NVMLError:
-                minor = i
-            self.gpus.append(Gpu(h, {
-                "gpu": str(i),
-                "UUID": _text(nvml.nvmlDeviceGetUUID(h)),
-                "pci_bus_id": _text(nvml.nvmlDeviceGetPciInfo(h).busId),
-                "device": f"nvidia{minor}",
-                "modelName": _text(nvml.nvmlDeviceGetName(h)),
-                "Hostname": self.hostname,
-            }))
-            self._xid_last[self.gpus[-1].labels["UUID"]] = 0
+                h = nvml.nvmlDeviceGetHandleByIndex(i)
+                try:
+                    minor = nvml.nvmlDeviceGetMinorNumber(h)
+                except nvml.NVMLError:
+                    minor = i
+                labels = {"gpu": str(i), "UUID": _text(nvml.nvmlDeviceGetUUID(h)),
+                          "pci_bus_id": _text(nvml.nvmlDeviceGetPciInfo(h).busId), "device": f"nvidia{minor}",
+                          "modelName": _text(nvml.nvmlDeviceGetName(h)), "Hostname": self.hostname}
+            except nvml.NVMLError:  # e.g. GPU_IS_LOST at start-up: it is not present, and counts as missing
+                continue
+            self.gpus.append(Gpu(h, labels))
+            self._xid_last[labels["UUID"]] = 0
         self._watch_xids()
 
     def _watch_xids(self) -> None:
@@ -189,6 +188,18 @@ class GpuCollector:
     @property
     def count(self) -> int:
         return len(self.gpus)
+
+    def responding(self) -> int:
+        """GPUs that answer now. A GPU that falls off the bus after start-up (XID 79) keeps its handle but
+        fails every call: it must count as missing, or GPUCountBelowExpected would never fire for it."""
+        n = 0
+        for g in self.gpus:
+            try:
+                self.nv.nvmlDeviceGetMemoryInfo(g.handle)
+                n += 1
+            except self.nv.NVMLError:
+                pass
+        return n
 
     def collect(self):
         if not self.gpus:
