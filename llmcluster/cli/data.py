@@ -20,6 +20,7 @@ def register(sub) -> None:
     prep.add_argument("--shard-tokens", type=int, default=16 * 1024 * 1024, help="tokens per shard")
     prep.add_argument("--max-bytes", type=int, default=None, help="stop reading sources after this many bytes")
     prep.add_argument("--seed", type=int, default=1337)
+    prep.add_argument("--force", action="store_true", help="rebuild the dataset if it exists")
     add_root_arg(prep)
     prep.set_defaults(func=run)
     ver = dsub.add_parser("verify", help="check a prepared dataset's shards against their checksums")

@@ -1,12 +1,45 @@
-"""`llmcluster plan` (placeholder until its capability lands)."""
+"""`llmcluster plan FILE`: will it fit, how fast, how long, how much (pure Python, no torch)."""
 
-from llmcluster.errors import UserError
+from __future__ import annotations
 
 
 def register(sub) -> None:
-    p = sub.add_parser("plan", help="(not yet implemented)")
+    p = sub.add_parser("plan", help="memory, step time, run time, checkpoints, network, power and cost of a plan")
+    p.add_argument("file", metavar="FILE", help="plan YAML (see plans/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a plan value by dotted path, e.g. --set cluster.nodes=32 (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--search", action="store_true", help="rank the tp/pp/zero/recompute/micro-batch choices that fit")
+    p.add_argument("--calibrate", nargs="+", default=[], metavar="BENCH_JSON",
+                   help="take the compute efficiency from `llmcluster bench` records of this cluster")
+    p.add_argument("--plot", metavar="DIR", help="write memory.png and cost.png into DIR")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    raise UserError("'plan' is not implemented yet")
+    import json
+
+    from llmcluster.plan.analyse import analyse
+    from llmcluster.plan.calibration import bench_rows
+    from llmcluster.plan.load import load_plan
+
+    plan = load_plan(args.file, args.overrides)
+    bench = bench_rows(args.calibrate) if args.calibrate else None
+    result = analyse(plan, bench)
+    if args.search:
+        from llmcluster.plan.search import search
+
+        result["search"] = search(plan, bench)
+    if args.plot:
+        from llmcluster.plan.plots import plot
+
+        result["plots"] = [str(p) for p in plot(result, args.plot)]
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    from llmcluster.plan.report import render, render_search
+
+    render(result)
+    if args.search:
+        render_search(result["search"])
+    return 0

@@ -80,6 +80,7 @@ class DataConfig(Section):
 
 class TrainConfig(Section):
     steps: int = Field(1000, ge=1)
+    stop_at: int | None = Field(None, ge=1)    # stop (with a checkpoint) here; the schedule spans `steps`
     micro_batch: int = Field(8, ge=1)          # sequences per rank per forward
     grad_accum: int = Field(1, ge=1)           # micro-batches per optimizer step
     global_batch: int | None = Field(None, ge=1)  # if set: must equal micro_batch * grad_accum * dp
@@ -100,12 +101,6 @@ class TrainConfig(Section):
     spike_zscore: float | None = Field(None, gt=0)  # loss z-score over the window that counts as a spike
     spike_window: int = Field(100, ge=10)
     skip_spikes: bool = False
-
-    @model_validator(mode="after")
-    def _warmup(self):
-        if self.warmup_steps > self.steps:
-            raise ValueError(f"train.warmup_steps ({self.warmup_steps}) exceeds train.steps ({self.steps})")
-        return self
 
 
 class ParallelConfig(Section):

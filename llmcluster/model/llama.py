@@ -1,0 +1,174 @@
+"""A Llama-style decoder: RMSNorm, RoPE (as Hugging Face's Llama applies it), SwiGLU, GQA, optional tied
+embeddings. Readable in one sitting; it knows nothing of parallelism (see llmcluster/train/parallelize.py).
+
+Parameter names follow Hugging Face's Llama one to one (minus the `model.` prefix), so export is a rename
+of a handful of prefixes and nothing more.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmcluster.config.schema import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like HF's LlamaRMSNorm: bf16 squares lose too much precision.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_cos_sin(head_dim: int, max_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_len, head_dim), frequencies repeated over the two halves (HF layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    t = torch.arange(max_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    # HF rotates split halves, not interleaved pairs: the same weights give wrong logits the other way.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, T, D); cos/sin: (T, D)
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # Head counts come from the tensors, not the config: under tensor parallelism each rank holds
+        # n_heads / tp of them and this code must not care.
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if k.shape[1] != q.shape[1]:  # GQA: each kv head serves n_heads / n_kv_heads query heads
+            rep = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # A ModuleDict keyed "0".."L-1" keeps names stable when blocks are wrapped or pipelined away.
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # RoPE tables are derived, never saved: non-persistent buffers stay out of checkpoints and exports.
+        cos, sin = rope_cos_sin(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter and buffer (also after building on the meta device and `to_empty`).
+
+        Normal(0, init_std) everywhere, with the residual output projections scaled by 1/sqrt(2L)
+        (GPT-2): each block adds two of them to the residual stream, so its variance stays O(1) with depth.
+        """
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+
+        def normal_(t: torch.Tensor, s: float) -> None:
+            if gen is None:  # in place on whatever the tensor is (a shard, on GPU): fast for big models
+                nn.init.normal_(t, 0.0, s)
+                return
+            # Seeded: draw on CPU from a dedicated generator, so the weights are identical on any device.
+            t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, s, generator=gen).to(t.dtype))
+
+        normal_(self.embed_tokens.weight, std)
+        for block in self.layers.values():
+            for lin in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj,
+                        block.mlp.gate_proj, block.mlp.up_proj):
+                normal_(lin.weight, std)
+            normal_(block.self_attn.o_proj.weight, out_std)
+            normal_(block.mlp.down_proj.weight, out_std)
+            block.input_layernorm.reset_parameters()
+            block.post_attention_layernorm.reset_parameters()
+        self.norm.reset_parameters()
+        if not self.cfg.tie_embeddings:
+            normal_(self.lm_head.weight, std)
+        cos, sin = rope_cos_sin(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab). The loss is the trainer's business."""
+        T = tokens.shape[1]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        h = self.embed_tokens(tokens)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        return self.lm_head(self.norm(h))
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Llama:
+    """Build on `device`; 'meta' builds the shapes only (for counting, or to shard before materialising)."""
+    with torch.device(device):
+        model = Llama(cfg)
+    if str(device) != "meta":
+        model.init_weights(seed)
+    return model

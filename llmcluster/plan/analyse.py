@@ -1,0 +1,89 @@
+"""One plan in, one answer out: memory, compute, time, checkpoint, network, power, cost (a JSON-able dict)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmcluster.plan.calibration import CalRow, foundry_rows, pick_efficiency
+from llmcluster.plan.checkpoint import checkpoint
+from llmcluster.plan.comm import plan_links
+from llmcluster.plan.compute import efficiency_for_mfu, flops_per_token, params, step_time
+from llmcluster.plan.cost import cost
+from llmcluster.plan.memory import count_params, plan_memory
+from llmcluster.plan.network import fat_tree
+from llmcluster.plan.power import power
+from llmcluster.plan.spec import PlanSpec
+
+
+def efficiency(plan: PlanSpec, bench: list[CalRow] | None = None) -> tuple[float, str]:
+    if plan.training.mfu is not None:
+        return efficiency_for_mfu(plan, plan.training.mfu), f"training.mfu = {plan.training.mfu:.1%} (given)"
+    if bench:
+        return pick_efficiency(plan, bench)
+    return pick_efficiency(plan, foundry_rows())
+
+
+def analyse(plan: PlanSpec, bench: list[CalRow] | None = None) -> dict[str, Any]:
+    m, c, p = plan.model, plan.cluster, plan.parallel
+    n = params(m)
+    mem = plan_memory(plan)
+    eff, eff_source = efficiency(plan, bench)
+    st = step_time(plan, eff)
+    ck = checkpoint(plan, n)
+    goodput = plan.training.goodput or ck.goodput
+    cluster_tps = st.tokens_per_s_per_gpu * plan.world * goodput
+    wall_s = plan.training.tokens / cluster_tps
+    gpu_hours = wall_s / 3600 * plan.world
+    tree = fat_tree(c)
+    links = plan_links(plan)
+    pr_pue = _pue(plan)
+    pw = power(c, pr_pue)
+    co = cost(plan, pw, gpu_hours, wall_s / 86400)
+    return {
+        "model": {"name": m.name, "params": n, "flops_per_token": flops_per_token(m),
+                  "n_layers": m.n_layers, "d_model": m.d_model, "seq_len": m.seq_len,
+                  "params_from_dims": count_params(m).total},
+        "parallel": {"tp": p.tp, "pp": p.pp, "dp": plan.dp, "zero": p.zero, "world": plan.world,
+                     "micro_batch": p.micro_batch, "global_batch": plan.global_batch,
+                     "grad_accum": plan.micro_batches, "recompute": p.recompute,
+                     "sequence_parallel": p.sequence_parallel, "memory_convention": p.memory_convention},
+        "memory": {"per_gpu_bytes": {"weights": mem.weights, "gradients": mem.gradients,
+                                     "optimizer": mem.optimizer, "activations": mem.activations,
+                                     "buffers": mem.buffers, "total": mem.total},
+                   "gpu_capacity_bytes": mem.capacity, "fits": mem.fits, "peak_stage": mem.stage,
+                   "activation_per_layer_bytes": mem.activation_per_layer},
+        "compute": {"step_time_s": st.step_s, "tokens_per_s_per_gpu": st.tokens_per_s_per_gpu,
+                    "tflops_per_gpu": st.tflops_per_gpu, "mfu": st.mfu, "efficiency": eff,
+                    "efficiency_source": eff_source,
+                    "breakdown_s": {"compute": st.compute_s, "tp_comm": st.tp_s, "dp_comm": st.dp_s,
+                                    "pp_bubble": st.bubble_s, "pp_p2p": st.p2p_s},
+                    "links_GBps": {"tp": links.tp.busbw_GBps, "dp": links.dp.busbw_GBps,
+                                   "pp": links.pp.busbw_GBps}},
+        "time": {"tokens": plan.training.tokens, "goodput": goodput, "wall_s": wall_s,
+                 "days": wall_s / 86400, "gpu_hours": gpu_hours},
+        "checkpoint": {"size_bytes": ck.size_bytes, "weights_bytes": ck.weights_bytes, "write_s": ck.write_s,
+                       "read_s": ck.read_s, "job_mtbf_s": ck.job_mtbf_s,
+                       "optimal_interval_s": ck.optimal_interval_s},
+        "network": {"rails": tree.rails, "tiers": tree.tiers, "endpoints": tree.endpoints,
+                    "switches": {"leaf": tree.leaf, "spine": tree.spine, "core": tree.core, "total": tree.total},
+                    "cables": tree.cables, "transceivers": tree.transceivers,
+                    "bisection_bandwidth_gbps": tree.bisection_bandwidth_gbps},
+        "power": {"node_kw": pw.node_kw, "it_kw": pw.it_kw, "avg_it_kw": pw.avg_it_kw,
+                  "facility_kw": pw.facility_kw, "pue": pr_pue, "btu_per_h": pw.btu_per_h,
+                  "nodes_per_rack": pw.nodes_per_rack, "racks": pw.racks, "rack_kw": pw.rack_kw,
+                  "liquid_cooling": pw.liquid_cooling},
+        "cost": {"prices_date": co.prices.date, "cloud_usd_per_gpu_hour": co.prices.cloud_usd_per_gpu_hour,
+                 "cloud_usd": co.cloud_usd, "onprem_capex_usd": co.onprem_capex_usd,
+                 "onprem_opex_usd_per_month": co.onprem_opex_usd_per_month, "onprem_run_usd": co.onprem_run_usd,
+                 "cloud_usd_per_month": co.cloud_usd_per_month, "break_even_months": co.break_even_months,
+                 "utilisation": co.prices.utilisation,
+                 "sensitivity_break_even_months": {f"{u:g}": {f"{k:g}x": v for k, v in row.items()}
+                                                   for u, row in co.sensitivity.items()},
+                 "advice": co.advice},
+    }
+
+
+def _pue(plan: PlanSpec) -> float:
+    from llmcluster.plan.cost import resolve_prices
+
+    return resolve_prices(plan).pue

@@ -1,0 +1,121 @@
+"""Step time, throughput and MFU: FLOPs over peak x efficiency, plus the communication left exposed.
+
+    step = compute / efficiency + exposed TP all-reduces + exposed DP/ZeRO traffic + PP bubble + PP sends
+
+`efficiency` is the fraction of peak the matmuls reach while the GPU computes (hardware FLOPs, so
+recomputation counts); it is calibrated by inverting this same model on published runs (llm-foundry's
+table, `calibration.py`) or on `llmcluster bench` records of this very cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmcluster.plan.comm import collective_time, plan_links
+from llmcluster.plan.memory import count_params, stage_params
+from llmcluster.plan.spec import ModelSpec, PlanSpec
+
+
+def params(m: ModelSpec) -> int:
+    return m.params or count_params(m).total
+
+
+def flops_per_token(m: ModelSpec) -> float:
+    """6N + 12·L·H·Q·T (PaLM appendix B): 6N for the matmuls, 12·L·(H·Q)·T for attention scores and values."""
+    return 6 * params(m) + 12 * m.n_layers * m.attn_dim * m.seq_len
+
+
+def hardware_flops_per_token(m: ModelSpec, recompute: str, flash: bool) -> float:
+    """What the GPU actually executes: full recompute repeats the forward (2N + 4·L·d·T); selective
+    recompute repeats only the attention scores (4·L·d·T), which flash attention recomputes anyway."""
+    f = flops_per_token(m)
+    if recompute == "full":
+        return f * 4 / 3
+    if recompute == "selective" and not flash:
+        return f + 4 * m.n_layers * m.attn_dim * m.seq_len
+    return f
+
+
+def mfu(flops_per_token_: float, tokens_per_s: float, gpus: int, peak_tflops: float) -> float:
+    return flops_per_token_ * tokens_per_s / (gpus * peak_tflops * 1e12)
+
+
+@dataclass
+class StepTime:
+    step_s: float
+    compute_s: float
+    tp_s: float
+    dp_s: float
+    bubble_s: float
+    p2p_s: float
+    tokens_per_s_per_gpu: float
+    tflops_per_gpu: float     # model FLOPs (MFU numerator), TFLOP/s
+    mfu: float
+    efficiency: float
+
+
+def step_time(plan: PlanSpec, efficiency: float) -> StepTime:
+    m, c, p = plan.model, plan.cluster, plan.parallel
+    links = plan_links(plan)
+    world, dp, n_micro = plan.world, plan.dp, plan.micro_batches
+    tokens_step = plan.global_batch * m.seq_len
+    peak = c.spec.peak_tflops(p.precision) * 1e12
+    compute = hardware_flops_per_token(m, p.recompute, p.flash_attention) * tokens_step / world / (peak * efficiency)
+    per_micro = compute / n_micro
+    layers = m.n_layers / p.pp
+    act_bytes = 2 * m.seq_len * p.micro_batch * m.d_model  # one layer's input/output, 16-bit
+
+    # TP: two all-reduces forward, two backward per layer (the same volume as SP's all-gather +
+    # reduce-scatter); full recompute repeats the forward's two. On the critical path: not overlapped.
+    tp = 0.0
+    if p.tp > 1:
+        per_layer = 4 + (2 if p.recompute == "full" else 0)
+        tp = n_micro * layers * per_layer * collective_time("all_reduce", p.tp, act_bytes, links.tp.busbw_GBps,
+                                                            links.tp.latency_s)
+
+    # DP / ZeRO over the dp group, on the 16-bit gradients and parameters of this GPU's shard.
+    grad_bytes = (4 if p.precision == "fp32" else 2) * stage_params(count_params(m), p.tp, p.pp, first=True)
+    t = lambda kind: collective_time(kind, dp, grad_bytes, links.dp.busbw_GBps, links.dp.latency_s)  # noqa: E731
+    backward = per_micro * 2 / 3  # gradients are reduced in buckets while backward runs
+    if p.zero == 3:
+        # FSDP: all-gather before forward and before backward, reduce-scatter after, every micro-batch,
+        # prefetched one block ahead: only what exceeds the compute, plus the first block, is exposed.
+        per_micro_comm = 2 * t("all_gather") + t("reduce_scatter")
+        dp_s = n_micro * max(0.0, per_micro_comm - per_micro) + per_micro_comm / layers
+    elif p.zero == 2:
+        dp_s = n_micro * max(0.0, t("reduce_scatter") - backward) + t("all_gather")
+    elif p.zero == 1:
+        dp_s = max(0.0, t("reduce_scatter") - backward) + t("all_gather")
+    else:
+        dp_s = max(0.0, t("all_reduce") - backward)
+
+    # PP: the bubble idles (p-1)/(v·m) of the pipelined work; each micro-batch crosses each stage
+    # boundary twice (activation forward, gradient backward).
+    bubble = p2p = 0.0
+    if p.pp > 1:
+        v = p.virtual_stages if p.pp_schedule == "interleaved" else 1
+        bubble = (p.pp - 1) / (v * n_micro) * (compute + tp)
+        sent = act_bytes / (p.tp if p.sequence_parallel else 1)
+        p2p = 2 * n_micro * v * (sent / (links.pp.busbw_GBps * 1e9) + links.pp.latency_s)
+
+    step = compute + tp + dp_s + bubble + p2p
+    tps = tokens_step / step / world
+    f = flops_per_token(m)
+    return StepTime(step_s=step, compute_s=compute, tp_s=tp, dp_s=dp_s, bubble_s=bubble, p2p_s=p2p,
+                    tokens_per_s_per_gpu=tps, tflops_per_gpu=f * tps / 1e12, mfu=f * tps / peak,
+                    efficiency=efficiency)
+
+
+def efficiency_for_mfu(plan: PlanSpec, target_mfu: float) -> float:
+    """Invert step_time: the efficiency at which this plan reaches `target_mfu` (bisection; MFU rises
+    monotonically with efficiency). Capped at 1: a target the model cannot reach returns 1."""
+    lo, hi = 1e-3, 1.0
+    if step_time(plan, hi).mfu <= target_mfu:
+        return hi
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if step_time(plan, mid).mfu < target_mfu:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2

@@ -1,0 +1,54 @@
+"""`--plot DIR`: memory breakdown per GPU, and cumulative cost over months (cloud vs on-premise)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plot(r: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = r["model"]["name"] or "model"
+
+    per = r["memory"]["per_gpu_bytes"]
+    parts = ("weights", "gradients", "optimizer", "activations", "buffers")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bottom = 0.0
+    for part in parts:
+        gib = per[part] / 1024**3
+        ax.bar(["per GPU"], [gib], bottom=bottom, label=part)
+        bottom += gib
+    ax.axhline(r["memory"]["gpu_capacity_bytes"] / 1024**3, color="black", linestyle="--", label="GPU memory")
+    ax.set_ylabel("GiB")
+    ax.set_title(f"{name}: memory per GPU")
+    ax.legend(fontsize=8)
+    mem_path = out / "memory.png"
+    fig.tight_layout()
+    fig.savefig(mem_path, dpi=120)
+    plt.close(fig)
+
+    cs = r["cost"]
+    be = cs["break_even_months"]
+    horizon = int(min(120, max(36, 2 * be))) if be else 60
+    months = list(range(horizon + 1))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(months, [cs["cloud_usd_per_month"] * m / 1e6 for m in months], label="cloud")
+    ax.plot(months, [(cs["onprem_capex_usd"] + cs["onprem_opex_usd_per_month"] * m) / 1e6 for m in months],
+            label="on-premise")
+    if be and be <= horizon:
+        ax.axvline(be, color="grey", linestyle=":", label=f"break-even {be:.0f} months")
+    ax.set_xlabel(f"months at {cs['utilisation']:.0%} utilisation")
+    ax.set_ylabel("cumulative cost (M$)")
+    ax.set_title(f"{name}: cloud vs on-premise")
+    ax.legend(fontsize=8)
+    cost_path = out / "cost.png"
+    fig.tight_layout()
+    fig.savefig(cost_path, dpi=120)
+    plt.close(fig)
+    return [mem_path, cost_path]

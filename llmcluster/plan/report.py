@@ -1,0 +1,112 @@
+"""Render an analysis as rich tables (and `--search` results, and the sensitivity grid)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+GB = 1e9
+
+
+def _gib(b: float) -> str:
+    return f"{b / 1024**3:,.1f} GiB"
+
+
+def _dur(s: float) -> str:
+    if s < 120:
+        return f"{s:,.1f} s"
+    if s < 7200:
+        return f"{s / 60:,.1f} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:,.1f} h"
+    return f"{s / 86400:,.1f} days"
+
+
+def _table(title: str, rows: list[tuple[str, str]]) -> Table:
+    t = Table(show_header=False, box=None, pad_edge=False, title=f"[bold underline]{title}[/]",
+              title_justify="left", min_width=len(title))
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column()
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+def _console() -> Console:
+    """Wide enough for the tables when stdout is a pipe or a file (rich assumes 80 columns there)."""
+    con = Console()
+    return con if con.is_terminal else Console(width=120)
+
+
+def render(r: dict[str, Any], console: Console | None = None) -> None:
+    con = console or _console()
+    mo, pa, me, co, ti = r["model"], r["parallel"], r["memory"], r["compute"], r["time"]
+    ck, ne, pw, cs = r["checkpoint"], r["network"], r["power"], r["cost"]
+    per = me["per_gpu_bytes"]
+    con.print(f"[bold]{mo['name'] or 'model'}[/]: {mo['params'] / 1e9:,.2f}B params, "
+              f"{mo['flops_per_token'] / 1e9:,.1f} GFLOP/token, seq {mo['seq_len']} | "
+              f"{pa['world']} GPUs: tp {pa['tp']} x pp {pa['pp']} x dp {pa['dp']}, ZeRO-{pa['zero']}, "
+              f"micro-batch {pa['micro_batch']} x {pa['grad_accum']} accum = {pa['global_batch']} seqs, "
+              f"recompute {pa['recompute']}")
+    fit = "[green]fits[/]" if me["fits"] else "[red]DOES NOT FIT[/]"
+    con.print(_table(f"Memory per GPU ({pa['memory_convention']} convention, {me['peak_stage']} stage)", [
+        ("weights", _gib(per["weights"])), ("gradients", _gib(per["gradients"])),
+        ("optimizer", _gib(per["optimizer"])), ("activations", _gib(per["activations"])),
+        ("buffers", _gib(per["buffers"])),
+        ("total", f"{_gib(per['total'])} of {_gib(me['gpu_capacity_bytes'])}: {fit}")]))
+    b = co["breakdown_s"]
+    con.print(_table("Compute", [
+        ("step time", f"{co['step_time_s']:,.2f} s (compute {b['compute']:.2f}, TP {b['tp_comm']:.2f}, "
+                      f"DP {b['dp_comm']:.2f}, bubble {b['pp_bubble']:.2f}, p2p {b['pp_p2p']:.2f})"),
+        ("tokens/s per GPU", f"{co['tokens_per_s_per_gpu']:,.0f}"),
+        ("model TFLOP/s per GPU", f"{co['tflops_per_gpu']:,.1f}"),
+        ("MFU", f"{co['mfu']:.1%}"),
+        ("efficiency from", co["efficiency_source"]),
+        ("training", f"{ti['tokens'] / 1e9:,.0f}B tokens: {ti['days']:,.1f} days, "
+                     f"{ti['gpu_hours']:,.0f} GPU-hours (goodput {ti['goodput']:.1%})")]))
+    con.print(_table("Checkpoint", [
+        ("full training state", f"{ck['size_bytes'] / GB:,.1f} GB, written in {_dur(ck['write_s'])}"),
+        ("weights only (bf16)", f"{ck['weights_bytes'] / GB:,.1f} GB"),
+        ("job MTBF", _dur(ck["job_mtbf_s"])),
+        ("optimal interval (Young/Daly)", _dur(ck["optimal_interval_s"]))]))
+    sw = ne["switches"]
+    con.print(_table("Network (rail-optimised fat-tree)", [
+        ("rails x endpoints", f"{ne['rails']} x {ne['endpoints'] // ne['rails']} ({ne['tiers']} tier)"),
+        ("switches", f"{sw['total']} (leaf {sw['leaf']}, spine {sw['spine']}, core {sw['core']})"),
+        ("cables / transceivers", f"{ne['cables']:,} / {ne['transceivers']:,}"),
+        ("bisection bandwidth", f"{ne['bisection_bandwidth_gbps'] / 1000:,.1f} Tb/s")]))
+    con.print(_table("Power and cooling", [
+        ("IT power (max)", f"{pw['it_kw']:,.1f} kW ({pw['node_kw']:.2f} kW/node; {pw['avg_it_kw']:,.1f} kW training)"),
+        ("facility power", f"{pw['facility_kw']:,.1f} kW (PUE {pw['pue']})"),
+        ("heat", f"{pw['btu_per_h']:,.0f} BTU/h"),
+        ("racks", f"{pw['racks']} x {pw['nodes_per_rack']} nodes, {pw['rack_kw']:.1f} kW/rack: "
+                  + ("[yellow]liquid cooling[/]" if pw["liquid_cooling"] else "air-cooled"))]))
+    be = cs["break_even_months"]
+    con.print(_table(f"Cost (prices of {cs['prices_date']})", [
+        ("this run on the cloud", f"${cs['cloud_usd']:,.0f} at ${cs['cloud_usd_per_gpu_hour']:.2f}/GPU-h"),
+        ("this run on-premise", f"${cs['onprem_run_usd']:,.0f} (capex share + opex)"),
+        ("on-premise capex", f"${cs['onprem_capex_usd']:,.0f}"),
+        ("on-premise opex", f"${cs['onprem_opex_usd_per_month']:,.0f}/month"),
+        ("break-even", f"{be:,.1f} months" if be is not None else "never (cloud is cheaper per month)")]))
+    sens = Table(title="Break-even months by utilisation (rows) and cloud price (columns)", title_justify="left")
+    sens.add_column("utilisation")
+    cols = next(iter(cs["sensitivity_break_even_months"].values())).keys()
+    for k in cols:
+        sens.add_column(k, justify="right")
+    for u, row in cs["sensitivity_break_even_months"].items():
+        sens.add_row(f"{float(u):.0%}", *(f"{v:,.0f}" if v is not None else "never" for v in row.values()))
+    con.print(sens)
+    con.print(f"[bold]Advice:[/] {cs['advice']}")
+
+
+def render_search(results: list[dict], console: Console | None = None) -> None:
+    t = Table(title="Best configurations that fit, by predicted tokens/s per GPU", title_justify="left")
+    for col in ("tp", "pp", "dp", "ZeRO", "recompute", "micro", "global", "mem/GPU", "tok/s/GPU", "MFU", "step"):
+        t.add_column(col, justify="right")
+    for r in results:
+        t.add_row(str(r["tp"]), str(r["pp"]), str(r["dp"]), str(r["zero"]), r["recompute"],
+                  str(r["micro_batch"]), str(r["global_batch"]), _gib(r["memory_bytes"]),
+                  f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu']:.1%}", f"{r['step_time_s']:.2f} s")
+    (console or _console()).print(t)

@@ -1,0 +1,32 @@
+"""The planner's dated data files (llmcluster/plan/data/*.yaml), read once."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from llmcluster.config.load import read_yaml
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+
+@lru_cache(maxsize=None)
+def _read(path: str) -> dict[str, Any]:
+    return read_yaml(path, "planner data")
+
+
+def hardware() -> dict[str, Any]:
+    return _read(str(DATA_DIR / "hardware.yaml"))
+
+
+def calibration() -> dict[str, Any]:
+    return _read(str(DATA_DIR / "calibration.yaml"))
+
+
+def prices(path: str | None = None) -> dict[str, Any]:
+    """The bundled prices, or the user's file (its keys replace the bundled ones)."""
+    bundled = _read(str(DATA_DIR / "prices.yaml"))
+    if path is None:
+        return bundled
+    return {**bundled, **_read(str(Path(path).expanduser()))}

@@ -1,0 +1,117 @@
+"""Apply parallelism to a plain model, in torchtitan's order: TP → activation checkpointing → compile → FSDP
+(or DDP). The model file knows nothing of any of this.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import torch
+from torch import nn
+
+from llmcluster.config.schema import JobConfig
+from llmcluster.train.distributed import DistEnv, ParallelDims
+
+
+def apply_tp(model: nn.Module, tp_mesh) -> None:
+    """Megatron-style TP with sequence parallelism on the norms (activations sharded on the sequence
+    between blocks, so the norms and residual adds are not computed tp times over)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    parallelize_module(model, tp_mesh, {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        # Replicated logits: the loss code stays the same as without TP.
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+def apply_ac(model: nn.Module, mode: str, every: int) -> None:
+    """full: recompute every block in backward; selective: every `every`-th block (memory ≈ 1/every)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if mode == "full" or (mode == "selective" and i % every == 0):
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def compile_available(device: torch.device) -> str | None:
+    """None if torch.compile can work here, else the reason it cannot."""
+    if device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("gcc")):
+        return "no C++ compiler for inductor's CPU backend"
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton is not installed"
+    return None
+
+
+def apply_compile(model: nn.Module, device: torch.device) -> bool:
+    """Compile each block separately: the repeated structure compiles once and is reused."""
+    reason = compile_available(device)
+    if reason:
+        warnings.warn(f"train.compile=true ignored: {reason}; running eager", stacklevel=2)
+        return False
+    for name, block in list(model.layers.items()):
+        model.layers[name] = torch.compile(block, fullgraph=True)
+    return True
+
+
+def apply_fsdp(model: nn.Module, dp_mesh, device: torch.device, precision: str, reshard: bool) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy()
+    if device.type == "cuda" and precision in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        # Compute in low precision, reduce gradients in fp32 (the all-reduce sums many ranks' values).
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block is resharded by the root's post-backward anyway: keeping it gathered saves one
+        # all-gather at the start of backward.
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(blocks) - 1)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+
+
+def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, env: DistEnv) -> nn.Module:
+    mesh = dims.build_mesh(env.device.type) if env.distributed else None
+    if dims.tp > 1:
+        apply_tp(model, mesh["tp"])
+    if cfg.parallel.activation_checkpoint != "none":
+        apply_ac(model, cfg.parallel.activation_checkpoint, cfg.parallel.ac_every)
+    if cfg.train.compile:
+        apply_compile(model, env.device)
+    if dims.fsdp and mesh is not None:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        apply_fsdp(model, dp_mesh, env.device, cfg.train.precision, cfg.parallel.fsdp_reshard_after_forward)
+    elif dims.ddp and mesh is not None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                    process_group=mesh["dp_replicate"].get_group(), broadcast_buffers=False)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module under DDP (FSDP2, TP, AC and compile modify modules in place or inside `layers`)."""
+    return model.module if hasattr(model, "module") and isinstance(model, nn.parallel.DistributedDataParallel) \
+        else model

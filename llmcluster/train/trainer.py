@@ -1,0 +1,298 @@
+"""The training loop: one process, or every rank of a torchrun / Slurm job.
+
+    build model (seeded, identical on every rank) → parallelize → optimizer + schedule → resume
+    → for each step: micro-batches from the sampler → forward/backward (autocast) → clip → step
+    → log / eval / checkpoint / preemption check at the step boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from llmcluster.config.load import config_to_dict, load_job_config
+from llmcluster.config.schema import JobConfig
+from llmcluster.data.dataset import Sampler, eval_batches, open_dataset
+from llmcluster.errors import EXIT_PREEMPTED, UserError
+from llmcluster.model import flops_per_token
+from llmcluster.model.llama import build_model
+from llmcluster.paths import resolve_storage_root
+from llmcluster.storage.layout import Storage
+from llmcluster.train import distributed as D
+from llmcluster.train.checkpoint import Checkpointer
+from llmcluster.train.metrics import MetricsLog, device_peak_flops
+from llmcluster.train.optimizer import build_optimizer, build_scheduler
+from llmcluster.train.parallelize import parallelize
+from llmcluster.train.signals import PreemptionFlag
+
+
+class BadStepLimit(UserError):
+    pass
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, root: Path, resume: str = "auto"):
+        self.cfg = cfg
+        self.storage = Storage(root)
+        self.dims: D.ParallelDims | None = None
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        self.dims = D.ParallelDims.from_config(cfg, world)
+        self.env = D.init_distributed(cfg, need_group=self.dims.fsdp or self.dims.tp > 1)
+        env, dims = self.env, self.dims
+        if not D.native_low_precision(env.device, cfg.train.precision):
+            if env.is_main:
+                print(f"warning: train.precision={cfg.train.precision} is emulated on this CPU (no native "
+                      f"support): computing in fp32", file=sys.stderr)
+            cfg.train.precision = "fp32"
+        self.dp_rank, self.dp_size = dims.dp_rank(env.rank), dims.dp
+        t = cfg.train
+        self.global_batch = t.global_batch or t.micro_batch * t.grad_accum * self.dp_size
+        if self.global_batch != t.micro_batch * t.grad_accum * self.dp_size:
+            raise UserError(
+                f"train.global_batch ({self.global_batch}) must equal train.micro_batch ({t.micro_batch}) × "
+                f"train.grad_accum ({t.grad_accum}) × data-parallel degree ({self.dp_size})")
+        if cfg.data.seq_len > cfg.model.max_seq_len:
+            raise UserError("data.seq_len exceeds model.max_seq_len")
+
+        # Storage and data first: bad input fails before any expensive work.
+        self.storage.require_writable(self.storage.run_logs(cfg.run.name))
+        self.storage.require_writable(self.storage.run_checkpoints(cfg.run.name))
+        self.dataset = open_dataset(root, cfg.data.dataset, cfg.data.kind, verify=env.is_main,
+                                    max_vocab=cfg.model.vocab_size)
+        self.sampler = Sampler(self.dataset, cfg.data.seq_len, cfg.run.seed)
+
+        # Same seed on every rank: identical initial weights without a broadcast.
+        torch.manual_seed(cfg.run.seed)
+        model = build_model(cfg.model, device="cpu", seed=cfg.run.seed).to(env.device)
+        self.raw_model = model
+        self.model = parallelize(model, cfg, dims, env)
+        self.optimizer = build_optimizer(self.model, t, env.device)
+        self.scheduler = build_scheduler(self.optimizer, t)
+        self.scaler = torch.amp.GradScaler(env.device.type, enabled=t.precision == "fp16")
+        self.ckpt = Checkpointer(self.storage, cfg.run.name, env.rank, env.world_size,
+                                 cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, log=self.log)
+        self.step = 0
+        self.bad_in_row = 0
+        self.bad_total = 0
+        self.resumed_from = None
+        path = self.ckpt.find_resume(resume)
+        if path is not None:
+            state = self.ckpt.load(path, self.model, self.optimizer)
+            self.step = int(state["step"])
+            self.sampler.load_state_dict(state["sampler"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            if "scaler" in state and t.precision == "fp16":
+                self.scaler.load_state_dict(state["scaler"])
+            self.bad_total = int(state.get("bad_steps", 0))
+            self.resumed_from = path
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak_flops, self.peak_source = device_peak_flops(env.device, t.precision)
+        self.preempt = PreemptionFlag().install()
+        self.metrics = None
+        if env.is_main:
+            self.metrics = MetricsLog(self.storage.run_logs(cfg.run.name), t.steps, self.step,
+                                      cfg.log.tensorboard, cfg.log.progress)
+        self.prom = None
+        if cfg.log.metrics_port is not None:
+            self.prom = _train_metrics(cfg.run.name, env.rank, cfg.log.metrics_port if env.is_main else None)
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def log(self, text: str) -> None:
+        if self.env.is_main:
+            if getattr(self, "metrics", None) is not None:
+                self.metrics.message(text)
+            else:
+                print(text, flush=True)
+
+    def autocast(self):
+        p = self.cfg.train.precision
+        if p == "fp32" or (self.dims.fsdp and self.env.device.type == "cuda"):
+            return contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy casts on GPU
+        return torch.autocast(self.env.device.type, dtype=torch.bfloat16 if p == "bf16" else torch.float16)
+
+    def _mean_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        if self.env.distributed:
+            dist.all_reduce(t)
+            t /= self.env.world_size
+        return t
+
+    def train_state(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+                "bad_steps": self.bad_total, "config": config_to_dict(self.cfg),
+                "parallel": self.dims.describe()}
+
+    # -- one optimizer step ------------------------------------------------------------------------
+    def train_step(self) -> tuple[float, float, bool]:
+        """Returns (global mean loss, grad norm, applied)."""
+        cfg, model = self.cfg, self.model
+        accum = cfg.train.grad_accum
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.env.device, dtype=torch.float32)
+        for i, (_ids, x, y) in enumerate(self.sampler.micro_batches(self.global_batch, self.dp_rank,
+                                                                      self.dp_size, cfg.train.micro_batch)):
+            x, y = x.to(self.env.device, non_blocking=True), y.to(self.env.device, non_blocking=True)
+            last = i == accum - 1
+            # DDP: all-reduce gradients once per optimizer step, not per micro-batch.
+            sync = model.no_sync() if self.dims.ddp and not last else contextlib.nullcontext()
+            with sync:
+                with self.autocast():
+                    logits = model(x)
+                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+                self.scaler.scale(loss / accum).backward()
+            loss_sum += loss.detach()
+        loss = self._mean_over_ranks(loss_sum / accum)
+        self.scaler.unscale_(self.optimizer)
+        max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        loss_v, norm_v = float(loss), float(norm)
+        finite = math.isfinite(loss_v) and (math.isfinite(norm_v) or self.scaler.is_enabled())
+        if finite:
+            self.scaler.step(self.optimizer)  # fp16: skips by itself on inf gradients
+            self.scaler.update()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss_v, norm_v, finite
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
+        for x, y in eval_batches(self.dataset, self.cfg.data.seq_len, self.cfg.log.eval_batches,
+                                 self.cfg.train.micro_batch, self.dp_rank, self.dp_size):
+            x, y = x.to(self.env.device), y.to(self.env.device)
+            with self.autocast():
+                logits = self.model(x)
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
+            total += torch.stack([loss.double(), torch.tensor(y.numel(), dtype=torch.float64,
+                                                              device=self.env.device)])
+        if self.env.distributed:
+            dist.all_reduce(total)
+        self.model.train()
+        return float(total[0] / total[1].clamp(min=1))
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def fit(self) -> int:
+        cfg, env = self.cfg, self.env
+        t = cfg.train
+        last_step = min(t.steps, t.stop_at) if t.stop_at else t.steps
+        if self.step >= last_step:
+            self.log(f"run {cfg.run.name}: already at step {self.step} of {last_step}; nothing to do")
+            return 0
+        if self.resumed_from:
+            self.log(f"resumed from {self.resumed_from} (step {self.step})")
+        self.log(f"run {cfg.run.name}: {self.dims.describe()}, device {env.device}, {t.precision}, "
+                 f"{sum(p.numel() for p in self.raw_model.parameters()) / 1e6:.2f}M params, "
+                 f"global batch {self.global_batch} × {cfg.data.seq_len} tokens; MFU vs {self.peak_source}")
+        tokens_per_step = self.global_batch * cfg.data.seq_len
+        self.model.train()
+        step_times: list[float] = []
+        while self.step < last_step:
+            t0 = time.perf_counter()
+            loss, norm, applied = self.train_step()
+            self.step += 1
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            self._check_bad_step(loss, norm, applied)
+            tps = tokens_per_step / dt
+            mfu = self.flops_per_token * tps / (self.peak_flops * env.world_size) if self.peak_flops else 0.0
+            final = self.step == last_step
+            do_eval = self.step % cfg.log.eval_interval == 0 or self.step == t.steps
+            if self.step % cfg.log.interval == 0 or do_eval or final:
+                times = D.gather_floats(statistics.median(step_times), env)
+                step_times.clear()
+                record = {"step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                          "grad_norm": norm, "tokens_per_s": tps, "mfu": mfu, "step_time_s": dt,
+                          "tokens_seen": self.sampler.consumed * cfg.data.seq_len,
+                          "rank_step_time_s": times, "bad_steps": self.bad_total}
+                if do_eval:
+                    record["val_loss"] = self.evaluate()
+                self._note_stragglers(times)
+                if self.metrics:
+                    self.metrics.write(record)
+                if self.prom:
+                    self.prom.step(self.step, loss, record["lr"], tps, mfu, dt)
+                    if env.is_main:
+                        self.prom.rank_step_times(times)
+            if final or self.step % cfg.checkpoint.interval_steps == 0:
+                self.save()
+            if D.all_reduce_max(1.0 if self.preempt.set else 0.0, env) > 0:
+                if self.step % cfg.checkpoint.interval_steps and not final:
+                    self.save()
+                self.log(f"preempted at step {self.step}: checkpoint written, exiting {EXIT_PREEMPTED} (requeue)")
+                return EXIT_PREEMPTED
+        self.log(f"run {cfg.run.name}: finished step {self.step}; checkpoints in "
+                 f"{self.storage.run_checkpoints(cfg.run.name)}")
+        return 0
+
+    def save(self) -> None:
+        path = self.ckpt.save(self.step, self.model, self.optimizer, self.train_state())
+        if self.prom:
+            self.prom.checkpoint(self.step, self.ckpt.last_save_s or 0.0, time.time())
+        self.log(f"checkpoint {path} ({self.ckpt.last_save_s:.2f} s)")
+
+    def _check_bad_step(self, loss: float, norm: float, applied: bool) -> None:
+        if applied:
+            self.bad_in_row = 0
+            return
+        self.bad_in_row += 1
+        self.bad_total += 1
+        if self.prom:
+            self.prom.bad_step()
+        self.log(f"warning: step {self.step}: non-finite loss {loss} or grad norm {norm}: update skipped "
+                 f"({self.bad_in_row} in a row)")
+        if self.bad_in_row >= self.cfg.train.max_bad_steps:
+            raise BadStepLimit(f"stopping: {self.bad_in_row} non-finite steps in a row at step {self.step} "
+                               f"(train.max_bad_steps={self.cfg.train.max_bad_steps}); lower train.lr or check "
+                               "the data; the last good checkpoint is intact")
+
+    def _note_stragglers(self, times: list[float]) -> None:
+        if len(times) < 2:
+            return
+        med = statistics.median(times)
+        slow = [r for r, v in enumerate(times) if med > 0 and v > med * self.cfg.log.straggler_factor]
+        if self.prom and self.env.is_main:
+            self.prom.straggler(slow[0] if slow else None)
+        for r in slow:
+            self.log(f"warning: straggler: rank {r} step time {times[r]:.3f}s vs median {med:.3f}s")
+
+    def close(self) -> None:
+        self.preempt.uninstall()
+        if self.metrics:
+            self.metrics.close()
+        if self.prom:
+            self.prom.close()
+
+
+def _train_metrics(run: str, rank: int, port: int | None):
+    try:
+        from llmcluster.monitor.train_metrics import TrainMetrics
+    except ImportError:
+        print("warning: log.metrics_port is set but the monitor package is unavailable", file=sys.stderr)
+        return None
+    return TrainMetrics(run, rank, port)
+
+
+def train_cli(args) -> int:
+    cfg = load_job_config(args.config, args.overrides)
+    root = resolve_storage_root(args.root, cfg.run.storage)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, root, resume=args.resume)
+        return trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        D.shutdown()

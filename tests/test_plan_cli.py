@@ -1,0 +1,159 @@
+"""`llmcluster plan` through the real CLI: every example, --json keys, --search, --calibrate, --plot, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, assert_one_line_error, run_cli
+from llmcluster.paths import preset_path
+
+PLANS = sorted((REPO / "plans").glob("*.yaml"))
+
+# The shapes of the lead's configs/llm_*.yaml presets, for a checkout where they have not landed yet.
+PRESET_DIMS = {
+    "llm_7b": dict(n_layers=32, d_model=4096, n_heads=32, ffn_hidden=11008, vocab_size=32000, seq_len=4096),
+    "llm_70b": dict(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, ffn_hidden=28672, vocab_size=32000,
+                    seq_len=4096),
+}
+
+REQUIRED = [
+    "model.params", "model.flops_per_token",
+    *(f"memory.per_gpu_bytes.{k}" for k in ("weights", "gradients", "optimizer", "activations", "total")),
+    "memory.gpu_capacity_bytes", "memory.fits", "compute.step_time_s", "compute.tokens_per_s_per_gpu",
+    "compute.tflops_per_gpu", "compute.mfu", "time.gpu_hours", "time.days", "checkpoint.size_bytes",
+    "checkpoint.write_s", "checkpoint.optimal_interval_s",
+    *(f"network.switches.{k}" for k in ("leaf", "spine", "core", "total")),
+    "network.bisection_bandwidth_gbps", "power.it_kw", "power.facility_kw", "power.btu_per_h", "power.racks",
+    "cost.cloud_usd", "cost.onprem_capex_usd", "cost.onprem_opex_usd_per_month", "cost.break_even_months",
+]
+
+
+def preset_args(plan: Path) -> list[str]:
+    """--set model=<dims> when the plan names a preset this checkout does not have yet."""
+    model = yaml.safe_load(plan.read_text())["model"]
+    if isinstance(model, str) and preset_path(model) is None:
+        return ["--set", "model=" + json.dumps({"name": model, **PRESET_DIMS[model]})]
+    return []
+
+
+def plan_json(plan: Path, *extra: str) -> dict:
+    proc = run_cli("plan", plan, "--json", *preset_args(plan), *extra, check=True)
+    return json.loads(proc.stdout)
+
+
+def dig(d: dict, dotted: str):
+    for part in dotted.split("."):
+        d = d[part]
+    return d
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.name)
+def test_every_example_gives_a_complete_answer(plan):
+    t0 = time.perf_counter()
+    r = plan_json(plan)
+    print(f"{plan.name}: {time.perf_counter() - t0:.2f} s including interpreter start")  # measured, not asserted
+    for key in REQUIRED:
+        value = dig(r, key)
+        assert value is None and key == "cost.break_even_months" or isinstance(value, (int, float)), key
+    per = r["memory"]["per_gpu_bytes"]
+    parts = sum(per[k] for k in ("weights", "gradients", "optimizer", "activations", "buffers"))
+    assert per["total"] == pytest.approx(parts)
+    assert r["memory"]["fits"] == (per["total"] <= r["memory"]["gpu_capacity_bytes"])
+    assert r["memory"]["fits"], f"{plan.name}: an example should fit"
+    assert 0 < r["compute"]["mfu"] < 1
+    # the run's GPU-hours are its wall time on all its GPUs
+    assert r["time"]["gpu_hours"] == pytest.approx(r["time"]["days"] * 24 * r["parallel"]["world"])
+
+
+def test_seed_plan_tables_and_overrides():
+    plan = REPO / "plans" / "seed-a100-7b.yaml"
+    proc = run_cli("plan", plan, *preset_args(plan), check=True)
+    for heading in ("Memory per GPU", "Compute", "Checkpoint", "Network", "Power and cooling", "Cost", "Advice"):
+        assert heading in proc.stdout
+    small, big = plan_json(plan), plan_json(plan, "--set", "cluster.nodes=8")
+    assert big["parallel"]["dp"] == 2 * small["parallel"]["dp"]
+    assert big["time"]["days"] < small["time"]["days"]
+    assert big["power"]["it_kw"] == pytest.approx(2 * small["power"]["it_kw"])
+
+
+def test_search_70b_on_1024_gpus():
+    t0 = time.perf_counter()
+    r = plan_json(REPO / "plans" / "h100-70b-1024.yaml", "--search")
+    print(f"--search 70B on 1024 GPUs: {time.perf_counter() - t0:.2f} s")  # measured, not asserted
+    found = r["search"]
+    assert found, "no configuration found"
+    assert all(c["tp"] * c["pp"] * c["dp"] == 1024 for c in found)
+    assert all(c["memory_bytes"] <= r["memory"]["gpu_capacity_bytes"] for c in found)
+    speeds = [c["tokens_per_s_per_gpu"] for c in found]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_calibrate_with_bench_records(tmp_path):
+    plan = REPO / "plans" / "rtx4090-1b.yaml"
+    before = plan_json(plan)
+    assert "Epoch" in before["compute"]["efficiency_source"]
+    record = {"model_params": 1.0e9, "flops_per_token": 6.4e9, "tokens_per_s_per_device": 14000.0, "mfu": 0.6,
+              "peak_tflops": 165.0, "device_name": "NVIDIA GeForce RTX 4090", "precision": "bf16",
+              "world_size": 2, "seq_len": 2048, "micro_batch": 4, "parallel": {"activation_checkpoint": "none"}}
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(record))
+    after = plan_json(plan, "--calibrate", str(bench))
+    assert "bench" in after["compute"]["efficiency_source"]
+    assert after["compute"]["efficiency"] == pytest.approx(0.6)
+    assert after["compute"]["tokens_per_s_per_gpu"] > before["compute"]["tokens_per_s_per_gpu"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"mfu": 0.5}))
+    assert_one_line_error(run_cli("plan", plan, "--calibrate", str(bad)), "not a bench record", "model_params")
+
+
+def test_plot_writes_memory_and_cost_charts(tmp_path):
+    r = plan_json(REPO / "plans" / "rtx4090-1b.yaml", "--plot", str(tmp_path))
+    for name in ("memory.png", "cost.png"):
+        png = tmp_path / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert str(png) in r["plots"]
+
+
+def write_plan(tmp_path: Path, **sections) -> Path:
+    base = {"model": {"n_layers": 4, "d_model": 256, "n_heads": 8, "ffn_hidden": 768, "vocab_size": 8192,
+                      "seq_len": 256},
+            "cluster": {"gpu": "A100-80GB", "nodes": 2, "gpus_per_node": 4}}
+    for k, v in sections.items():
+        base[k] = {**base.get(k, {}), **v}
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return path
+
+
+@pytest.mark.parametrize("sections, needles", [
+    ({"cluster": {"gpu": "B300"}}, ["cluster.gpu", "unknown GPU 'B300'"]),
+    ({"parallel": {"tp": 3}}, ["parallel.tp (3) must divide model.n_heads (8)"]),
+    ({"parallel": {"tp": 2, "dp": 8}}, ["16 GPUs: more than the cluster has", "2 nodes x 4 = 8"]),
+    ({"parallel": {"zero": 4}}, ["parallel.zero"]),
+    ({"cluster": {"nodez": 4}}, ["unknown key 'cluster.nodez'", "cluster.nodes"]),
+    ({"parallel": {"micro_batch": 3, "global_batch": 16}}, ["global_batch (16)", "micro_batch x dp"]),
+])
+def test_bad_plan_is_one_line_error(tmp_path, sections, needles):
+    assert_one_line_error(run_cli("plan", write_plan(tmp_path, **sections)), *needles)
+
+
+def test_bad_override_and_unknown_preset_are_one_line_errors(tmp_path):
+    path = write_plan(tmp_path)
+    assert_one_line_error(run_cli("plan", path, "--set", "parallel.tpp=2"), "parallel.tpp", "parallel.tp")
+    assert_one_line_error(run_cli("plan", path, "--set", "model=llm_nope"), "llm_nope", "not a preset")
+    assert_one_line_error(run_cli("plan", tmp_path / "missing.yaml"), "plan file not found")
+
+
+def test_planner_never_imports_torch():
+    code = ("import sys; from llmcluster.cli import main; "
+            f"rc = main(['plan', {str(REPO / 'plans' / 'rtx4090-1b.yaml')!r}, '--json', '--search']); "
+            "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
