@@ -202,3 +202,45 @@ def test_end_to_end_prometheus_scrapes_exporter_and_training_metrics(tmp_path, s
             prom.stop()
         trainer.kill()
         trainer.wait()
+
+
+@pytest.mark.slow
+def test_end_to_end_with_a_real_llm_tiny_training_run(tmp_path, storage, exporter):
+    """The real trainer (`llmcluster train`, preset llm_tiny shrunk to run fast on 2 shared cores) serving
+    log.metrics_port, scraped by a real Prometheus next to `monitor serve`."""
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "llmcluster" / "monitor", src, ignore=shutil.ignore_patterns("__pycache__"))
+    run_cli("data", "prepare", "--root", storage, "--name", "tiny", "--source", src, "--tokenizer", "byte",
+            check=True)
+    port = free_port()
+    tiny = ["model.n_layers=1", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
+            "model.vocab_size=257", "data.dataset=tiny", "data.seq_len=32", "train.micro_batch=2",
+            "train.steps=100000", "train.warmup_steps=1", "train.precision=fp32", "log.interval=1",
+            "log.eval_interval=100000", "checkpoint.interval_steps=100000", "run.name=e2e-tiny",
+            f"log.metrics_port={port}"]
+    log = open(tmp_path / "train.log", "w")
+    trainer = subprocess.Popen([sys.executable, "-m", "llmcluster", "train", "--config", "llm_tiny", "--root",
+                                str(storage), *[a for kv in tiny for a in ("--set", kv)]],
+                               cwd=REPO, env=cli_env(), stdout=log, stderr=subprocess.STDOUT)
+    prom = start_prometheus(tmp_path, exporter, port)
+    try:
+        check_node_metrics_and_rules(prom, storage)
+        tps = prom.wait_for('llmcluster_train_tokens_per_second{run="e2e-tiny"} > 0', timeout=240,
+                            what=f"training throughput (trainer log: {tmp_path / 'train.log'})")
+        assert tps[0]["metric"] | {"instance": "-"} == {"__name__": "llmcluster_train_tokens_per_second",
+                                                       "run": "e2e-tiny", "rank": "0", "job": "llmcluster-train",
+                                                       "instance": "-"}
+        step = prom.wait_for('llmcluster_train_step{run="e2e-tiny"} >= 1')
+        loss = float(prom.wait_for('llmcluster_train_loss{run="e2e-tiny"}')[0]["value"][1])
+        assert float(step[0]["value"][1]) >= 1 and 0 < loss < 10  # byte-level cross-entropy: ln(257) = 5.5
+        prom.wait_for('llmcluster_train_rank_step_time_seconds{run="e2e-tiny", rank="0"} > 0')
+    finally:
+        trainer.send_signal(signal.SIGTERM)  # the trainer checkpoints and exits 75 (requeue me)
+        try:
+            trainer.wait(timeout=120)
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+            prom.stop()
+            log.close()
+    assert trainer.returncode == 75, (tmp_path / "train.log").read_text()[-3000:]  # EXIT_PREEMPTED
