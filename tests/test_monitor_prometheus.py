@@ -6,7 +6,6 @@ These must run in CI (`make test` installs the `prometheus` package): a missing 
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import signal

@@ -39,7 +39,9 @@ def _ecc(kind: str, counter: str) -> Reader:
 
 def _violation(policy: str) -> Reader:
     # NVML reports nanoseconds of violation time; DCGM (and so every dashboard) uses microseconds.
-    return lambda nv, h: nv.nvmlDeviceGetViolationStatus(h, getattr(nv, f"NVML_PERF_POLICY_{policy}")).violationTime / 1e3
+    def read(nv, h):
+        return nv.nvmlDeviceGetViolationStatus(h, getattr(nv, f"NVML_PERF_POLICY_{policy}")).violationTime / 1e3
+    return read
 
 
 def _throttle_reasons(nv, h):
