@@ -171,6 +171,8 @@ def kubernetes_manifests(namespace: str, image: str, port: int, train_port_name:
     }
     groups = []
     for f in RULE_FILES:
+        if not (rules_dir / f).is_file():  # a wheel install has no repo checkout next to the package
+            raise UserError(f"rule file {rules_dir / f} not found: run from a checkout of the llmcluster repo")
         groups += yaml.safe_load((rules_dir / f).read_text())["groups"]
     rule = {
         "apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
