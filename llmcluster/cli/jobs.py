@@ -1,12 +1,40 @@
-"""`llmcluster jobs` (placeholder until its capability lands)."""
+"""`llmcluster jobs list|status|logs|cancel`: the jobs `llmcluster launch` started (any scheduler)."""
 
-from llmcluster.errors import UserError
+from __future__ import annotations
+
+from llmcluster.cli.common import add_root_arg
 
 
 def register(sub) -> None:
-    p = sub.add_parser("jobs", help="(not yet implemented)")
-    p.set_defaults(func=run)
+    p = sub.add_parser("jobs", help="list launched jobs; show the status or logs of one; cancel one")
+    jsub = p.add_subparsers(dest="jobs_cmd", metavar="ACTION")
+    jsub.required = True
+    ls = jsub.add_parser("list", help="every launched run under the storage root, with its state")
+    add_root_arg(ls)
+    ls.set_defaults(func=run)
+    for name, help_ in (("status", "scheduler state of one run's job"), ("logs", "print its output"),
+                        ("cancel", "stop it (the ranks get SIGTERM and checkpoint)")):
+        q = jsub.add_parser(name, help=help_)
+        q.add_argument("job", metavar="JOB", help="the run name")
+        add_root_arg(q)
+        if name == "logs":
+            q.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+        if name == "status":
+            q.add_argument("--json", action="store_true")
+        q.set_defaults(func=run)
 
 
 def run(args) -> int:
-    raise UserError("'jobs' is not implemented yet")
+    from llmcluster.launch import jobs
+    from llmcluster.paths import resolve_storage_root
+    from llmcluster.storage.layout import check_run_name
+
+    root = resolve_storage_root(args.root)
+    if args.jobs_cmd == "list":
+        return jobs.list_jobs(root)
+    run_name = check_run_name(args.job)
+    if args.jobs_cmd == "status":
+        return jobs.status(root, run_name, as_json=args.json)
+    if args.jobs_cmd == "logs":
+        return jobs.logs(root, run_name, follow=args.follow)
+    return jobs.cancel(root, run_name)

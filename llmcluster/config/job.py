@@ -1,11 +1,96 @@
 """The `job` section: how a run is placed on the cluster (nodes, GPUs, scheduler settings).
 
-Owned by the launch capability; the trainer ignores it.
+Owned by the launch capability; the trainer ignores it. Every value that ends up in an `#SBATCH` line or a
+Kubernetes name is checked here against a strict pattern, because those are parsed by the scheduler, not
+by a shell, and cannot be quoted: a hostile value is refused with one line before anything is rendered.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Slurm accepts MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS; we take the two unambiguous forms.
+TIME_RE = re.compile(r"^(?:(\d+)-)?(\d{1,3}):([0-5]\d):([0-5]\d)$")
+MEM_RE = re.compile(r"^\d+[KMGT]?$")                       # Slurm --mem / converted to a k8s quantity
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")  # partitions, queues, namespaces, claims
+IMAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,254}$")  # registry/repo:tag@sha256:...
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+PATH_RE = re.compile(r"^/[A-Za-z0-9._/+-]*$")               # mount paths: absolute, no spaces or quotes
+
+# The NCCL environment presets. `default` is what every multi-node job wants: warnings only, and a
+# collective that hangs or fails tears the process group down (instead of hanging until the time limit).
+NCCL_PRESETS: dict[str, dict[str, str]] = {
+    "none": {},
+    "default": {"NCCL_DEBUG": "WARN", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},
+    # InfiniBand / RoCE data path; bootstrap over any interface but loopback and docker bridges
+    "infiniband": {"NCCL_DEBUG": "WARN", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                   "NCCL_IB_DISABLE": "0", "NCCL_SOCKET_IFNAME": "^lo,docker"},
+    # plain TCP sockets (no RDMA NIC)
+    "ethernet": {"NCCL_DEBUG": "WARN", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                 "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "^lo,docker"},
+    # bring-up: who talks to whom over which transport
+    "debug": {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+              "TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
+}
+
+
+def time_to_seconds(value: str) -> int:
+    m = TIME_RE.match(value)
+    if not m:
+        raise ValueError(f"job.time {value!r} must be HH:MM:SS or D-HH:MM:SS")
+    d, h, mi, s = (int(x or 0) for x in m.groups())
+    return ((d * 24 + h) * 60 + mi) * 60 + s
+
+
+def _match(regex: re.Pattern, prefix: str, allowed: str):
+    """A field validator: the value must match `regex`; the error names the key and what is allowed."""
+    def check(cls, v, info):
+        if v is not None and not regex.match(v):
+            raise ValueError(f"{prefix}{info.field_name} {v!r} is not allowed: {allowed}")
+        return v
+    return classmethod(check)
+
+
+NAME_CHARS = "letters, digits, '.', '_', '-' (at most 63)"
+PATH_CHARS = "an absolute path of letters, digits and ._/+- (no spaces, quotes or newlines)"
+
+
+class Mount(BaseModel):
+    """A host (or shared filesystem) path made visible inside the container at `path`."""
+    model_config = ConfigDict(extra="forbid")
+    source: str
+    path: str
+    read_only: bool = False
+
+    _paths = field_validator("source", "path")(_match(PATH_RE, "job.mounts.", PATH_CHARS))
+
+
+class K8sSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    kind: Literal["indexed-job", "volcano", "jobset", "pytorchjob"] = "indexed-job"
+    namespace: str = "default"
+    storage_claim: str = "llmcluster-storage"   # the PVC holding datasets/, checkpoints/, logs/, models/
+    storage_path: str = "/storage"              # where it is mounted in the pods (= run.storage there)
+    queue: str | None = None                    # Volcano queue / Kueue local queue
+    service_account: str | None = None
+    run_as_user: int = Field(1000, ge=1)        # never root
+    shm_size: str = "16Gi"                      # memory-backed /dev/shm for dataloader workers and NCCL
+    rdzv_port: int = Field(29500, ge=1024, le=65535)
+
+    _ns = field_validator("namespace", "storage_claim", "queue", "service_account")(
+        _match(NAME_RE, "job.k8s.", NAME_CHARS))
+    _sp = field_validator("storage_path")(_match(PATH_RE, "job.k8s.", PATH_CHARS))
+
+    @field_validator("shm_size")
+    @classmethod
+    def _shm(cls, v):
+        if not re.match(r"^\d+(Ki|Mi|Gi|Ti)?$", v):
+            raise ValueError(f"job.k8s.shm_size {v!r} must be a quantity like 16Gi")
+        return v
 
 
 class JobSpec(BaseModel):
@@ -15,8 +100,46 @@ class JobSpec(BaseModel):
     gpus_per_node: int = Field(0, ge=0)          # 0 = CPU
     procs_per_node: int | None = Field(None, ge=1)  # None: = GPUs, or 1 on CPU
     cpus_per_node: int | None = Field(None, ge=1)
-    mem_per_node: str | None = None              # e.g. "480G"
+    mem_per_node: str | None = None              # e.g. "480G" (Slurm units; K/M/G/T)
     time: str = "72:00:00"
-    partition: str | None = None
-    image: str | None = None
-    max_requeues: int = Field(3, ge=0)
+    partition: str | None = None                 # Slurm partition
+    account: str | None = None                   # Slurm account
+    image: str | None = None                     # container image (pyxis on Slurm; required on k8s)
+    mounts: list[Mount] = []                     # extra container mounts (storage is always mounted)
+    nccl: Literal["none", "default", "infiniband", "ethernet", "debug"] = "default"
+    env: dict[str, str] = {}                     # extra environment, applied after the NCCL preset
+    max_requeues: int = Field(3, ge=0)           # automatic requeues after a preemption / time limit
+    signal_before_s: int = Field(300, ge=10)     # SIGUSR2 this long before the time limit: checkpoint now
+    rdzv_port: int = Field(29500, ge=1024, le=65535)  # torchrun c10d store on the first node (Slurm: + job id)
+    k8s: K8sSpec = K8sSpec()
+
+    _time = field_validator("time")(classmethod(lambda cls, v: (time_to_seconds(v), v)[1]))
+    _mem = field_validator("mem_per_node")(_match(MEM_RE, "job.", "a number with an optional K/M/G/T unit"))
+    _names = field_validator("partition", "account")(_match(NAME_RE, "job.", NAME_CHARS))
+    _image = field_validator("image")(_match(IMAGE_RE, "job.", "an image reference (registry/repo:tag)"))
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v):
+        for key, val in v.items():
+            if not ENV_KEY_RE.match(key):
+                raise ValueError(f"job.env key {key!r} is not a valid environment variable name")
+            if "\n" in val or "\0" in val:
+                raise ValueError(f"job.env.{key}: newlines are not allowed")
+        return v
+
+    @property
+    def procs(self) -> int:
+        """Processes per node: explicit, else one per GPU, else one (CPU)."""
+        return self.procs_per_node or self.gpus_per_node or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs
+
+    @property
+    def time_s(self) -> int:
+        return time_to_seconds(self.time)
+
+    def environment(self) -> dict[str, str]:
+        return {**NCCL_PRESETS[self.nccl], **self.env}

@@ -115,8 +115,23 @@ def _unknown_key_message(schema: type[BaseModel], path: list[str]) -> str:
     return f"unknown key '{dotted}'{hint}"
 
 
+def _is_mapping_field(schema: type[BaseModel], path: list[str]) -> bool:
+    """Whether path names a dict-typed field (free-form keys, e.g. job.env.NCCL_DEBUG)."""
+    import typing
+
+    cls, _ = _section_fields(schema, path[:-1])
+    f = _field(cls, path[-1]) if cls is not None and path else None
+    if f is None:
+        return False
+    ann = f.annotation
+    origins = {typing.get_origin(a) for a in (ann, *typing.get_args(ann))}
+    return dict in origins or ann is dict
+
+
 def _check_path(schema: type[BaseModel], parts: list[str]) -> None:
     for i in range(len(parts)):
+        if i and _is_mapping_field(schema, parts[:i]):
+            return  # below a dict field any key is allowed; the schema checks the values
         cls, keys = _section_fields(schema, parts[:i])
         if cls is None:
             raise UserError(f"override key '{'.'.join(parts)}': '{'.'.join(parts[:i])}' is not a section")

@@ -1,0 +1,78 @@
+"""`launch --scheduler slurm` on a real Slurm (2 emulated nodes, see slurm_cluster.py): the generic path.
+
+Each job runs a small shell program on every rank under our sbatch script + srun + torchrun, so the whole
+chain (rendezvous on the first node, one agent per node, signal, requeue, cancel) is the real one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import job_state, slurm, wait_for  # noqa: F401
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.slurm
+
+
+def launch(root: Path, run: str, program: str, *flags: str) -> str:
+    p = run_cli("launch", "--scheduler", "slurm", "--nodes", "2", "--root", root, "--set", f"run.name={run}",
+                *flags, "--", "bash", "-c", program, check=True)
+    rec = json.loads((root / "logs" / run / "job.json").read_text())
+    assert rec["scheduler"] == "slurm" and f"job {rec['job_id']}" in p.stdout
+    return rec["job_id"]
+
+
+def test_two_node_job_status_and_logs(slurm, tmp_path):
+    root = tmp_path / "s"
+    job = launch(root, "hello", 'echo "rank=$RANK of $WORLD_SIZE group=$GROUP_RANK on $SLURMD_NODENAME"')
+    assert wait_for(job, ("COMPLETED",)) == "COMPLETED"
+    st = json.loads(run_cli("jobs", "status", "hello", "--root", root, "--json", check=True).stdout)
+    assert st["state"] == "COMPLETED" and st["job_id"] == job and st["nodes"] == "n[1-2]"
+    out = run_cli("jobs", "logs", "hello", "--root", root, check=True).stdout
+    lines = set(re.findall(r"rank=(\d) of (\d) group=(\d) on (n\d)", out))
+    # one rank per node, both in one world of 2, each node its own torchrun group
+    assert {(r, w) for r, w, _, _ in lines} == {("0", "2"), ("1", "2")}
+    assert {n for *_, n in lines} == {"n1", "n2"} and {g for _, _, g, _ in lines} == {"0", "1"}
+    assert "rendezvous n1:" in out
+    listing = run_cli("jobs", "list", "--root", root, check=True).stdout
+    assert re.search(rf"hello\s+slurm\s+{job}\s+2\s+2\s+COMPLETED", listing), listing
+
+
+def test_time_limit_signal_reaches_ranks_and_requeues(slurm, tmp_path):
+    """1-minute limit, USR2 50 s before it (Slurm checks every ~30 s: it arrives 10-40 s in). The first
+    attempt traps USR2 on every rank and exits 75 like the trainer; the job requeues itself; the second
+    attempt (SLURM_RESTART_COUNT=1) finishes."""
+    root = tmp_path / "s"
+    program = ('if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then '
+               'trap \'echo "rank $RANK got USR2"; exit 75\' USR2; echo "rank $RANK waiting"; '
+               'for i in $(seq 1200); do sleep 0.1; done; echo "rank $RANK: no signal"; exit 1; '
+               'else echo "rank $RANK attempt $SLURM_RESTART_COUNT done"; fi')
+    job = launch(root, "sig", program, "--time", "00:01:00", "--set", "job.signal_before_s=50")
+    assert wait_for(job, ("COMPLETED",), timeout=240) == "COMPLETED"
+    out = (root / "logs" / "sig" / f"slurm-{job}.out").read_text()
+    assert "rank 0 got USR2" in out and "rank 1 got USR2" in out, out
+    assert f"requeueing job {job} (restart 0 of 3)" in out
+    assert "rank 0 attempt 1 done" in out and "rank 1 attempt 1 done" in out
+    assert "no signal" not in out
+
+
+def test_cancel_stops_a_running_job(slurm, tmp_path):
+    root = tmp_path / "s"
+    job = launch(root, "long", "echo started; sleep 300")
+    wait_for(job, ("RUNNING",))
+    run_cli("jobs", "cancel", "long", "--root", root, check=True)
+    assert wait_for(job, ("CANCELLED",), timeout=60) == "CANCELLED"
+    st = json.loads(run_cli("jobs", "status", "long", "--root", root, "--json", check=True).stdout)
+    assert st["state"] == "CANCELLED"
+    for _ in range(30):   # slurmstepd kills the step's processes right after the state change
+        left = subprocess.run(["pgrep", "-f", f"rdzv-id {job} "], capture_output=True, text=True).stdout
+        if not left.strip():
+            break
+        time.sleep(0.5)
+    assert not left.strip(), f"processes of job {job} survived the cancel: {left}"

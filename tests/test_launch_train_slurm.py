@@ -1,0 +1,116 @@
+"""Acceptance on the real 2-node Slurm: the trainer itself, launched by `launch --scheduler slurm`.
+
+  * 2 nodes x 1 process train llm_tiny (world size 2) and checkpoint; `jobs status` / `jobs logs`;
+  * the same run interrupted by the pre-time-limit signal checkpoints, requeues itself and ends with the
+    same final loss as the uninterrupted run;
+  * `jobs cancel` stops a run and its last complete checkpoint stays intact.
+The signal is delivered with `scancel --batch --signal=USR2`, which is exactly what `#SBATCH
+--signal=B:USR2@N` makes slurmctld send at the time limit, at a step we choose (the timer itself is tested
+in test_launch_slurm.py). Needs the trainer (llmcluster/train/trainer.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import slurm, wait_for  # noqa: F401
+
+from conftest import REPO, run_cli
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow,
+              pytest.mark.skipif(not (REPO / "llmcluster" / "train" / "trainer.py").is_file(),
+                                 reason="needs the trainer (llmcluster/train/trainer.py)")]
+
+STEPS = 12
+TINY = ["--config", "llm_tiny", "--set", "data.dataset=src", "--set", "model.vocab_size=256",
+        "--set", "data.seq_len=64", "--set", "train.micro_batch=2", "--set", "train.precision=fp32",
+        "--set", "train.warmup_steps=2", "--set", "log.interval=1", "--set", "log.eval_interval=1000"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, slurm):
+    """A storage root with a small byte-level dataset made from this repo's own source."""
+    root = tmp_path_factory.mktemp("train") / "s"
+    src = root.parent / "src"
+    src.mkdir()
+    for i, f in enumerate(sorted((REPO / "llmcluster").rglob("*.py"))[:40]):
+        (src / f"{i}_{f.name}").write_text(f.read_text())
+    run_cli("storage", "init", "--root", root, check=True)
+    run_cli("data", "prepare", "--root", root, "--name", "src", "--source", src, "--tokenizer", "byte",
+            check=True)
+    return root
+
+
+def launch(root: Path, run: str, *extra: str) -> str:
+    run_cli("launch", "--scheduler", "slurm", "--nodes", "2", "--root", root, *TINY, "--set", f"run.name={run}",
+            *extra, check=True)
+    return json.loads((root / "logs" / run / "job.json").read_text())["job_id"]
+
+
+def metrics(root: Path, run: str) -> list[dict]:
+    f = root / "logs" / run / "metrics.jsonl"
+    return [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()] if f.is_file() else []
+
+
+def wait_step(root: Path, run: str, step: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(m["step"] >= step for m in metrics(root, run)):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{run} did not reach step {step} in {timeout}s")
+
+
+def final_loss(root: Path, run: str) -> float:
+    last = {m["step"]: m["loss"] for m in metrics(root, run)}
+    assert STEPS in last, sorted(last)
+    return last[STEPS]
+
+
+def test_two_nodes_train_and_requeue_gives_the_same_loss(root):
+    straight = launch(root, "straight", "--set", f"train.steps={STEPS}", "--set", "checkpoint.interval_steps=4")
+    interrupted = launch(root, "interrupted", "--set", f"train.steps={STEPS}",
+                         "--set", "checkpoint.interval_steps=100")   # only the signal's checkpoint exists
+    wait_step(root, "interrupted", 3)
+    subprocess.run(["scancel", "--batch", "--signal=USR2", interrupted], check=True)
+    assert wait_for(straight, ("COMPLETED",), timeout=300) == "COMPLETED"
+    assert wait_for(interrupted, ("COMPLETED",), timeout=300) == "COMPLETED"
+
+    # the uninterrupted run: world size 2 across both nodes, checkpoint written, status and logs
+    st = json.loads(run_cli("jobs", "status", "straight", "--root", root, "--json", check=True).stdout)
+    assert st["state"] == "COMPLETED" and st["nodes"] == "n[1-2]"
+    ranks = list((root / "logs" / "straight" / "ranks").glob(f"{straight}-0/*/attempt_0/0"))
+    assert len(ranks) == 2, "one torchrun agent with one rank on each node"
+    assert (root / "checkpoints" / "straight" / f"step_{STEPS}" / "COMPLETE.json").is_file()
+    out = run_cli("jobs", "logs", "straight", "--root", root, check=True).stdout
+    assert "rendezvous n1:" in out and "srun exited with 0" in out
+
+    # the interrupted run: signal -> checkpoint -> requeue -> resume -> same loss
+    log = (root / "logs" / "interrupted" / f"slurm-{interrupted}.out").read_text()
+    assert "SIGUSR2: checkpoint and stop" in log and f"requeueing job {interrupted}" in log
+    assert "attempt 1" in log
+    assert final_loss(root, "interrupted") == pytest.approx(final_loss(root, "straight"), rel=1e-5)
+
+
+def test_cancel_leaves_the_last_complete_checkpoint_intact(root):
+    job = launch(root, "cancelled", "--set", "train.steps=100000", "--set", "checkpoint.interval_steps=2")
+    deadline = time.monotonic() + 180
+    while not any((root / "checkpoints" / "cancelled").glob("step_*/COMPLETE.json")):
+        assert time.monotonic() < deadline, "no checkpoint before the cancel"
+        time.sleep(0.5)
+    run_cli("jobs", "cancel", "cancelled", "--root", root, check=True)
+    assert wait_for(job, ("CANCELLED",), timeout=60) == "CANCELLED"
+    time.sleep(2)   # let slurmstepd finish killing
+    complete = sorted((root / "checkpoints" / "cancelled").glob("step_*/COMPLETE.json"),
+                      key=lambda p: int(p.parent.name.split("_")[1]))
+    last = complete[-1].parent
+    marker = json.loads(complete[-1].read_text())
+    files = marker.get("files") or {}
+    assert files, marker
+    for rel, digest in files.items():
+        assert hashlib.sha256((last / rel).read_bytes()).hexdigest() == digest, rel
