@@ -33,7 +33,7 @@ def test_prepare_writes_shards_meta_and_checksums(tiny_root: Path):
     meta = json.loads((ds / "meta.json").read_text())
     assert meta["vocab_size"] == 257 and meta["dtype"] == "uint16"
     assert meta["tokens"]["train"] > 10_000 and meta["tokens"]["val"] > 0
-    from llmcluster.data.prepare import sha256_file
+    from llmcluster.storage.layout import sha256_file
 
     for split in ("train", "val"):
         total = 0
@@ -90,7 +90,7 @@ def test_out_of_vocab_tokens_are_refused(capsys, tiny_root, tmp_path):
     arr = np.fromfile(ds / "val_000000.bin", dtype="<u2")
     arr[0] = 5000
     arr.tofile(ds / "val_000000.bin")
-    from llmcluster.data.prepare import sha256_file
+    from llmcluster.storage.layout import sha256_file
     meta["shards"]["val"][0]["sha256"] = sha256_file(ds / "val_000000.bin")  # a well-formed lie
     (ds / "meta.json").write_text(json.dumps(meta))
     assert_one_line_error(cli_inprocess(capsys, "data", "verify", "--name", "tiny", "--root", root),

@@ -30,8 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from llmcluster.errors import UserError
-from llmcluster.storage.layout import COMPLETE_MARKER, TMP_PREFIX, Storage, read_marker
-from llmcluster.data.prepare import sha256_file
+from llmcluster.storage.layout import COMPLETE_MARKER, TMP_PREFIX, Storage, read_marker, sha256_file
 
 TRAIN_STATE = "train_state.json"
 
