@@ -22,7 +22,7 @@ else
 fi
 
 step "3/5 training llm_tiny with $NPROC ranks (torchrun, gloo, CPU)"
-"$VENV/bin/torchrun" --standalone --nproc-per-node "$NPROC" -m llmcluster \
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/torchrun" --standalone --nproc-per-node "$NPROC" -m llmcluster \
   train --config configs/llm_tiny.yaml --root "$ROOT"
 
 step "4/5 export to Hugging Face Llama format"
