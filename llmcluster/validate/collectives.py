@@ -27,16 +27,14 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-SLICE = 1 << 26   # elements per slice when filling/checking, so a multi-GB buffer needs no int64 copy of itself
+SLICE = 1 << 26   # elements per slice when filling/checking: a multi-GB buffer needs no full-size temporary
 
 
-def _index(lo: int, hi: int, device) -> torch.Tensor:
-    return torch.arange(lo, hi, device=device, dtype=torch.int64)
-
-
-def input_value(i: torch.Tensor, rank) -> torch.Tensor:
-    """Rank `rank`'s input element i: i % 97 + rank + 1 (small integers, so sums are exact in fp32)."""
-    return (i % PATTERN_PERIOD + rank + 1).to(torch.float32)
+def periodic(start: int, length: int, device) -> torch.Tensor:
+    """(start + i) % 97 for i < length, as float32, built by tiling 0..96 (cheap even for huge buffers)."""
+    off = start % PATTERN_PERIOD
+    base = torch.arange(PATTERN_PERIOD, dtype=torch.float32, device=device)
+    return base.repeat((off + length) // PATTERN_PERIOD + 1)[off: off + length]
 
 
 class Buffers:
@@ -66,7 +64,7 @@ class Buffers:
         """The inputs every rank starts from (recomputed before each check: timing overwrote them)."""
         for lo in range(0, self.send.numel(), SLICE):
             hi = min(lo + SLICE, self.send.numel())
-            self.send[lo:hi] = input_value(_index(lo, hi, self.device), self.rank)
+            torch.add(periodic(lo, hi - lo, self.device), self.rank + 1, out=self.send[lo:hi])
 
     def run(self, group=None) -> None:
         op = self.op
@@ -81,18 +79,20 @@ class Buffers:
         else:
             dist.all_to_all_single(self.recv, self.send, group=group)
 
-    def expected(self, lo: int, hi: int) -> torch.Tensor:
-        """What output elements lo..hi must hold, in closed form from the input pattern."""
-        n, r, c, j = self.n, self.rank, self.chunk, _index(lo, hi, self.device)
+    def expected_segments(self):
+        """(out_start, length, pattern_start, scale, add): output[out_start:+length] must equal
+        periodic(pattern_start, length) * scale + add. In closed form from the inputs' pattern."""
+        n, r, c = self.n, self.rank, self.chunk
+        total = n * (n + 1) // 2             # sum over ranks s of (s + 1)
         if self.op == "broadcast":
-            return input_value(j, 0)
-        if self.op == "all_reduce":          # sum over ranks s of (i % 97 + s + 1)
-            return (j % PATTERN_PERIOD * n + n * (n + 1) // 2).to(torch.float32)
-        if self.op == "reduce_scatter":      # my chunk r of that sum
-            return ((r * c + j) % PATTERN_PERIOD * n + n * (n + 1) // 2).to(torch.float32)
+            return [(0, self.count, 0, 1, 1)]
+        if self.op == "all_reduce":
+            return [(0, self.count, 0, n, total)]
+        if self.op == "reduce_scatter":      # my chunk r of the sum
+            return [(0, c, r * c, n, total)]
         if self.op == "all_gather":          # output chunk s is rank s's input
-            return input_value(j % c, j // c)
-        return input_value(r * c + j % c, j // c)   # all_to_all: chunk s is chunk r of rank s's input
+            return [(s * c, c, 0, 1, s + 1) for s in range(n)]
+        return [(s * c, c, r * c, 1, s + 1) for s in range(n)]   # all_to_all: chunk r of rank s's input
 
     def count_wrong(self) -> int:
         got = self.recv
@@ -101,9 +101,11 @@ class Buffers:
             got = got.clone()
             got[::1000] += 1.0    # the test hook: a reduction that came back wrong
         wrong = 0
-        for lo in range(0, got.numel(), SLICE):
-            hi = min(lo + SLICE, got.numel())
-            wrong += int((got[lo:hi] != self.expected(lo, hi)).sum().item())
+        for out_start, length, start, scale, add in self.expected_segments():
+            for lo in range(0, length, SLICE):
+                m = min(SLICE, length - lo)
+                want = periodic(start + lo, m, self.device).mul_(scale).add_(add)
+                wrong += int((got[out_start + lo: out_start + lo + m] != want).sum().item())
         return wrong
 
 

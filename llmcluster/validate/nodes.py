@@ -13,9 +13,10 @@ import shutil
 import statistics
 import subprocess
 
-from llmcluster.validate.result import FAIL, PASS, SKIP, WARN, CheckResult
+from llmcluster.validate.result import FAIL, PASS, WARN, CheckResult
 
-SLOW_RANK_ENV = "LLMCLUSTER_VALIDATE_SLOW_RANK"   # test hook: this rank reports half its real figures
+SLOW_RANK_ENV = "LLMCLUSTER_VALIDATE_SLOW_RANK"   # test hook: this rank reports a fifth of its figures
+SLOW_FACTOR = 0.2   # far outside run-to-run noise, so the test never depends on timing luck
 
 
 def node_metrics(results: list[CheckResult]) -> dict[str, dict[str, float]]:
@@ -55,8 +56,7 @@ def compare_nodes(results: list[CheckResult], tolerance: float) -> CheckResult:
     metrics = node_metrics(results)
     r.data = {"tolerance": tolerance, "metrics": metrics, "outliers": []}
     for metric, values in metrics.items():
-        if len(values) < 2:
-            r.add(metric, SKIP, detail="one node: nothing to compare with")
+        if len(values) < 2:    # one node (or one GPU): nothing to compare with
             continue
         outliers = find_outliers(values, tolerance)
         med = statistics.median(values.values())
@@ -112,17 +112,17 @@ def drain(nodes: dict[str, str], run=subprocess.run) -> CheckResult:
 
 
 def inject_slowness(results: list[CheckResult], rank: int) -> None:
-    """Test hook: if $LLMCLUSTER_VALIDATE_SLOW_RANK is this rank, halve its compared figures."""
+    """Test hook: if $LLMCLUSTER_VALIDATE_SLOW_RANK is this rank, scale its compared figures by SLOW_FACTOR."""
     if os.environ.get(SLOW_RANK_ENV) != str(rank):
         return
     for r in results:
         d = r.data
         for s in d.get("shapes", []):
-            s["tflops"] *= 0.5
+            s["tflops"] *= SLOW_FACTOR
         for k in ("copy_GBps", "H2D_pinned_GBps"):
             if k in d:
-                d[k] *= 0.5
+                d[k] *= SLOW_FACTOR
         for a in d.get("areas", []):
             for k in ("write_GBps", "read_GBps"):
                 if k in a:
-                    a[k] *= 0.5
+                    a[k] *= SLOW_FACTOR
