@@ -50,7 +50,9 @@ def test_validate_all_runs_end_to_end_on_cpu(tmp_path):
     assert doc["environment"]["torch"].startswith("2.")
     for png in ("collectives_busbw.png",):
         assert (tmp_path / "plots" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "validate: PASS" in proc.stdout and "busbw" in proc.stdout
+    # WARNs depend on the machine (e.g. Slurm client tools with the controller down); exit 0 means no FAIL
+    assert doc["status"] in ("PASS", "WARN") and f"validate: {doc['status']}" in proc.stdout
+    assert "busbw" in proc.stdout
 
 
 def test_storage_on_a_tmp_dir_reports_write_and_read(tmp_path):
