@@ -58,11 +58,17 @@ class Stopwatch:
         return time.perf_counter() - t0
 
 
-def timed_rate(fn, work: float, device, warmup: int = 3, batches: int = 5, batch_s: float = 0.05) -> float:
-    """Median over `batches` of work-per-second, each batch sized to take about batch_s seconds."""
+def timed_rate(fn, work: float, device, warmup_s: float = 0.1, batches: int = 5, batch_s: float = 0.05) -> float:
+    """Median over `batches` of work per second, each batch sized to take about batch_s seconds.
+
+    Warm-up is by time, not by count (at least 2 calls): long enough for cuBLAS to pick its kernel and
+    the clocks to ramp, without a 60 ms fp32 matmul paying 20 warm-up calls.
+    """
     watch = Stopwatch(device)
-    for _ in range(warmup):
-        fn()
+    spent, calls = 0.0, 0
+    while calls < 2 or spent < warmup_s:
+        spent += watch(fn, 1)
+        calls += 1
     one = max(watch(fn, 1), 1e-6)
     iters = max(1, min(1000, int(batch_s / one)))
     return statistics.median(work * iters / watch(fn, iters) for _ in range(batches))
@@ -78,10 +84,10 @@ def matmul_tflops(device, dtype: str, m: int, n: int, k: int, quick: bool) -> fl
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
         try:
-            return timed_rate(fn, flops, device, warmup=5 if quick else 20, batch_s=0.05 if quick else 0.2) / 1e12
+            return timed_rate(fn, flops, device, warmup_s=0.1 if quick else 0.3, batch_s=0.05 if quick else 0.1) / 1e12
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
-    return timed_rate(fn, flops, device, warmup=1, batches=3, batch_s=0.1 if quick else 0.3) / 1e12
+    return timed_rate(fn, flops, device, warmup_s=0.05, batches=3, batch_s=0.1 if quick else 0.3) / 1e12
 
 
 def device_name(device) -> str:
@@ -102,7 +108,7 @@ def check_compute(device, spec: ValidateSpec, quick: bool) -> CheckResult:
             best = max((matmul_tflops(device, dtype, *s, quick), s) for s in cpu_shapes(quick))
             r.data["shapes"].append({"dtype": dtype, "shape": best[1], "tflops": best[0]})
             r.add(f"{dtype} matmul {'x'.join(map(str, best[1]))}", PASS, fmt_rate(best[0] * 1e3, "GFLOP/s"),
-                  f"CPU ({torch.get_num_threads()} threads): measured, no datasheet peak to compare")
+                  f"CPU, {torch.get_num_threads()} thread(s): measured, no datasheet peak to compare")
         return r
     gpu = spec.gpu_model(name)
     for dtype in (("bf16",) if quick else ("bf16", "fp16", "tf32", "fp32")):
@@ -133,7 +139,7 @@ def copy_gbps(device, nbytes: int, quick: bool) -> float:
     """Device-local copy bandwidth in GB/s, counting bytes read + bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    return timed_rate(lambda: dst.copy_(src), 2.0 * nbytes, device, warmup=3 if quick else 10,
+    return timed_rate(lambda: dst.copy_(src), 2.0 * nbytes, device, warmup_s=0.05 if quick else 0.2,
                       batch_s=0.05 if quick else 0.2) / 1e9
 
 
@@ -177,7 +183,7 @@ def check_pcie(device, spec: ValidateSpec, quick: bool) -> CheckResult:
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=memory == "pinned")
         for direction, fn in (("H2D", lambda: dev.copy_(host, non_blocking=True)),
                               ("D2H", lambda: host.copy_(dev, non_blocking=True))):
-            bw = timed_rate(fn, nbytes, device, warmup=2, batches=3 if quick else 5) / 1e9
+            bw = timed_rate(fn, nbytes, device, warmup_s=0.05, batches=3 if quick else 5) / 1e9
             r.data[f"{direction}_{memory}_GBps"] = bw
             label = f"{direction} {memory} {fmt_bytes(nbytes)}"
             if memory == "pinned" and expect:

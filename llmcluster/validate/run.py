@@ -72,6 +72,7 @@ def run(opts: Options) -> int:
     if "stack" in opts.checks:
         from llmcluster.validate.stack import check_stack
         results.append(check_stack(spec, opts.root))
+        results[-1].node = place.host
     if "collectives" in opts.checks:
         results.append(spawn_collectives(opts))
     device_checks = [c for c in DEVICE_CHECKS if c in opts.checks]
@@ -79,11 +80,19 @@ def run(opts: Options) -> int:
         import torch
         devices = ([torch.device("cuda", i) for i in range(torch.cuda.device_count())]
                    if torch.cuda.is_available() else [torch.device("cpu")])
+        label = lambda dev: f"{place.host}:{dev.type}{'' if dev.index is None else dev.index}"  # noqa: E731
         for dev in devices:
-            for check in device_checks:
+            for check in (c for c in device_checks if c != "thermal"):
                 r = run_device_check(check, dev, spec, opts)
-                r.node = f"{place.host}:{dev.type}{dev.index if dev.index is not None else ''}"
+                r.node = label(dev)
                 results.append(r)
+        if "thermal" in device_checks:
+            # all GPUs under load at once, as in training: a node's cooling is tested, not one GPU's
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(len(devices)) as pool:
+                for dev, r in zip(devices, pool.map(lambda d: run_device_check("thermal", d, spec, opts), devices)):
+                    r.node = label(dev)
+                    results.append(r)
     if "storage" in opts.checks:
         from llmcluster.validate.storage import check_storage
         r = check_storage(opts.root, spec, opts.quick, opts.storage_size)
@@ -190,8 +199,7 @@ def run_collectives(opts: Options, spec: ValidateSpec, device, place: Place) -> 
                               dist.get_backend(), place.world_size, warmup, iters, tuned)
     if "tune" in unsupported:
         r.add("tune", SKIP, detail=unsupported["tune"])
-    r.node = "all ranks"
-    return r
+    return r      # no node: a collective's result belongs to the job, not to one host
 
 
 def finish(results: list[CheckResult], opts: Options, spec: ValidateSpec) -> int:

@@ -85,8 +85,7 @@ def check_thermal(device, spec: ValidateSpec, seconds: float, nvml=None, interva
     from llmcluster.validate.compute import matmul_load
 
     try:
-        uuid = _uuid(device)
-        handle = nvml.nvmlDeviceGetHandleByUUID(uuid) if uuid else nvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        handle = _handle(nvml, device)
         sample(nvml, handle)   # fail here, before the load, if this driver lacks a call we need
     except Exception as e:
         return skipped("thermal", f"NVML cannot read this GPU: {e}")
@@ -118,12 +117,12 @@ def check_thermal(device, spec: ValidateSpec, seconds: float, nvml=None, interva
     return r
 
 
-def _uuid(device) -> str | None:
-    """The NVML handle must be the same GPU torch loaded, whatever CUDA_VISIBLE_DEVICES renumbered."""
+def _handle(nvml, device):
+    """The NVML handle of the GPU torch calls `device`: by UUID, since CUDA_VISIBLE_DEVICES renumbers
+    torch's devices but not NVML's; by index when the UUID is not available (old torch)."""
     import torch
     try:
         u = str(torch.cuda.get_device_properties(device).uuid)
-        return u if u.startswith("GPU-") else f"GPU-{u}"
+        return nvml.nvmlDeviceGetHandleByUUID(u if u.startswith("GPU-") else f"GPU-{u}")
     except Exception:
-        return None
-
+        return nvml.nvmlDeviceGetHandleByIndex(device.index or 0)
