@@ -151,3 +151,32 @@ def test_bad_cluster_spec_is_one_line(tmp_path):
     assert_one_line_error(run_cli("validate", "stack", "--cluster", spec), "unknown key 'min_busbw'",
                           "did you mean 'min_busbw_GBps'")
     assert_one_line_error(run_cli("validate", "stack", "--cluster", tmp_path / "nope.yaml"), "not found")
+
+
+@pytest.mark.slow
+def test_collectives_as_srun_tasks_gather_on_rank_0(tmp_path):
+    """Two processes with only the variables srun sets (plus MASTER_ADDR/PORT from the batch script),
+    on loopback: the same command a 2-node `srun` runs."""
+    from conftest import free_port
+
+    port = str(free_port())
+    spec = tmp_path / "cluster.yaml"   # this test is about gathering, not speed: no outliers on a busy box
+    spec.write_text("validate:\n  tolerance: 0.9\n")
+    procs = []
+    for rank in (0, 1):
+        env = cli_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                      SLURMD_NODENAME=f"node{rank}", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **WIDE)
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_JOB_ID"):
+            env.pop(k, None)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "llmcluster", "validate", "collectives", "memory", "--quick", "-b", "64K",
+             "-e", "256K", "--ops", "all_reduce,all_gather", "--cluster", str(spec), "--json", str(tmp_path / f"r{rank}.json")],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert not (tmp_path / "r1.json").exists()          # only rank 0 reports
+    doc = json.loads((tmp_path / "r0.json").read_text())
+    assert {r["op"] for r in doc["results"]} == {"all_reduce", "all_gather"}
+    assert all(r["wrong"] == 0 for r in doc["results"])
+    assert {c["node"] for c in doc["checks"] if c["check"] == "memory"} == {"node0:0", "node1:1"}
+    assert "validate:" in outs[0] and "validate:" not in outs[1]

@@ -246,3 +246,30 @@ def test_result_status_is_the_worst_item_and_all_skip_is_skip():
     r.add("c", WARN, detail="meh")
     assert (r.status, r.reason) == (WARN, "c: meh")
     assert CheckResult.from_dict(r.to_dict()).to_dict() == r.to_dict()
+
+
+# -- where a rank sits: torchrun and srun environments ----------------------------------------------
+
+def test_place_from_torchrun_and_srun_env():
+    from llmcluster.validate.distributed import Place, current_place
+
+    srun = {"SLURM_PROCID": "11", "SLURM_NTASKS": "16", "SLURM_LOCALID": "3", "SLURMD_NODENAME": "gpu02"}
+    assert current_place(srun) == Place(11, 16, 3, "gpu02") and current_place(srun).label == "gpu02:3"
+    # torchrun inside an allocation: torchrun's variables win
+    assert current_place({**srun, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).rank == 1
+    # a one-task step is not a distributed run
+    assert not current_place({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).distributed
+
+
+def test_slurm_rendezvous_fills_in_master_addr_and_port():
+    from llmcluster.validate.distributed import first_host, slurm_rendezvous
+
+    assert first_host("node[03-05,07],gpu1") == "node03"
+    assert first_host("gpu7") == "gpu7"
+    env = slurm_rendezvous({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "node[03-04]",
+                            "SLURM_JOB_ID": "4242"})
+    assert env == {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "node03",
+                   "MASTER_PORT": str(15000 + 4242 % 20000)}
+    # exported by the batch script: left alone
+    assert "MASTER_ADDR" not in slurm_rendezvous({"SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+                                                  "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
