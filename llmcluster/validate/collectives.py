@@ -146,21 +146,31 @@ def sum_over_ranks(x: int, device, group=None) -> int:
     return int(t.item())
 
 
+def timed_row(bufs: Buffers, warmup: int, iters: int, group=None) -> dict:
+    """The timing half of a row: time_us (mean over ranks, as nccl-tests), algbw and busbw."""
+    seconds = mean_over_ranks(time_collective(bufs, warmup, iters, group), bufs.device, group)
+    size = bufs.count * 4
+    algbw, busbw = bandwidths(bufs.op, size, seconds, bufs.n)
+    return {"op": bufs.op, "bytes": size, "count": bufs.count, "type": "float32", "inplace": bufs.inplace,
+            "time_us": seconds * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw}
+
+
+def check(bufs: Buffers, group=None) -> int:
+    """Fresh inputs, one more call, and the number of wrong output elements summed over ranks."""
+    bufs.fill()
+    bufs.run(group)
+    synchronize(bufs.device)
+    return sum_over_ranks(bufs.count_wrong(), bufs.device, group)
+
+
 def measure(op: str, nbytes: int, inplace: bool, warmup: int, iters: int, device, group=None) -> dict:
     """One row of the nccl-tests table, identical on every rank."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
-    count = element_count(nbytes, n)
-    bufs = Buffers(op, count, inplace, rank, n, device)
+    bufs = Buffers(op, element_count(nbytes, n), inplace, rank, n, device)
     bufs.fill()
-    seconds = mean_over_ranks(time_collective(bufs, warmup, iters, group), device, group)
-    bufs.fill()
-    bufs.run(group)
-    synchronize(device)
-    wrong = sum_over_ranks(bufs.count_wrong(), device, group)
-    size = count * 4
-    algbw, busbw = bandwidths(op, size, seconds, n)
-    return {"op": op, "bytes": size, "count": count, "type": "float32", "inplace": inplace,
-            "time_us": seconds * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw, "wrong": wrong}
+    row = timed_row(bufs, warmup, iters, group)
+    row["wrong"] = check(bufs, group)
+    return row
 
 
 def sweep(ops, sizes, warmup: int, iters: int, device, group=None, on_row=None) -> tuple[list, dict]:
@@ -197,7 +207,7 @@ def tune(sizes, warmup: int, iters: int, device) -> list[dict]:
             for nbytes in sizes:
                 try:
                     row = measure("all_reduce", nbytes, True, warmup, iters, device, group)
-                except (RuntimeError, dist.DistBackendError) as e:
+                except RuntimeError as e:   # NCCL refuses the combination (e.g. NVLS without NVSwitch)
                     rows.append({"algo": algo, "proto": proto, "bytes": nbytes, "error": str(e)[:160]})
                     break
                 rows.append({"algo": algo, "proto": proto, **row})
