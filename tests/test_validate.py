@@ -25,7 +25,7 @@ WIDE = {"COLUMNS": "200"}
 def test_validate_all_runs_end_to_end_on_cpu(tmp_path):
     root = tmp_path / "storage"
     root.mkdir()
-    proc = run_cli("validate", "all", "--quick", "--root", root, "--json", tmp_path / "r.json",
+    proc = run_cli("validate", "all", "--quick", "-n", "2", "-w", "1", "--root", root, "--json", tmp_path / "r.json",
                    "--plot", tmp_path / "plots", env=cli_env(**WIDE), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "r.json").read_text())
@@ -70,21 +70,6 @@ def test_storage_on_a_tmp_dir_reports_write_and_read(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_corrupted_reduction_is_counted_wrong(tmp_path):
-    proc = run_cli("validate", "collectives", "--nproc", "2", "-b", "64K", "-e", "64K", "-n", "2", "-w", "1",
-                   "--ops", "all_reduce,reduce_scatter,broadcast", "--json", tmp_path / "c.json",
-                   env=cli_env(LLMCLUSTER_VALIDATE_CORRUPT="1", **WIDE), timeout=300)
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "c.json").read_text())["results"]
-    wrong = {(r["op"], r["inplace"]): r["wrong"] for r in rows}
-    # the hook damages every 1000th element of the last rank's reduction output
-    assert wrong[("all_reduce", True)] == 17               # 16384 floats: elements 0, 1000, ..., 16000
-    assert wrong[("reduce_scatter", False)] == wrong[("reduce_scatter", True)] == 9   # its 8192-float chunk
-    assert wrong[("broadcast", True)] == 0                  # not a reduction: untouched
-    assert "wrong elements" in proc.stdout and "validate: FAIL" in proc.stdout
-
-
-@pytest.mark.slow
 def test_allreduce_busbw_matches_a_hand_timed_loop_at_64MB(tmp_path):
     """validate's busbw and a plain `dist.all_reduce` loop, interleaved A B B A in one torchrun job,
     medians compared. On this shared 2-core machine single 64 MB timings vary 2-3x with the other
@@ -110,7 +95,11 @@ def test_allreduce_busbw_matches_a_hand_timed_loop_at_64MB(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_injected_slow_rank_is_named_and_drained_under_torchrun(tmp_path):
+def test_injected_faults_are_caught_under_torchrun(tmp_path):
+    """One 2-rank torchrun job, two injected faults: the last rank corrupts its reductions
+    (LLMCLUSTER_VALIDATE_CORRUPT) and rank 1 reports a fifth of its compute/memory figures
+    (LLMCLUSTER_VALIDATE_SLOW_RANK). The corrupted elements are counted, rank 1 is named as the outlier,
+    and `--drain` drains its host with the reason."""
     # A stand-in scontrol that records its arguments: the real one would drain a node of the emulated
     # Slurm cluster other tests use.
     bindir = tmp_path / "bin"
@@ -118,13 +107,21 @@ def test_an_injected_slow_rank_is_named_and_drained_under_torchrun(tmp_path):
     fake = bindir / "scontrol"
     fake.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" >> {tmp_path}/scontrol.args\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    env = cli_env(LLMCLUSTER_VALIDATE_SLOW_RANK="1", PATH=f"{bindir}:{os.environ['PATH']}",
-                  PYTHONPATH=str(REPO), **WIDE)
+    env = cli_env(LLMCLUSTER_VALIDATE_CORRUPT="1", LLMCLUSTER_VALIDATE_SLOW_RANK="1",
+                  PATH=f"{bindir}:{os.environ['PATH']}", PYTHONPATH=str(REPO), **WIDE)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "llmcluster", "validate", "compute", "memory", "--quick", "--drain", "--json", str(tmp_path / "n.json")]
+           "-m", "llmcluster", "validate", "collectives", "compute", "memory", "--quick", "--drain",
+           "-b", "64K", "-e", "64K", "-n", "2", "-w", "1", "--ops", "all_reduce,reduce_scatter,broadcast",
+           "--json", str(tmp_path / "n.json")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0, proc.stdout[-3000:]      # an outlier is a FAIL
+    assert proc.returncode != 0, proc.stdout[-3000:]      # FAILs: wrong results and an outlier
     doc = json.loads((tmp_path / "n.json").read_text())
+    # the hook damages every 1000th element of the last rank's reduction output
+    wrong = {(r["op"], r["inplace"]): r["wrong"] for r in doc["results"]}
+    assert wrong[("all_reduce", True)] == 17               # 16384 floats: elements 0, 1000, ..., 16000
+    assert wrong[("reduce_scatter", False)] == wrong[("reduce_scatter", True)] == 9   # its 8192-float chunk
+    assert wrong[("broadcast", True)] == 0                  # not a reduction: untouched
+    assert "wrong elements" in proc.stdout
     nodes_check = next(c for c in doc["checks"] if c["check"] == "nodes")
     outliers = {(o["metric"], o["node"].split(":")[-1]) for o in nodes_check["data"]["outliers"]}
     assert outliers == {("compute fp32 TFLOP/s", "1"), ("memory copy GB/s", "1")}, nodes_check
