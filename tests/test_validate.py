@@ -12,7 +12,6 @@ import os
 import stat
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -112,7 +111,7 @@ def test_injected_faults_are_caught_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "llmcluster", "validate", "collectives", "compute", "memory", "--quick", "--drain",
            "-b", "64K", "-e", "64K", "-n", "2", "-w", "1", "--ops", "all_reduce,reduce_scatter,broadcast",
-           "--json", str(tmp_path / "n.json")]
+           "--json", str(tmp_path / "n.json"), "--plot", str(tmp_path / "plots")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0, proc.stdout[-3000:]      # FAILs: wrong results and an outlier
     doc = json.loads((tmp_path / "n.json").read_text())
@@ -129,6 +128,8 @@ def test_injected_faults_are_caught_under_torchrun(tmp_path):
     args = (tmp_path / "scontrol.args").read_text().splitlines()
     assert args[:3] == ["update", f"nodename={doc['environment']['host']}", "state=drain"]
     assert len(args) == 4 and args[3].startswith("reason=llmcluster validate: compute fp32 TFLOP/s")
+    for png in ("collectives_busbw.png", "nodes.png"):    # busbw curves and per-node bars
+        assert (tmp_path / "plots" / png).read_bytes()[:4] == b"\x89PNG"
 
 
 def test_stack_needs_no_torch():
