@@ -20,7 +20,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from conftest import REPO, assert_one_line_error, cli_env, free_port, run_cli
-from test_monitor_helpers import (DASHBOARDS, MONITORING, PROMETHEUS_BUILTINS, FakeNVML, dashboard_queries,
+from monitor_helpers import (DASHBOARDS, MONITORING, PROMETHEUS_BUILTINS, FakeNVML, dashboard_queries,
                                   exported_metric_names, fake_gpu, families, promql_metric_names,
                                   recording_rule_names)
 

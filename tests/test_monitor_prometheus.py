@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from conftest import REPO, cli_env, free_port, run_cli
-from test_monitor_helpers import DASHBOARDS, MONITORING, dashboard_queries, http_get_json
+from monitor_helpers import DASHBOARDS, MONITORING, dashboard_queries, http_get_json
 
 pytestmark = pytest.mark.prometheus
 
