@@ -43,6 +43,19 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
         assert n in lines[0], (n, lines[0])
 
 
+def cli_inprocess(capsys, *args) -> subprocess.CompletedProcess:
+    """`llmcluster ARGS` in this process (no interpreter start-up): same parser, same error handling."""
+    from llmcluster.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:  # argparse
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -54,3 +67,48 @@ def storage(tmp_path: Path) -> Path:
     root = tmp_path / "storage"
     run_cli("storage", "init", "--root", root, check=True)
     return root
+
+
+# -- a tiny model and dataset shared by the training tests --------------------------------------
+TINY = [
+    "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
+    "model.vocab_size=257", "model.max_seq_len=64", "data.dataset=tiny", "data.seq_len=32",
+    "train.micro_batch=4", "train.precision=fp32", "train.lr=3e-3", "train.warmup_steps=2",
+    "log.interval=1", "log.eval_interval=5", "log.eval_batches=2", "log.progress=false",
+]
+
+
+def overrides(*items: str) -> list[str]:
+    """['--set', k=v, ...] for the tiny shape plus `items` (later ones win)."""
+    out: list[str] = []
+    for kv in (*TINY, *items):
+        out += ["--set", kv]
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    """A storage root with a byte-tokenized dataset 'tiny' made from the stdlib's json and email packages."""
+    import sysconfig
+
+    root = tmp_path_factory.mktemp("tiny") / "storage"
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    run_cli("storage", "init", "--root", root, check=True)
+    run_cli("data", "prepare", "--root", root, "--name", "tiny", "--source", stdlib / "json", stdlib / "email",
+            "--tokenizer", "byte", "--val-fraction", "0.2", check=True)
+    return root
+
+
+def read_metrics(root: Path, run: str) -> list[dict]:
+    import json
+
+    path = root / "logs" / run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def torchrun(nproc: int, *args: str, env: dict | None = None, timeout: float = 600,
+             extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node N -m llmcluster ARGS` (real processes, gloo on CPU)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           *extra, "-m", "llmcluster", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=env or cli_env(), capture_output=True, text=True, timeout=timeout)

@@ -14,7 +14,7 @@ def register(sub) -> None:
                       help="files or directories (default: the Python standard library's own source)")
     prep.add_argument("--name", default="stdlib", help="dataset name (default: stdlib)")
     prep.add_argument("--kind", choices=("code", "text"), default="code")
-    prep.add_argument("--tokenizer", default="bpe:8192", metavar="bpe:N|byte|PATH",
+    prep.add_argument("--tokenizer", default="bpe:4096", metavar="bpe:N|byte|PATH",
                       help="train a byte-level BPE of N tokens, use raw bytes, or load a tokenizer.json")
     prep.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out")
     prep.add_argument("--shard-tokens", type=int, default=16 * 1024 * 1024, help="tokens per shard")

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmcluster.data.prepare import META, sha256_file
+from llmcluster.data.prepare import META
+from llmcluster.storage.layout import sha256_file
 from llmcluster.errors import UserError
 from llmcluster.storage.layout import Storage
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from llmcluster.errors import UserError
-from llmcluster.storage.layout import Storage
+from llmcluster.storage.layout import Storage, sha256_file
 
 META = "meta.json"
 CODE_SUFFIXES = {".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go", ".js", ".ts", ".java",
@@ -79,14 +79,6 @@ def read_documents(files: list[Path], max_bytes: int | None) -> list[tuple[Path,
 def is_val(path: Path, seed: int, fraction: float) -> bool:
     h = hashlib.sha256(f"{seed}:{path}".encode()).digest()
     return int.from_bytes(h[:8], "little") / 2**64 < fraction
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
 
 
 class ShardWriter:

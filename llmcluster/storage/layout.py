@@ -6,6 +6,7 @@ rename), so a crash mid-write leaves a directory that every reader here ignores.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -105,6 +106,14 @@ class Storage:
             if d.is_dir():
                 names.update(p.name for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
         return sorted(names)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
 
 
 def read_marker(step_dir: Path) -> dict | None:

@@ -30,8 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from llmcluster.errors import UserError
-from llmcluster.storage.layout import COMPLETE_MARKER, TMP_PREFIX, Storage, read_marker
-from llmcluster.data.prepare import sha256_file
+from llmcluster.storage.layout import COMPLETE_MARKER, TMP_PREFIX, Storage, read_marker, sha256_file
 
 TRAIN_STATE = "train_state.json"
 
@@ -276,5 +275,9 @@ def load_model_weights(path: Path, model) -> None:
     """Model weights only, in one process without a process group (export, generate)."""
     sd = get_model_state_dict(model, options=StateDictOptions())
     state = {"model": sd}
-    dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    import warnings
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=True)
     model.load_state_dict(state["model"])

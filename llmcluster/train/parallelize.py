@@ -107,7 +107,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, env: DistE
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                    process_group=mesh["dp_replicate"].get_group(), broadcast_buffers=False)
+                    process_group=mesh["dp_replicate"].get_group())
     return model
 
 

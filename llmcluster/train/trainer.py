@@ -48,10 +48,10 @@ class Trainer:
         self.dims = D.ParallelDims.from_config(cfg, world)
         self.env = D.init_distributed(cfg, need_group=self.dims.fsdp or self.dims.tp > 1)
         env, dims = self.env, self.dims
+        self.notes: list[str] = []  # said once the run starts (after every input check passed)
         if not D.native_low_precision(env.device, cfg.train.precision):
-            if env.is_main:
-                print(f"warning: train.precision={cfg.train.precision} is emulated on this CPU (no native "
-                      f"support): computing in fp32", file=sys.stderr)
+            self.notes.append(f"warning: train.precision={cfg.train.precision} is emulated on this CPU (no "
+                              "native support): computing in fp32")
             cfg.train.precision = "fp32"
         self.dp_rank, self.dp_size = dims.dp_rank(env.rank), dims.dp
         t = cfg.train
@@ -157,6 +157,7 @@ class Trainer:
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         loss_v, norm_v = float(loss), float(norm)
+        self.lr_used = self.optimizer.param_groups[0]["lr"]
         finite = math.isfinite(loss_v) and (math.isfinite(norm_v) or self.scaler.is_enabled())
         if finite:
             self.scaler.step(self.optimizer)  # fp16: skips by itself on inf gradients
@@ -191,6 +192,8 @@ class Trainer:
         if self.step >= last_step:
             self.log(f"run {cfg.run.name}: already at step {self.step} of {last_step}; nothing to do")
             return 0
+        for note in self.notes:
+            self.log(note)
         if self.resumed_from:
             self.log(f"resumed from {self.resumed_from} (step {self.step})")
         self.log(f"run {cfg.run.name}: {self.dims.describe()}, device {env.device}, {t.precision}, "
@@ -213,7 +216,7 @@ class Trainer:
             if self.step % cfg.log.interval == 0 or do_eval or final:
                 times = D.gather_floats(statistics.median(step_times), env)
                 step_times.clear()
-                record = {"step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                record = {"step": self.step, "loss": loss, "lr": self.lr_used,
                           "grad_norm": norm, "tokens_per_s": tps, "mfu": mfu, "step_time_s": dt,
                           "tokens_seen": self.sampler.consumed * cfg.data.seq_len,
                           "rank_step_time_s": times, "bad_steps": self.bad_total}

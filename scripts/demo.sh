@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: storage init -> data prepare (the stdlib's own source) ->
+# 2-rank torchrun training of llm_tiny on CPU -> export to Hugging Face format -> a generated sample.
+# Run again and it resumes (or finds the run finished) instead of starting over.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+LLMC="$VENV/bin/llmcluster"
+ROOT=${LLMCLUSTER_STORAGE:-./storage}
+RUN=llm-tiny
+NPROC=${NPROC:-2}
+step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+
+step "1/5 storage layout under $ROOT"
+"$LLMC" storage init --root "$ROOT"
+
+step "2/5 dataset: the Python standard library's source, byte-level BPE"
+if [ -f "$ROOT/datasets/code/stdlib/meta.json" ]; then
+  echo "dataset already prepared: $ROOT/datasets/code/stdlib"
+else
+  "$LLMC" data prepare --root "$ROOT" --name stdlib --kind code
+fi
+
+step "3/5 training llm_tiny with $NPROC ranks (torchrun, gloo, CPU)"
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/torchrun" --standalone --nproc-per-node "$NPROC" -m llmcluster \
+  train --config configs/llm_tiny.yaml --root "$ROOT"
+
+step "4/5 export to Hugging Face Llama format"
+"$LLMC" export --run "$RUN" --root "$ROOT"
+
+step "5/5 a sample (prompt: 'def ')"
+"$LLMC" generate --model "$RUN" --root "$ROOT" --prompt "def " --max-new-tokens 150 --temperature 0.7
+
+step "where everything went"
+"$LLMC" storage status --root "$ROOT"
+cat <<MSG
+  dataset      $ROOT/datasets/code/stdlib/   (token shards, tokenizer.json, meta.json)
+  checkpoints  $ROOT/checkpoints/$RUN/step_<N>/
+  metrics      $ROOT/logs/$RUN/metrics.jsonl
+  model        $ROOT/models/$RUN/   (load with transformers.AutoModelForCausalLM.from_pretrained)
+MSG
