@@ -44,6 +44,13 @@ def test_sbatch_like_the_seed_and_valid_bash(tmp_path):
     assert not (tmp_path / "s").exists(), "--dry-run wrote files"
 
 
+def test_env_values_written_as_numbers_are_exported_as_text(tmp_path):
+    # `--set job.env.X=22` and `env: {X: 22}` in YAML both parse as numbers; the environment is text
+    p = dry(tmp_path, "--set", "job.env.NCCL_IB_TIMEOUT=22", "--set", "job.env.NCCL_IB_DISABLE=true")
+    assert p.returncode == 0, p.stderr
+    assert "export NCCL_IB_TIMEOUT=22" in p.stdout and "export NCCL_IB_DISABLE=true" in p.stdout
+
+
 def test_pyxis_container_flags(tmp_path):
     p = dry(tmp_path, "--image", "nvcr.io/nvidia/pytorch:24.07-py3",
             "--set", "job.mounts=[{source: /data, path: /data, read_only: true}]")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -78,3 +79,21 @@ def test_cancel_stops_a_running_job(slurm, tmp_path):
             break
         time.sleep(0.5)
     assert not left.strip(), f"processes of job {job} survived the cancel: {left}"
+
+
+def test_validate_collectives_across_both_nodes(slurm, tmp_path):
+    """`llmcluster validate collectives` as the job's program: the bring-up check an operator runs on a new
+    allocation, over the same sbatch + srun + torchrun chain (gloo on CPU, world size 2, one rank per node)."""
+    root = tmp_path / "s"
+    report = tmp_path / "collectives.json"
+    job = launch(root, "nccl-check", f"{sys.executable} -m llmcluster validate collectives --quick -b 64K -e 256K "
+                 f"-f 4 -n 2 -w 1 --json {report}", "--set", "job.env.COLUMNS=120")   # rich: a wide table
+    assert wait_for(job, ("COMPLETED",), timeout=240) == "COMPLETED"
+    doc = json.loads(report.read_text())
+    coll = next(c for c in doc["checks"] if c["check"] == "collectives")
+    assert coll["status"] == "PASS" and coll["data"]["world_size"] == 2, coll
+    results = doc["results"]
+    assert {r["op"] for r in results} >= {"all_reduce", "all_gather", "broadcast"}
+    assert {r["bytes"] for r in results} >= {64 * 1024, 256 * 1024}
+    assert all(r["wrong"] == 0 and r["busbw_GBps"] > 0 for r in results), results
+    assert "busbw" in run_cli("jobs", "logs", "nccl-check", "--root", root, check=True).stdout

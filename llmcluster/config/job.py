@@ -118,6 +118,15 @@ class JobSpec(BaseModel):
     _names = field_validator("partition", "account")(_match(NAME_RE, "job.", NAME_CHARS))
     _image = field_validator("image")(_match(IMAGE_RE, "job.", "an image reference (registry/repo:tag)"))
 
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_scalars(cls, v):
+        # YAML and --set read `NCCL_IB_TIMEOUT: 22` as a number; the environment is text either way
+        if isinstance(v, dict):
+            return {k: str(x).lower() if isinstance(x, bool) else str(x) if isinstance(x, (int, float)) else x
+                    for k, x in v.items()}
+        return v
+
     @field_validator("env")
     @classmethod
     def _env(cls, v):
