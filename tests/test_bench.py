@@ -43,3 +43,16 @@ def test_bench_bad_input_is_a_one_line_error(tmp_path):
     assert_one_line_error(proc, "--steps")
     proc = run_cli("bench", "--root", tmp_path / "s", *SMALL, "--set", "parallel.tp=2")
     assert_one_line_error(proc, "parallel.tp=2", "world size 1")
+
+
+def test_gpu_check_script_is_valid_bash():
+    # The script itself needs a GPU (benchmarks/gpu_check.sh); here only its syntax can be checked.
+    import subprocess
+
+    from conftest import REPO
+
+    script = REPO / "benchmarks" / "gpu_check.sh"
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    text = script.read_text()
+    assert "set -euo pipefail" in text and "tests/test_gpu.py" in text and "llm_1b" in text

@@ -39,10 +39,8 @@ from llmcluster.train.parallelize import parallelize, unwrap
 
 
 def build_for_bench(cfg: JobConfig, dims: D.ParallelDims, env: D.DistEnv) -> torch.nn.Module:
-    """The parallelized model. On GPU it is built on the meta device and materialised shard by shard
-    (an 8B model never exists whole in host memory); on CPU it is built seeded, as train does."""
-    if env.device.type != "cuda":
-        return parallelize(build_model(cfg.model, device="cpu", seed=cfg.run.seed), cfg, dims, env)
+    """The parallelized model, built on the meta device and materialised shard by shard on the device
+    (an 8B model never exists whole in host memory). Unseeded: a benchmark needs shapes, not weights."""
     model = parallelize(build_model(cfg.model, device="meta"), cfg, dims, env)
     model.to_empty(device=env.device)
     unwrap(model).init_weights()
