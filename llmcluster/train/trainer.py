@@ -48,11 +48,7 @@ class Trainer:
         self.dims = D.ParallelDims.from_config(cfg, world)
         self.env = D.init_distributed(cfg, need_group=self.dims.fsdp or self.dims.tp > 1)
         env, dims = self.env, self.dims
-        if not D.native_low_precision(env.device, cfg.train.precision):
-            if env.is_main:
-                print(f"warning: train.precision={cfg.train.precision} is emulated on this CPU (no native "
-                      f"support): computing in fp32", file=sys.stderr)
-            cfg.train.precision = "fp32"
+        D.resolve_precision(cfg, env)  # fp32 where bf16 would be emulated (AVX2-only CPUs)
         self.dp_rank, self.dp_size = dims.dp_rank(env.rank), dims.dp
         t = cfg.train
         self.global_batch = t.global_batch or t.micro_batch * t.grad_accum * self.dp_size
