@@ -45,6 +45,11 @@ pick_python() {
 
 PY=$(pick_python)
 log "python: $PY"
+# The project's own dependencies (pyproject's addopts need pytest-timeout); installs only what is missing.
+if ! "$PY" -c 'import pydantic, yaml, rich, pytest, pytest_timeout, transformers' 2>/dev/null; then
+    timeout 300 "$PY" -m pip install -q pydantic pyyaml rich pytest pytest-timeout transformers \
+        || echo "warning: could not install the Python dependencies; some steps will fail"
+fi
 "$PY" - <<'EOF'
 import torch
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available {torch.cuda.is_available()}")
