@@ -8,6 +8,7 @@ builds the device mesh, like torchtitan's. Data-parallel rank/size follow from t
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -171,3 +172,13 @@ def native_low_precision(device: torch.device, precision: str) -> bool:
     if precision == "bf16":
         return "avx512_bf16" in flags or "amx_bf16" in flags
     return "avx512_fp16" in flags or "amx_fp16" in flags
+
+
+def resolve_precision(cfg: JobConfig, env: DistEnv) -> str:
+    """Set cfg.train.precision to what will really run here (fp32 where bf16/fp16 would be emulated)."""
+    if not native_low_precision(env.device, cfg.train.precision):
+        if env.is_main:
+            print(f"warning: train.precision={cfg.train.precision} is emulated on this CPU (no native "
+                  f"support): computing in fp32", file=sys.stderr)
+        cfg.train.precision = "fp32"
+    return cfg.train.precision

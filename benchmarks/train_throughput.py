@@ -1,0 +1,129 @@
+"""Training-step throughput: llmcluster's Llama + trainer step vs Hugging Face `LlamaForCausalLM`.
+
+Same shape (a job config's model section), same batch, precision, thread count, optimizer (AdamW) and
+loss; one process. Runs are interleaved (A B, B A, A B, ...) because timings on shared machines drift by
+±25% over minutes; each side reports the median of its timed steps after warm-up.
+
+    OMP_NUM_THREADS=2 python benchmarks/train_throughput.py --precision bf16 --compile
+
+bf16 is only fast on CPUs with avx512_bf16/AMX (or on GPU); elsewhere it is emulated (~50× slower than
+fp32) and this script says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from llmcluster.config.load import load_job_config  # noqa: E402
+from llmcluster.model.flops import param_count  # noqa: E402
+from llmcluster.model.llama import build_model  # noqa: E402
+from llmcluster.train.distributed import native_low_precision  # noqa: E402
+from llmcluster.train.optimizer import build_optimizer  # noqa: E402
+from llmcluster.train.parallelize import apply_compile  # noqa: E402
+
+
+def hf_model(m, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    conf = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.ffn_hidden,
+                       num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                       num_key_value_heads=m.kv_heads, max_position_embeddings=m.max_seq_len,
+                       rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings,
+                       attention_bias=False, mlp_bias=False, attn_implementation="sdpa")
+    return LlamaForCausalLM(conf).to(device)
+
+
+def make_step(model, optimizer, device, precision: str, logits_of):
+    ac = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
+          else contextlib.nullcontext())
+
+    def step(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        with ac:
+            logits = logits_of(model, x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return float(loss.detach())
+    return step
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="llm_tiny", help="job config whose model section is the shape")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--compile", action="store_true", help="torch.compile both (ours per block, HF whole)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per round and side")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per round and side")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    args = ap.parse_args()
+
+    cfg = load_job_config(args.config, args.overrides)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not native_low_precision(device, args.precision):
+        print(f"note: {args.precision} is emulated on this CPU (no avx512_bf16/AMX): both sides run slowly; "
+              "the ratio still compares like with like", file=sys.stderr)
+    m = cfg.model
+    torch.manual_seed(0)
+    ours = build_model(m, device="cpu", seed=0).to(device)
+    if args.compile:
+        apply_compile(ours, device)
+    theirs = hf_model(m, device)
+    if args.compile:
+        theirs = torch.compile(theirs)
+    train = cfg.train.model_copy(update={"lr": 1e-4})
+    sides = {
+        "llmcluster": make_step(ours, build_optimizer(ours, train, device), device, args.precision,
+                                lambda mod, x: mod(x)),
+        "transformers": make_step(theirs, build_optimizer(theirs, train, device), device, args.precision,
+                                  lambda mod, x: mod(input_ids=x).logits),
+    }
+    gen = torch.Generator().manual_seed(0)
+    xy = torch.randint(0, m.vocab_size, (args.batch, args.seq_len + 1), generator=gen).to(device)
+    x, y = xy[:, :-1], xy[:, 1:]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    print(f"shape: {m.n_layers} layers, d {m.d_model}, {m.n_heads} heads ({m.kv_heads} kv), ffn {m.ffn_hidden}, "
+          f"vocab {m.vocab_size} = {param_count(m) / 1e6:.1f}M params; batch {args.batch} × {args.seq_len}; "
+          f"{args.precision}{' compiled' if args.compile else ''}; {torch.get_num_threads()} threads; {device}")
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    names = list(sides)
+    for r in range(args.rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            step = sides[name]
+            for _ in range(args.warmup if r == 0 or args.warmup == 0 else 1):
+                step(x, y)
+            for _ in range(args.steps):
+                sync()
+                t0 = time.perf_counter()
+                step(x, y)
+                sync()
+                times[name].append(time.perf_counter() - t0)
+    tokens = args.batch * args.seq_len
+    tps = {k: tokens / statistics.median(v) for k, v in times.items()}
+    for k, v in tps.items():
+        spread = f"{tokens / max(times[k]):,.0f}-{tokens / min(times[k]):,.0f}"
+        print(f"{k:13s} {v:10,.0f} tokens/s  (median of {len(times[k])} steps; range {spread})")
+    print(f"ratio llmcluster / transformers: {tps['llmcluster'] / tps['transformers']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""`llmcluster bench`: the training step's throughput on this machine, with the job's model and mesh.
+
+Same pieces as `train` (ParallelDims → parallelize → AdamW → autocast rule), random tokens instead of a
+dataset (the input pipeline is never the bottleneck, and a benchmark should not need one), warm-up steps
+that are not timed (compile, allocator, first all-gathers), then timed steps. The step time is the
+median over the timed steps of the slowest rank.
+
+MFU follows PaLM (6N + 12·L·H·Q·T FLOPs per token, recompute not counted) divided by the peak for the
+precision actually used: the datasheet figure on a known GPU, a measured matmul peak on CPU. The record
+under <root>/logs/bench/ is what `llmcluster plan --calibrate` reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from llmcluster.config.load import load_job_config
+from llmcluster.config.schema import JobConfig
+from llmcluster.errors import UserError
+from llmcluster.model import flops_per_token
+from llmcluster.model.flops import param_count
+from llmcluster.model.llama import build_model
+from llmcluster.paths import resolve_storage_root
+from llmcluster.storage.layout import Storage
+from llmcluster.train import distributed as D
+from llmcluster.train.metrics import device_peak_flops
+from llmcluster.train.optimizer import build_optimizer
+from llmcluster.train.parallelize import parallelize, unwrap
+
+
+def build_for_bench(cfg: JobConfig, dims: D.ParallelDims, env: D.DistEnv) -> torch.nn.Module:
+    """The parallelized model, built on the meta device and materialised shard by shard on the device
+    (an 8B model never exists whole in host memory). Unseeded: a benchmark needs shapes, not weights."""
+    model = parallelize(build_model(cfg.model, device="meta"), cfg, dims, env)
+    model.to_empty(device=env.device)
+    unwrap(model).init_weights()
+    return model
+
+
+def autocast(cfg: JobConfig, dims: D.ParallelDims, device: torch.device):
+    """The trainer's rule: FSDP's MixedPrecisionPolicy casts on GPU; autocast everywhere else."""
+    p = cfg.train.precision
+    if p == "fp32" or (dims.fsdp and device.type == "cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if p == "bf16" else torch.float16)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def run_bench(cfg: JobConfig, root: Path, steps: int, warmup: int) -> dict:
+    if steps < 1 or warmup < 0:
+        raise UserError(f"--steps must be >= 1 and --warmup >= 0 (got {steps} and {warmup})")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    dims = D.ParallelDims.from_config(cfg, world)
+    env = D.init_distributed(cfg, need_group=dims.fsdp or dims.tp > 1)
+    D.resolve_precision(cfg, env)
+    t = cfg.train
+    dp = dims.dp
+    global_batch = t.micro_batch * t.grad_accum * dp
+    seq = cfg.data.seq_len
+    if seq > cfg.model.max_seq_len:
+        raise UserError(f"data.seq_len ({seq}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
+    out_dir = Storage(root).require_writable(root / "logs" / "bench")
+
+    torch.manual_seed(cfg.run.seed)
+    model = build_for_bench(cfg, dims, env)
+    optimizer = build_optimizer(model, t, env.device)
+    # Random tokens, different per data-parallel rank, identical across a TP group (TP ranks share input).
+    gen = torch.Generator().manual_seed(cfg.run.seed + dims.dp_rank(env.rank))
+
+    def batch():
+        xy = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, seq + 1), generator=gen)
+        return xy[:, :-1].to(env.device), xy[:, 1:].to(env.device)
+
+    ddp = dims.ddp and env.distributed
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        for i in range(t.grad_accum):
+            x, y = batch()
+            sync = model.no_sync() if ddp and i < t.grad_accum - 1 else contextlib.nullcontext()
+            with sync:
+                with autocast(cfg, dims, env.device):
+                    logits = model(x)
+                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+                (loss / t.grad_accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
+        optimizer.step()
+        return float(loss.detach())  # a host sync: the step's work has finished when this returns
+
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+    model.train()
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        if env.device.type == "cuda":
+            torch.cuda.synchronize(env.device)
+        times.append(time.perf_counter() - t0)
+    step_time = D.all_reduce_max(statistics.median(times), env)  # the slowest rank sets the pace
+    peak_mem = int(D.all_reduce_max(float(peak_memory_bytes(env.device)), env))
+    peak, source = device_peak_flops(env.device, t.precision)
+    fpt = flops_per_token(cfg.model, seq)
+    tps = global_batch * seq / step_time
+    record = {
+        "model_params": param_count(cfg.model), "flops_per_token": fpt,
+        "tokens_per_s": tps, "tokens_per_s_per_device": tps / world, "step_time_s": step_time,
+        "mfu": fpt * tps / (peak * world) if peak else None, "peak_tflops": peak / 1e12 if peak else None,
+        "peak_source": source, "device_name": device_name(env.device), "precision": t.precision,
+        "world_size": world, "seq_len": seq, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
+        "global_batch": global_batch,
+        "parallel": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
+                     "fsdp": dims.fsdp, "activation_checkpoint": cfg.parallel.activation_checkpoint,
+                     "compile": t.compile, "describe": dims.describe()},
+        "peak_memory_bytes": peak_mem, "steps": steps, "warmup": warmup, "run": cfg.run.name,
+        "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if env.is_main:
+        path = out_dir / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-w{world}.json"
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        record["path"] = str(path)
+        print(report(record), flush=True)
+    return record
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return f"CPU {line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
+    except OSError:
+        pass
+    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def report(r: dict) -> str:
+    mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+    peak = f"{r['peak_tflops']:.3g} TFLOP/s, {r['peak_source']}" if r["peak_tflops"] else r["peak_source"]
+    return "\n".join([
+        f"bench {r['run']}: {r['model_params'] / 1e6:,.1f}M params, {r['parallel']['describe']}, "
+        f"{r['precision']}, AC {r['parallel']['activation_checkpoint']}, compile {r['parallel']['compile']}",
+        f"  device        {r['device_name']}",
+        f"  batch         {r['global_batch']} × {r['seq_len']} tokens (micro {r['micro_batch']} × accum "
+        f"{r['grad_accum']} × dp {r['global_batch'] // (r['micro_batch'] * r['grad_accum'])})",
+        f"  step time     {r['step_time_s'] * 1e3:,.1f} ms (median of {r['steps']} after {r['warmup']} warm-up)",
+        f"  tokens/s      {r['tokens_per_s']:,.0f} total, {r['tokens_per_s_per_device']:,.0f} per device",
+        f"  MFU           {mfu}  (vs {peak})",
+        f"  peak memory   {r['peak_memory_bytes'] / 2**30:.2f} GiB per rank",
+        f"  record        {r.get('path', '-')}",
+    ])
+
+
+def bench_cli(args) -> int:
+    cfg = load_job_config(args.config, args.overrides)
+    root = resolve_storage_root(args.root, cfg.run.storage)
+    try:
+        run_bench(cfg, root, args.steps, args.warmup)
+        return 0
+    finally:
+        D.shutdown()
