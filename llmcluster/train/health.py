@@ -4,7 +4,7 @@ Non-finite steps are skipped in `Trainer.train_step`; this module holds what wat
 
 - `LossSpikeDetector`: like llm.c's outlier detector, the z-score of this step's loss against a window of
   recent losses. Every rank sees the same all-reduced loss, so every rank takes the same decision.
-- `slow_ranks`: ranks whose step time exceeds the median by `log.straggler_factor`.
+- `slow_ranks`: ranks whose compute time (step start to the last forward: no collective waits under DDP) exceeds the median by `log.straggler_factor`.
 - `CollectiveFailure`: a collective that timed out (`dist.timeout_s`) or lost its peer, reported as one
   line naming the step and the rank, instead of a hang or a C++ traceback.
 - `SampleLog`: opt-in (`log.sample_log: true`) per-rank record of the global sample ids of every step, so
@@ -75,7 +75,7 @@ class CollectiveFailure(UserError):
         timed_out = "timed out" in what.lower() or "timeout" in what.lower()
         cause = (f"a collective did not complete within dist.timeout_s={timeout_s:g}s" if timed_out
                  else "a collective failed (a peer rank died or closed its connection)")
-        super().__init__(f"step {step}, rank {rank}: {cause}: another rank is hung, dead or far slower "
+        super().__init__(f"after step {step}, rank {rank}: {cause}: another rank is hung, dead or far slower "
                          f"(see its log; the last complete checkpoint is intact) [{what}]",
                          exit_code=EXIT_RUNTIME)
 

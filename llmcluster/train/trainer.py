@@ -31,7 +31,7 @@ from llmcluster.storage.layout import Storage
 from llmcluster.train import distributed as D
 from llmcluster.train.checkpoint import Checkpointer
 from llmcluster.train.health import (CollectiveFailure, FaultInjector, LossSpikeDetector, SampleLog,
-                                     is_collective_error)
+                                     is_collective_error, slow_ranks)
 from llmcluster.train.metrics import MetricsLog, device_peak_flops
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
 from llmcluster.train.parallelize import parallelize
@@ -146,6 +146,7 @@ class Trainer:
         accum = cfg.train.grad_accum
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.env.device, dtype=torch.float32)
+        t0 = time.perf_counter()
         self.inject.maybe_sleep(self.step + 1)
         sample_ids: list[int] = []
         for i, (ids, x, y) in enumerate(self.sampler.micro_batches(self.global_batch, self.dp_rank,
@@ -157,6 +158,8 @@ class Trainer:
             with sync:
                 with self.autocast():
                     logits = model(x)
+                if last:  # this rank's own work up to its first gradient all-reduce (DDP): straggler signal
+                    self.busy_s = time.perf_counter() - t0
                 loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
                 if self.inject.loss_factor(self.step + 1) is not None:  # test hook (health.py)
                     loss = loss * self.inject.loss_factor(self.step + 1)
@@ -229,6 +232,7 @@ class Trainer:
         self.model.train()
         step_times: list[float] = []
         recent_dt: collections.deque[float] = collections.deque(maxlen=20)
+        busy: list[float] = []
         while self.step < last_step:
             t0 = time.perf_counter()
             loss, norm, applied = self.train_step()
@@ -236,6 +240,7 @@ class Trainer:
             dt = time.perf_counter() - t0
             step_times.append(dt)
             recent_dt.append(dt)
+            busy.append(self.busy_s)
             self._check_bad_step(loss, norm, applied)
             tps = tokens_per_step / dt
             mfu = self.flops_per_token * tps / (self.peak_flops * env.world_size) if self.peak_flops else 0.0
@@ -243,14 +248,16 @@ class Trainer:
             do_eval = self.step % cfg.log.eval_interval == 0 or self.step == t.steps
             if self.step % cfg.log.interval == 0 or do_eval or final:
                 times = D.gather_floats(statistics.median(step_times), env)
+                busy_times = D.gather_floats(statistics.median(busy), env)
                 step_times.clear()
+                busy.clear()
                 record = {"step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
                           "grad_norm": norm, "tokens_per_s": tps, "mfu": mfu, "step_time_s": dt,
                           "tokens_seen": self.sampler.consumed * cfg.data.seq_len,
-                          "rank_step_time_s": times, "bad_steps": self.bad_total}
+                          "rank_step_time_s": times, "rank_busy_s": busy_times, "bad_steps": self.bad_total}
                 if do_eval:
                     record["val_loss"] = self.evaluate()
-                self._note_stragglers(times)
+                self._note_stragglers(busy_times)
                 if self.metrics:
                     self.metrics.write(record)
                 if self.prom:
@@ -328,12 +335,11 @@ class Trainer:
     def _note_stragglers(self, times: list[float]) -> None:
         if len(times) < 2:
             return
-        med = statistics.median(times)
-        slow = [r for r, v in enumerate(times) if med > 0 and v > med * self.cfg.log.straggler_factor]
+        med, slow = slow_ranks(times, self.cfg.log.straggler_factor)
         if self.prom and self.env.is_main:
             self.prom.straggler(slow[0] if slow else None)
         for r in slow:
-            self.log(f"warning: straggler: rank {r} step time {times[r]:.3f}s vs median {med:.3f}s")
+            self.log(f"warning: straggler: rank {r} compute time {times[r]:.3f}s vs median {med:.3f}s")
 
     def close(self) -> None:
         self.preempt.uninstall()
