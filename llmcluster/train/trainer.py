@@ -313,7 +313,7 @@ class Trainer:
         steps = max(1, round(optimum_s / max(step_s, 1e-9)))
         steps = int(D.all_reduce_max(float(steps) if self.env.is_main else 0.0, self.env))
         if steps != self.ckpt_every:
-            self.log(f"checkpoint interval auto: sqrt(2 × C {c:.3f} s × MTBF {m:.4g} s) = {optimum_s:.1f} s "
+            self.log(f"checkpoint interval auto: sqrt(2 × C {c:.3f} s × MTBF {m:.4g} s) = {optimum_s:.3f} s "
                      f"= every {steps} steps of {step_s:.4f} s")
             self.ckpt_every = steps
 
