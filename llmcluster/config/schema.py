@@ -140,6 +140,7 @@ class LogConfig(Section):
     progress: bool = True                     # rank 0 progress bar on a terminal
     metrics_port: int | None = Field(None, ge=0, le=65535)  # Prometheus llmcluster_train_* (0: any free)
     straggler_factor: float = Field(1.5, gt=1)  # a rank slower than median * factor is named
+    sample_log: bool = False                  # logs/<run>/samples-rank<r>.jsonl: global sample ids per step
 
 
 class DistConfig(Section):

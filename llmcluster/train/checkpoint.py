@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
@@ -132,6 +133,42 @@ def verify_checkpoint(step_dir: Path) -> str | None:
     return None
 
 
+def _state_bytes(state) -> int:
+    """Bytes of the tensors in a (nested) state dict: what a checkpoint of it needs on disk."""
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed save: DCP wraps each rank's exception in a CheckpointException."""
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, CheckpointException):
+        for failure in e.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", failure)
+            if isinstance(inner, BaseException):
+                found = _os_error(inner)
+                if found is not None:
+                    return found
+    if e.__cause__ is not None:
+        return _os_error(e.__cause__)
+    return None
+
+
+def _any_rank(flag: bool) -> bool:
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -151,13 +188,21 @@ class Checkpointer:
         self.storage, self.run, self.rank, self.world = storage, run, rank, world_size
         self.keep_last, self.keep_every, self.log = keep_last, keep_every, log
         self.dir = storage.run_checkpoints(run)
-        self.last_save_s: float | None = None   # measured write time (for the Young/Daly interval)
+        self.last_save_s: float | None = None   # time training was blocked by the last save (Young/Daly C)
+        self.last_write_s: float | None = None  # start of the last save to its completion marker
         self.last_bytes: int | None = None
+        self.pending = None                     # an async save in flight: (step, tmp dir, t0, future)
+        self._group = None
 
     # -- save --------------------------------------------------------------------------------------
-    def save(self, step: int, model, optimizer, train_state: dict) -> Path:
+    def save(self, step: int, model, optimizer, train_state: dict, deadline: float | None = None,
+             async_: bool = False) -> Path | None:
+        """Write step_<N>. Sync: returns its path, or None when it could not finish before `deadline`
+        (time.time(); the preemption grace period): then the partial write is discarded and the previous
+        checkpoint stays the newest. Async: stages the state in memory, writes it in a thread and returns
+        None; `poll()` at later step boundaries finalizes it once every rank's write has completed."""
+        self.wait_pending()
         t0 = time.time()
-        final = self.dir / f"step_{step}"
         tmp = self.dir / f"{TMP_PREFIX}step_{step}"
         if self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -166,14 +211,60 @@ class Checkpointer:
         _barrier()
         try:
             model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp))
+            state = {"model": model_sd, "optim": optim_sd}
+            self._estimate = _state_bytes(state)
             (tmp / "rng").mkdir(exist_ok=True)
             _write_json_atomic(tmp / "rng" / f"rank_{self.rank}.json", _rng_state())
             if self.rank == 0:
                 _write_json_atomic(tmp / TRAIN_STATE, {**train_state, "step": step, "world_size": self.world})
-        except OSError as e:
+            if async_:
+                # A process group of its own: the writer thread's collectives must not interleave with
+                # the training loop's on the default group.
+                future = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp),
+                                        process_group=self._async_group())
+                self.pending = (step, tmp, t0, future)
+                self.last_save_s = time.time() - t0  # the time training was blocked (staging)
+                return None
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+        except (OSError, CheckpointException) as e:
             self._fail(tmp, e, step)
+        path = self._finalize(step, tmp, t0, deadline)
+        self.last_save_s = self.last_write_s
+        return path
+
+    def poll(self) -> Path | None:
+        """At a step boundary (every rank): finalize the async write if every rank's part is done."""
+        if self.pending is None:
+            return None
+        done = self.pending[3].done()
+        if dist.is_initialized():
+            flag = torch.tensor([1 if done else 0], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            done = bool(flag.item())
+        return self.wait_pending() if done else None
+
+    def wait_pending(self) -> Path | None:
+        """Block until the async write (if any) is written on this rank, then finalize it (collective)."""
+        if self.pending is None:
+            return None
+        step, tmp, t0, future = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except (OSError, CheckpointException) as e:
+            self._fail(tmp, e, step)
+        return self._finalize(step, tmp, t0, None)
+
+    def _finalize(self, step: int, tmp: Path, t0: float, deadline: float | None) -> Path | None:
         _barrier()
+        if deadline is not None and _any_rank(time.time() > deadline):
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            _barrier()
+            self.log(f"warning: checkpoint step_{step} did not finish within checkpoint.grace_period_s: "
+                     "discarded; the previous checkpoint is intact")
+            return None
+        final = self.dir / f"step_{step}"
         # Each rank hashes its own DCP files (in parallel); rank 0 the shared ones.
         mine = {}
         for f in sorted(tmp.rglob("*")):
@@ -205,18 +296,27 @@ class Checkpointer:
                 self._fail(final, e, step)
             self.prune()
         _barrier()
-        self.last_save_s = time.time() - t0
+        self.last_write_s = time.time() - t0
         return final
 
-    def _fail(self, path: Path, e: OSError, step: int):
+    def _async_group(self):
+        if dist.is_initialized() and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _fail(self, path: Path, e: BaseException, step: int):
         shutil.rmtree(path, ignore_errors=True)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        os_err = _os_error(e)
+        if os_err is not None and os_err.errno in (errno.ENOSPC, errno.EDQUOT):
             free = shutil.disk_usage(self.dir).free
-            need = self.last_bytes or 0
+            need = self.last_bytes or getattr(self, "_estimate", 0)
             raise UserError(f"disk full writing checkpoint step_{step} to {self.dir}: it needs about "
                             f"{max(need, 1) / 1e6:.1f} MB, {free / 1e6:.1f} MB free; the previous checkpoint "
-                            "is intact") from None
-        raise UserError(f"cannot write checkpoint step_{step} to {self.dir}: {e.strerror or e}") from None
+                            "is intact (free space or lower checkpoint.keep_last)") from None
+        if os_err is None:
+            raise e
+        raise UserError(f"cannot write checkpoint step_{step} to {self.dir}: {os_err.strerror or os_err}") \
+            from None
 
     def prune(self) -> None:
         """Keep the newest `keep_last` complete checkpoints plus milestones; drop older incomplete ones."""

@@ -125,12 +125,26 @@ def init_distributed(cfg: JobConfig, need_group: bool = False) -> DistEnv:
             backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=cfg.dist.timeout_s)
         if under_launcher:
-            dist.init_process_group(backend=backend, timeout=timeout,
+            dist.init_process_group(backend=backend, timeout=timeout, store=_attempt_store(timeout),
+                                    rank=rank, world_size=world,
                                     device_id=device if device.type == "cuda" else None)
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
     return DistEnv(rank, world, local_rank, local_world, device)
+
+
+def _attempt_store(timeout: timedelta):
+    """torchrun keeps one store across restarts of the worker group: without a per-attempt prefix a
+    restarted rank can read a dead rank's gloo address from the previous attempt ("Connection refused")."""
+    env = os.environ
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        return None
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]),
+                          is_master=env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and env["RANK"] == "0",
+                          timeout=timeout)
+    return dist.PrefixStore(f"llmcluster/attempt_{attempt}", store)
 
 
 def shutdown() -> None:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
@@ -29,6 +30,8 @@ from llmcluster.paths import resolve_storage_root
 from llmcluster.storage.layout import Storage
 from llmcluster.train import distributed as D
 from llmcluster.train.checkpoint import Checkpointer
+from llmcluster.train.health import (CollectiveFailure, FaultInjector, LossSpikeDetector, SampleLog,
+                                     is_collective_error, slow_ranks)
 from llmcluster.train.metrics import MetricsLog, device_peak_flops
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
 from llmcluster.train.parallelize import parallelize
@@ -84,6 +87,10 @@ class Trainer:
         self.bad_in_row = 0
         self.bad_total = 0
         self.resumed_from = None
+        self.spikes = LossSpikeDetector(t.spike_window, t.spike_zscore)
+        self.inject = FaultInjector(env.rank)
+        self.ckpt_every = cfg.checkpoint.interval_steps  # interval=auto retunes it after each checkpoint
+        self.sample_log = SampleLog(self.storage.run_logs(cfg.run.name), env.rank) if cfg.log.sample_log else None
         path = self.ckpt.find_resume(resume)
         if path is not None:
             state = self.ckpt.load(path, self.model, self.optimizer)
@@ -93,6 +100,7 @@ class Trainer:
             if "scaler" in state and t.precision == "fp16":
                 self.scaler.load_state_dict(state["scaler"])
             self.bad_total = int(state.get("bad_steps", 0))
+            self.spikes.load_state_dict(state.get("loss_window"))
             self.resumed_from = path
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops, self.peak_source = device_peak_flops(env.device, t.precision)
@@ -128,7 +136,7 @@ class Trainer:
     def train_state(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-                "bad_steps": self.bad_total, "config": config_to_dict(self.cfg),
+                "bad_steps": self.bad_total, "loss_window": self.spikes.state_dict(), "config": config_to_dict(self.cfg),
                 "parallel": self.dims.describe()}
 
     # -- one optimizer step ------------------------------------------------------------------------
@@ -138,7 +146,10 @@ class Trainer:
         accum = cfg.train.grad_accum
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.env.device, dtype=torch.float32)
-        for i, (_ids, x, y) in enumerate(self.sampler.micro_batches(self.global_batch, self.dp_rank,
+        t0 = time.perf_counter()
+        self.inject.maybe_sleep(self.step + 1)
+        sample_ids: list[int] = []
+        for i, (ids, x, y) in enumerate(self.sampler.micro_batches(self.global_batch, self.dp_rank,
                                                                       self.dp_size, cfg.train.micro_batch)):
             x, y = x.to(self.env.device, non_blocking=True), y.to(self.env.device, non_blocking=True)
             last = i == accum - 1
@@ -147,9 +158,16 @@ class Trainer:
             with sync:
                 with self.autocast():
                     logits = model(x)
+                if last:  # this rank's own work up to its first gradient all-reduce (DDP): straggler signal
+                    self.busy_s = time.perf_counter() - t0
                 loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+                if self.inject.loss_factor(self.step + 1) is not None:  # test hook (health.py)
+                    loss = loss * self.inject.loss_factor(self.step + 1)
                 self.scaler.scale(loss / accum).backward()
             loss_sum += loss.detach()
+            sample_ids += ids.tolist()
+        if self.sample_log:
+            self.sample_log.write(self.step + 1, sample_ids)
         loss = self._mean_over_ranks(loss_sum / accum)
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
@@ -159,7 +177,13 @@ class Trainer:
         loss_v, norm_v = float(loss), float(norm)
         self.lr_used = self.optimizer.param_groups[0]["lr"]
         finite = math.isfinite(loss_v) and (math.isfinite(norm_v) or self.scaler.is_enabled())
-        if finite:
+        z = self.spikes.score(loss_v)
+        self.spikes.update(loss_v)
+        spike_skip = self.spikes.is_spike(z) and cfg.train.skip_spikes
+        if self.spikes.is_spike(z):
+            self.log(f"warning: step {self.step + 1}: loss spike {loss_v:.4f} (z-score {z:.1f} over the last "
+                     f"{cfg.train.spike_window} steps){': update skipped' if spike_skip else ''}")
+        if finite and not spike_skip:
             self.scaler.step(self.optimizer)  # fp16: skips by itself on inf gradients
             self.scaler.update()
         else:
@@ -186,6 +210,14 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------------
     def fit(self) -> int:
+        try:
+            return self._fit()
+        except Exception as e:  # a hung (dist.timeout_s) or dead peer: one line naming step and rank
+            if self.env.distributed and is_collective_error(e):
+                raise CollectiveFailure(self.step, self.env.rank, self.cfg.dist.timeout_s, e) from None
+            raise
+
+    def _fit(self) -> int:
         cfg, env = self.cfg, self.env
         t = cfg.train
         last_step = min(t.steps, t.stop_at) if t.stop_at else t.steps
@@ -202,12 +234,16 @@ class Trainer:
         tokens_per_step = self.global_batch * cfg.data.seq_len
         self.model.train()
         step_times: list[float] = []
+        recent_dt: collections.deque[float] = collections.deque(maxlen=20)
+        busy: list[float] = []
         while self.step < last_step:
             t0 = time.perf_counter()
             loss, norm, applied = self.train_step()
             self.step += 1
             dt = time.perf_counter() - t0
             step_times.append(dt)
+            recent_dt.append(dt)
+            busy.append(self.busy_s)
             self._check_bad_step(loss, norm, applied)
             tps = tokens_per_step / dt
             mfu = self.flops_per_token * tps / (self.peak_flops * env.world_size) if self.peak_flops else 0.0
@@ -215,36 +251,74 @@ class Trainer:
             do_eval = self.step % cfg.log.eval_interval == 0 or self.step == t.steps
             if self.step % cfg.log.interval == 0 or do_eval or final:
                 times = D.gather_floats(statistics.median(step_times), env)
+                busy_times = D.gather_floats(statistics.median(busy), env)
                 step_times.clear()
+                busy.clear()
                 record = {"step": self.step, "loss": loss, "lr": self.lr_used,
                           "grad_norm": norm, "tokens_per_s": tps, "mfu": mfu, "step_time_s": dt,
                           "tokens_seen": self.sampler.consumed * cfg.data.seq_len,
-                          "rank_step_time_s": times, "bad_steps": self.bad_total}
+                          "rank_step_time_s": times, "rank_busy_s": busy_times, "bad_steps": self.bad_total}
                 if do_eval:
                     record["val_loss"] = self.evaluate()
-                self._note_stragglers(times)
+                self._note_stragglers(busy_times)
                 if self.metrics:
                     self.metrics.write(record)
                 if self.prom:
                     self.prom.step(self.step, loss, record["lr"], tps, mfu, dt)
                     if env.is_main:
                         self.prom.rank_step_times(times)
-            if final or self.step % cfg.checkpoint.interval_steps == 0:
-                self.save()
+            saved = final or self.step % self.ckpt_every == 0
+            if saved:
+                self.save(async_=cfg.checkpoint.async_save and not final)
+                if cfg.checkpoint.interval == "auto":
+                    self._auto_interval(statistics.median(recent_dt))
+            elif self.ckpt.pending:
+                self._log_saved(self.ckpt.poll())
             if D.all_reduce_max(1.0 if self.preempt.set else 0.0, env) > 0:
-                if self.step % cfg.checkpoint.interval_steps and not final:
-                    self.save()
-                self.log(f"preempted at step {self.step}: checkpoint written, exiting {EXIT_PREEMPTED} (requeue)")
-                return EXIT_PREEMPTED
+                return self._preempted(saved)
         self.log(f"run {cfg.run.name}: finished step {self.step}; checkpoints in "
                  f"{self.storage.run_checkpoints(cfg.run.name)}")
         return 0
 
-    def save(self) -> None:
-        path = self.ckpt.save(self.step, self.model, self.optimizer, self.train_state())
+    def save(self, deadline: float | None = None, async_: bool = False) -> Path | None:
+        self._log_saved(self.ckpt.wait_pending())
+        path = self.ckpt.save(self.step, self.model, self.optimizer, self.train_state(), deadline, async_)
+        if async_:
+            self.log(f"checkpoint step_{self.step}: writing in the background "
+                     f"(training blocked {self.ckpt.last_save_s:.2f} s)")
+        self._log_saved(path)
+        return path
+
+    def _log_saved(self, path: Path | None) -> None:
+        if path is None:
+            return
         if self.prom:
             self.prom.checkpoint(self.step, self.ckpt.last_save_s or 0.0, time.time())
-        self.log(f"checkpoint {path} ({self.ckpt.last_save_s:.2f} s)")
+        self.log(f"checkpoint {path} ({self.ckpt.last_write_s:.2f} s)")
+
+    def _preempted(self, saved: bool) -> int:
+        """Every rank agreed on the stop flag: checkpoint within the grace period, exit for requeue."""
+        deadline = (self.preempt.at or time.time()) + self.cfg.checkpoint.grace_period_s
+        self._log_saved(self.ckpt.wait_pending())
+        if not saved and self.save(deadline=deadline) is None:
+            self.log(f"preempted at step {self.step}: no checkpoint within checkpoint.grace_period_s="
+                     f"{self.cfg.checkpoint.grace_period_s:g}; the run resumes from the previous one; "
+                     f"exiting {EXIT_PREEMPTED} (requeue)")
+            return EXIT_PREEMPTED
+        self.log(f"preempted at step {self.step}: checkpoint written, exiting {EXIT_PREEMPTED} (requeue)")
+        return EXIT_PREEMPTED
+
+    def _auto_interval(self, step_s: float) -> None:
+        """Young/Daly: checkpoint every sqrt(2·C·M) seconds, C the measured save time, M the job's MTBF.
+        Rank 0 decides (ranks measure slightly different times; they must agree on the steps)."""
+        c, m = self.ckpt.last_save_s or 0.0, self.cfg.checkpoint.mtbf_hours * 3600
+        optimum_s = math.sqrt(2 * c * m)
+        steps = max(1, round(optimum_s / max(step_s, 1e-9)))
+        steps = int(D.all_reduce_max(float(steps) if self.env.is_main else 0.0, self.env))
+        if steps != self.ckpt_every:
+            self.log(f"checkpoint interval auto: sqrt(2 × C {c:.3f} s × MTBF {m:.4g} s) = {optimum_s:.3f} s "
+                     f"= every {steps} steps of {step_s:.4f} s")
+            self.ckpt_every = steps
 
     def _check_bad_step(self, loss: float, norm: float, applied: bool) -> None:
         if applied:
@@ -264,15 +338,16 @@ class Trainer:
     def _note_stragglers(self, times: list[float]) -> None:
         if len(times) < 2:
             return
-        med = statistics.median(times)
-        slow = [r for r, v in enumerate(times) if med > 0 and v > med * self.cfg.log.straggler_factor]
+        med, slow = slow_ranks(times, self.cfg.log.straggler_factor)
         if self.prom and self.env.is_main:
             self.prom.straggler(slow[0] if slow else None)
         for r in slow:
-            self.log(f"warning: straggler: rank {r} step time {times[r]:.3f}s vs median {med:.3f}s")
+            self.log(f"warning: straggler: rank {r} compute time {times[r]:.3f}s vs median {med:.3f}s")
 
     def close(self) -> None:
         self.preempt.uninstall()
+        if self.sample_log:
+            self.sample_log.close()
         if self.metrics:
             self.metrics.close()
         if self.prom:
@@ -292,10 +367,16 @@ def train_cli(args) -> int:
     cfg = load_job_config(args.config, args.overrides)
     root = resolve_storage_root(args.root, cfg.run.storage)
     trainer = None
+    ok = False
     try:
         trainer = Trainer(cfg, root, resume=args.resume)
-        return trainer.fit()
+        code = trainer.fit()
+        ok = True
+        return code
     finally:
         if trainer is not None:
             trainer.close()
-        D.shutdown()
+        if ok:
+            D.shutdown()
+        elif dist.is_initialized():  # a peer may be gone: no barrier, which could hang or raise
+            dist.destroy_process_group()

@@ -1,0 +1,154 @@
+"""Step health: loss spikes, stragglers, hung collectives, the sample log, and the fault-injection hooks.
+
+Non-finite steps are skipped in `Trainer.train_step`; this module holds what watches the run around them:
+
+- `LossSpikeDetector`: like llm.c's outlier detector, the z-score of this step's loss against a window of
+  recent losses. Every rank sees the same all-reduced loss, so every rank takes the same decision.
+- `slow_ranks`: ranks whose compute time (step start to the last forward: no collective waits under DDP) exceeds the median by `log.straggler_factor`.
+- `CollectiveFailure`: a collective that timed out (`dist.timeout_s`) or lost its peer, reported as one
+  line naming the step and the rank, instead of a hang or a C++ traceback.
+- `SampleLog`: opt-in (`log.sample_log: true`) per-rank record of the global sample ids of every step, so
+  a test can prove that interrupted and resumed runs neither repeat nor skip a sample.
+- Fault injection (test hooks, read from the environment; never set them in production):
+    LLMCLUSTER_INJECT_NAN_AT_STEP=5,7-9        the loss (hence the gradients) of those steps becomes NaN
+    LLMCLUSTER_INJECT_SPIKE_AT_STEP=12         the loss of those steps is multiplied by 10
+    LLMCLUSTER_INJECT_SLEEP=1:0.3:1-4,1:20:6   rank:seconds[:steps] sleep before those steps' forward
+                                               (steps: N, A-B, or N;M)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+
+from llmcluster.errors import UserError
+
+EXIT_RUNTIME = 1   # a failure of the run's environment (hung or dead peer), not of its input
+
+
+class LossSpikeDetector:
+    def __init__(self, window: int, zscore: float | None):
+        self.zscore = zscore
+        self.losses: deque[float] = deque(maxlen=window)
+
+    def score(self, loss: float) -> float | None:
+        """z-score of `loss` against the window, or None until the window is full."""
+        if len(self.losses) < self.losses.maxlen or not math.isfinite(loss):
+            return None
+        mean = statistics.fmean(self.losses)
+        std = statistics.pstdev(self.losses, mean)
+        return (loss - mean) / std if std > 0 else 0.0
+
+    def is_spike(self, z: float | None) -> bool:
+        return self.zscore is not None and z is not None and z > self.zscore
+
+    def update(self, loss: float) -> None:
+        # Spikes enter the window too (as in llm.c): a lasting shift of the loss level becomes the new
+        # normal instead of skipping every later step.
+        if math.isfinite(loss):
+            self.losses.append(loss)
+
+    def state_dict(self) -> list[float]:
+        return list(self.losses)
+
+    def load_state_dict(self, losses: list[float] | None) -> None:
+        self.losses.clear()
+        self.losses.extend(losses or [])
+
+
+def slow_ranks(times: list[float], factor: float) -> tuple[float, list[int]]:
+    """(median step time, ranks slower than median × factor)."""
+    med = statistics.median(times)
+    return med, [r for r, v in enumerate(times) if med > 0 and v > med * factor]
+
+
+class CollectiveFailure(UserError):
+    """One line instead of a hang: which step, which rank, what to look at."""
+
+    def __init__(self, step: int, rank: int, timeout_s: float, error: BaseException):
+        what = " ".join(str(error).split())[:200]
+        timed_out = "timed out" in what.lower() or "timeout" in what.lower()
+        cause = (f"a collective did not complete within dist.timeout_s={timeout_s:g}s" if timed_out
+                 else "a collective failed (a peer rank died or closed its connection)")
+        super().__init__(f"after step {step}, rank {rank}: {cause}: another rank is hung, dead or far slower "
+                         f"(see its log; the last complete checkpoint is intact) [{what}]",
+                         exit_code=EXIT_RUNTIME)
+
+
+def is_collective_error(e: BaseException) -> bool:
+    """gloo/NCCL failures surface as DistError subclasses or RuntimeErrors naming the transport."""
+    import torch.distributed as dist
+
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(
+        k in text for k in ("gloo", "nccl", "timed out", "connection closed", "connection reset"))
+
+
+class SampleLog:
+    """logs/<run>/samples-rank<r>.jsonl: {"step": s, "ids": [...]} per optimizer step of this rank.
+
+    Appended line by line; a kill can leave a torn last line or steps that a resume replays. Readers keep
+    the last record of each step up to the step of the checkpoint the run finished from."""
+
+    def __init__(self, log_dir: Path, rank: int):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(log_dir / f"samples-rank{rank}.jsonl", "a", buffering=1)
+
+    def write(self, step: int, ids: list[int]) -> None:
+        self.file.write(json.dumps({"step": step, "ids": ids}) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def read_sample_log(path: Path) -> dict[int, list[int]]:
+    """step -> ids, the last complete record of each step (torn lines skipped)."""
+    out: dict[int, list[int]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        out[int(rec["step"])] = list(rec["ids"])
+    return out
+
+
+# -- fault injection (test hooks) ------------------------------------------------------------------
+def _steps(spec: str) -> set[int]:
+    out: set[int] = set()
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        out |= set(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+class FaultInjector:
+    """Reads the LLMCLUSTER_INJECT_* hooks once; a no-op when none is set."""
+
+    def __init__(self, rank: int, environ=os.environ):
+        self.nan_steps = _steps(environ.get("LLMCLUSTER_INJECT_NAN_AT_STEP", ""))
+        self.spike_steps = _steps(environ.get("LLMCLUSTER_INJECT_SPIKE_AT_STEP", ""))
+        self.sleeps: list[tuple[float, set[int] | None]] = []
+        for item in filter(None, environ.get("LLMCLUSTER_INJECT_SLEEP", "").split(",")):
+            fields = item.split(":")
+            if int(fields[0]) == rank:
+                self.sleeps.append((float(fields[1]), _steps(fields[2].replace(";", ",")) if len(fields) > 2
+                                    else None))
+
+    def loss_factor(self, step: int) -> float | None:
+        """What to multiply this step's loss by, or None to leave it alone (bitwise)."""
+        if step in self.nan_steps:
+            return float("nan")
+        return 10.0 if step in self.spike_steps else None
+
+    def maybe_sleep(self, step: int) -> None:
+        for seconds, steps in self.sleeps:
+            if steps is None or step in steps:
+                time.sleep(seconds)

@@ -1,0 +1,214 @@
+"""Checkpoint integrity in one process (the real trainer through the real CLI entry point, in-process to
+skip a 20 s torch import per run): corrupt checkpoints, retention, async saves, the auto interval,
+bad steps and loss spikes, bad input, and a full disk (a real tmpfs mount)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from faultkit import assert_same_weights, make_dataset, model_tensors, sets
+from llmcluster.cli import main
+from llmcluster.storage.layout import COMPLETE_MARKER
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("fault") / "storage")
+
+
+@pytest.fixture
+def root(data_root, tmp_path):
+    """A fresh storage root per test that shares the module's dataset (symlinked)."""
+    r = tmp_path / "storage"
+    (r / "datasets").mkdir(parents=True)
+    (r / "datasets" / "code").symlink_to(data_root / "datasets" / "code")
+    return r
+
+
+def train(capsys, root, *extra, **over) -> tuple[int, str, str]:
+    code = main(["train", "-c", "llm_tiny", "--root", str(root), *sets(**over), *extra])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def ckpts(root, run="llm-tiny"):
+    return root / "checkpoints" / run
+
+
+def test_corrupt_newest_checkpoint_falls_back_with_warning(capsys, root):
+    code, out, err = train(capsys, root, train__steps=8, checkpoint__interval_steps=4)
+    assert code == 0, err
+    reference = model_tensors(ckpts(root) / "step_8")
+    shard = next((ckpts(root) / "step_8").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    # Resume: step_8 fails its checksum, so the run goes back to step_4 and redoes steps 5..8.
+    code, out, err = train(capsys, root, train__steps=8, checkpoint__interval_steps=4)
+    assert code == 0, err
+    assert re.search(rf"warning: skipping checkpoint .*step_8: {shard.name} does not match its checksum", out)
+    assert "resumed from" in out and "step_4 (step 4)" in out
+    # the rewritten step_8 is bitwise the uninterrupted one
+    again = model_tensors(ckpts(root) / "step_8")
+    assert all(torch.equal(reference[k], again[k]) for k in reference)
+
+
+def test_retention_keeps_last_k_and_milestones_and_never_the_newest_before_a_newer_is_complete(tmp_path):
+    from llmcluster.storage.layout import Storage
+    from llmcluster.train.checkpoint import Checkpointer
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = Checkpointer(Storage(tmp_path), "r", 0, 1, keep_last=2, keep_every=10, log=lambda *_: None)
+    for step in (5, 10, 15, 20, 25):
+        ck.save(step, model, opt, {})
+    steps = sorted(int(d.name[5:]) for d in ck.dir.glob("step_*"))
+    assert steps == [10, 20, 25]                     # last 2 (20, 25) + milestones (10, 20)
+    # A newer write that never completes (killed): pruning must not touch the newest complete one,
+    # and find_resume skips the incomplete one.
+    (ck.dir / "step_30").mkdir()
+    (ck.dir / "step_30" / "__0_0.distcp").write_bytes(b"partial")
+    ck.prune()
+    assert (ck.dir / "step_25" / COMPLETE_MARKER).is_file() and (ck.dir / "step_30").is_dir()
+    assert ck.find_resume("auto") == ck.dir / "step_25"
+    ck.save(35, model, opt, {})
+    steps = sorted(int(d.name[5:]) for d in ck.dir.glob("step_*"))
+    assert steps == [10, 20, 25, 35]                 # the incomplete, older step_30 is gone
+
+
+def test_async_checkpoints_are_complete_and_match_sync_bitwise(capsys, root, tmp_path):
+    code, out, err = train(capsys, root, train__steps=12, checkpoint__interval_steps=4, checkpoint__keep_last=5)
+    assert code == 0, err
+    sync_dir = ckpts(root)
+    code, out, err = train(capsys, root, train__steps=12, checkpoint__interval_steps=4, checkpoint__async=True, checkpoint__keep_last=5,
+                           run__name="async")
+    assert code == 0, err
+    assert "step_4: writing in the background" in out
+    from llmcluster.train.checkpoint import verify_checkpoint
+
+    for s in (4, 8, 12):
+        assert verify_checkpoint(ckpts(root, "async") / f"step_{s}") is None
+        assert_same_weights(sync_dir / f"step_{s}", ckpts(root, "async") / f"step_{s}")
+    # resuming from an async checkpoint continues exactly
+    shutil.rmtree(ckpts(root, "async") / "step_12")
+    code, out, err = train(capsys, root, train__steps=12, checkpoint__interval_steps=4, checkpoint__async=True, checkpoint__keep_last=5,
+                           run__name="async")
+    assert code == 0 and "step_8 (step 8)" in out
+    assert_same_weights(sync_dir / "step_12", ckpts(root, "async") / "step_12")
+
+
+def test_auto_interval_is_young_daly_and_logged(capsys, root):
+    code, out, err = train(capsys, root, train__steps=12, checkpoint__interval_steps=2,
+                           checkpoint__interval="auto", checkpoint__mtbf_hours=0.0002)
+    assert code == 0, err
+    m = re.search(r"checkpoint interval auto: sqrt\(2 × C ([\d.]+) s × MTBF ([\d.]+) s\) = ([\d.]+) s "
+                  r"= every (\d+) steps of ([\d.]+) s", out)
+    assert m, out
+    c, mtbf, opt_s, steps, step_s = (float(g) for g in m.groups())
+    assert mtbf == 0.72 and opt_s == pytest.approx(math.sqrt(2 * c * mtbf), abs=0.06)
+    assert abs(steps * step_s - opt_s) <= step_s + 0.01   # opt_s and step_s are printed rounded
+
+
+def test_injected_nan_steps_are_skipped_then_stop_after_max_bad_steps(capsys, root, monkeypatch):
+    monkeypatch.setenv("LLMCLUSTER_INJECT_NAN_AT_STEP", "3")
+    code, out, err = train(capsys, root, train__steps=6, checkpoint__interval_steps=100)
+    assert code == 0, err
+    assert "warning: step 3: non-finite loss nan or grad norm nan: update skipped (1 in a row)" in out
+    rec = [json.loads(x) for x in (root / "logs" / "llm-tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert rec[-1]["bad_steps"] == 1 and math.isfinite(rec[-1]["loss"])
+
+    monkeypatch.setenv("LLMCLUSTER_INJECT_NAN_AT_STEP", "2-9")
+    code, out, err = train(capsys, root, train__steps=20, train__max_bad_steps=3, checkpoint__interval_steps=1,
+                           run__name="nan")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "stopping: 3 non-finite steps in a row at step 4" in lines[0]
+    # skipped steps leave the weights as they were: the checkpoints up to the stop are intact and resumable
+    from llmcluster.train.checkpoint import verify_checkpoint
+    assert verify_checkpoint(ckpts(root, "nan") / "step_3") is None and not (ckpts(root, "nan") / "step_4").exists()
+
+
+def test_loss_spike_is_logged_and_optionally_skipped(capsys, root, monkeypatch):
+    monkeypatch.setenv("LLMCLUSTER_INJECT_SPIKE_AT_STEP", "14")
+    common = dict(train__steps=15, train__spike_zscore=4, train__spike_window=10, checkpoint__interval_steps=100,
+                  train__warmup_steps=0, train__schedule="constant", train__lr=1e-4)
+    code, out, err = train(capsys, root, **common)
+    assert code == 0, err
+    assert re.search(r"warning: step 14: loss spike [\d.]+ \(z-score [\d.]+ over the last 10 steps\)\n", out)
+    code, out, err = train(capsys, root, **common, train__skip_spikes=True, run__name="skip")
+    assert code == 0, err
+    assert re.search(r"warning: step 14: loss spike .*: update skipped", out)
+    # skipping the update leaves different weights than applying it
+    a, b = model_tensors(ckpts(root) / "step_15"), model_tensors(ckpts(root, "skip") / "step_15")
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+def _one_line(code, err, *needles):
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def test_missing_corrupt_and_out_of_vocab_datasets_are_one_line_errors(capsys, root, tmp_path):
+    code, _, err = train(capsys, root, data__dataset="nope")
+    _one_line(code, err, "nope")
+    ds = tmp_path / "ds"
+    shutil.copytree(root / "datasets" / "code" / "t", ds)
+    shard = next(ds.glob("*.bin")) if list(ds.glob("*.bin")) else next(p for p in ds.iterdir() if p.suffix != ".json")
+    tokens = np.fromfile(shard, dtype=np.uint16)
+    tokens[7] ^= 1
+    tokens.tofile(shard)
+    code, _, err = train(capsys, root, data__dataset=str(ds))
+    _one_line(code, err, "corrupt (sha256 mismatch)")
+    # a token id beyond the vocabulary, with a matching checksum: caught by the range check
+    tokens[7] = 60000
+    tokens.tofile(shard)
+    meta = json.loads((ds / "meta.json").read_text())
+    from llmcluster.data.prepare import sha256_file
+    for spec in meta["shards"]["train"]:
+        if spec["file"] == shard.name:
+            spec["sha256"] = sha256_file(shard)
+    (ds / "meta.json").write_text(json.dumps(meta))
+    code, _, err = train(capsys, root, data__dataset=str(ds))
+    _one_line(code, err, "token id 60000 outside the vocabulary")
+    (ds / "meta.json").write_text("{not json")
+    code, _, err = train(capsys, root, data__dataset=str(ds))
+    _one_line(code, err, "corrupt")
+
+
+def test_unwritable_storage_is_a_one_line_error(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, _, err = train(capsys, blocker / "storage")
+    _one_line(code, err)
+
+
+@pytest.fixture
+def tiny_fs(root):
+    """A 1.5 MB tmpfs mounted as the run's checkpoint directory: room for one checkpoint, not two."""
+    d = ckpts(root)
+    d.mkdir(parents=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(d)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()}): needs root")
+    yield d
+    subprocess.run(["umount", str(d)], check=True)
+
+
+def test_full_disk_keeps_previous_checkpoint_and_says_how_much_space(capsys, root, tiny_fs):
+    code, out, err = train(capsys, root, train__steps=4, checkpoint__interval_steps=2, checkpoint__keep_last=2)
+    _one_line(code, err, "disk full writing checkpoint step_4", "the previous checkpoint is intact")
+    assert re.search(r"it needs about 1\.\d MB, 0\.\d MB free", err), err
+    from llmcluster.train.checkpoint import verify_checkpoint
+    assert verify_checkpoint(tiny_fs / "step_2") is None
+    assert not (tiny_fs / "step_4").exists() and not (tiny_fs / ".tmp-step_4").exists()
