@@ -1,9 +1,10 @@
-import pytest
 """Stragglers and hangs under real torchrun (2 ranks): a rank made slow by the sleep hook is named at the
 log step, and a collective that a sleeping rank never joins fails after dist.timeout_s with one line naming
 the step and the rank, instead of hanging."""
 
 from __future__ import annotations
+
+import pytest
 
 import re
 
