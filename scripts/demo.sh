@@ -28,8 +28,8 @@ OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/torchrun" --standalone --nproc-
 step "4/5 export to Hugging Face Llama format"
 "$LLMC" export --run "$RUN" --root "$ROOT"
 
-step "5/5 a sample (prompt: 'def ')"
-"$LLMC" generate --model "$RUN" --root "$ROOT" --prompt "def " --max-new-tokens 150 --temperature 0.7
+step "5/5 a sample (prompt: 'import os')"
+"$LLMC" generate --model "$RUN" --root "$ROOT" --prompt "import os" --max-new-tokens 150 --temperature 0.7 --top-k 40 --seed 1
 
 step "where everything went"
 "$LLMC" storage status --root "$ROOT"

@@ -30,6 +30,9 @@ META = "meta.json"
 CODE_SUFFIXES = {".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go", ".js", ".ts", ".java",
                  ".sh", ".toml", ".yaml", ".yml", ".json", ".md", ".rst", ".txt"}
 SKIP_DIRS = {"site-packages", "__pycache__", ".git", "test", "tests", "idle_test", "node_modules"}
+# The stdlib's generated data tables (pydoc's topic texts, codec maps) are megabytes of string literals, not code
+# anyone writes: left in, a tiny model spends its few minutes learning to continue them.
+STDLIB_DATA_DIRS = {"pydoc_data", "encodings"}
 ENCODE_BATCH = 256  # documents per encode_batch call: big enough to keep every core busy
 
 
@@ -38,14 +41,14 @@ def stdlib_source_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def collect_files(sources: list[Path], kind: str) -> list[Path]:
+def collect_files(sources: list[Path], kind: str, skip_dirs: set[str] = SKIP_DIRS) -> list[Path]:
     files: list[Path] = []
     for src in sources:
         if src.is_file():
             files.append(src)
         elif src.is_dir():
             for dirpath, dirnames, names in os.walk(src):
-                dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+                dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not d.startswith("."))
                 for n in sorted(names):
                     p = Path(dirpath) / n
                     if kind != "code" or p.suffix in CODE_SUFFIXES:
@@ -132,7 +135,7 @@ def prepare(root: Path, name: str, kind: str, sources: list[Path] | None, tokeni
     st.require_writable(final.parent)
     t0 = time.time()
     src_dirs = sources or [stdlib_source_dir()]
-    files = collect_files(src_dirs, kind)
+    files = collect_files(src_dirs, kind, SKIP_DIRS if sources else SKIP_DIRS | STDLIB_DATA_DIRS)
     docs = read_documents(files, max_bytes)
 
     tok = make_tokenizer(tokenizer_spec, texts=lambda: (t for _, t in docs))
