@@ -106,8 +106,10 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, env: DistE
     elif dims.ddp and mesh is not None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        # The only buffers are the RoPE tables, computed identically on every rank: broadcasting them before
+        # each forward is a wasted collective that also makes every rank wait for the slowest one mid-forward.
         model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                    process_group=mesh["dp_replicate"].get_group())
+                    process_group=mesh["dp_replicate"].get_group(), broadcast_buffers=False)
     return model
 
 

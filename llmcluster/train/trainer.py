@@ -231,6 +231,9 @@ class Trainer:
         self.log(f"run {cfg.run.name}: {self.dims.describe()}, device {env.device}, {t.precision}, "
                  f"{sum(p.numel() for p in self.raw_model.parameters()) / 1e6:.2f}M params, "
                  f"global batch {self.global_batch} × {cfg.data.seq_len} tokens; MFU vs {self.peak_source}")
+        if self.step == 0:  # the baseline the validation curve is read against
+            self.log(f"step 0 val {self.evaluate():.4f} (untrained; a uniform guess over the vocabulary "
+                     f"scores {math.log(cfg.model.vocab_size):.4f})")
         tokens_per_step = self.global_batch * cfg.data.seq_len
         self.model.train()
         step_times: list[float] = []
