@@ -120,15 +120,20 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
+    def init_weights(self, seed: int | None = None, fill=None) -> None:
         """Initialise every parameter and buffer (also after building on the meta device and `to_empty`).
 
         Normal(0, init_std) everywhere, with the residual output projections scaled by 1/sqrt(2L)
         (GPT-2): each block adds two of them to the residual stream, so its variance stays O(1) with depth.
+        Seeded: each weight is drawn whole, in a fixed order, from one generator on the weights' device type,
+        and handed to `fill(param, full)` (default: copy it in). A caller whose parameters are shards passes a
+        `fill` that keeps its own slice, so the weights do not depend on how the model is split.
         """
+        device = self.embed_tokens.weight.device
         gen = None
         if seed is not None:
-            gen = torch.Generator(device="cpu").manual_seed(seed)
+            gen = torch.Generator(device=device).manual_seed(seed)
+        fill = fill or (lambda t, full: t.copy_(full))
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
 
@@ -136,8 +141,8 @@ class Llama(nn.Module):
             if gen is None:  # in place on whatever the tensor is (a shard, on GPU): fast for big models
                 nn.init.normal_(t, 0.0, s)
                 return
-            # Seeded: draw on CPU from a dedicated generator, so the weights are identical on any device.
-            t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, s, generator=gen).to(t.dtype))
+            fill(t, torch.empty(t.shape, dtype=torch.float32, device=device).normal_(0.0, s, generator=gen)
+                 .to(t.dtype))
 
         normal_(self.embed_tokens.weight, std)
         for block in self.layers.values():

@@ -28,22 +28,12 @@ from llmcluster.config.schema import JobConfig
 from llmcluster.errors import UserError
 from llmcluster.model import flops_per_token
 from llmcluster.model.flops import param_count
-from llmcluster.model.llama import build_model
 from llmcluster.paths import resolve_storage_root
 from llmcluster.storage.layout import Storage
 from llmcluster.train import distributed as D
 from llmcluster.train.metrics import device_peak_flops
 from llmcluster.train.optimizer import build_optimizer
-from llmcluster.train.parallelize import parallelize, unwrap
-
-
-def build_for_bench(cfg: JobConfig, dims: D.ParallelDims, env: D.DistEnv) -> torch.nn.Module:
-    """The parallelized model, built on the meta device and materialised shard by shard on the device
-    (an 8B model never exists whole in host memory). Unseeded: a benchmark needs shapes, not weights."""
-    model = parallelize(build_model(cfg.model, device="meta"), cfg, dims, env)
-    model.to_empty(device=env.device)
-    unwrap(model).init_weights()
-    return model
+from llmcluster.train.parallelize import build_parallel_model
 
 
 def autocast(cfg: JobConfig, dims: D.ParallelDims, device: torch.device):
@@ -76,7 +66,7 @@ def run_bench(cfg: JobConfig, root: Path, steps: int, warmup: int) -> dict:
     out_dir = Storage(root).require_writable(root / "logs" / "bench")
 
     torch.manual_seed(cfg.run.seed)
-    model = build_for_bench(cfg, dims, env)
+    model, _ = build_parallel_model(cfg, dims, env, seed=None)  # unseeded: a benchmark needs shapes only
     optimizer = build_optimizer(model, t, env.device)
     # Random tokens, different per data-parallel rank, identical across a TP group (TP ranks share input).
     gen = torch.Generator().manual_seed(cfg.run.seed + dims.dp_rank(env.rank))

@@ -117,3 +117,33 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The module under DDP (FSDP2, TP, AC and compile modify modules in place or inside `layers`)."""
     return model.module if hasattr(model, "module") and isinstance(model, nn.parallel.DistributedDataParallel) \
         else model
+
+
+def build_parallel_model(cfg: JobConfig, dims: ParallelDims, env: DistEnv,
+                         seed: int | None) -> tuple[nn.Module, nn.Module]:
+    """(the parallelized model, the plain Llama inside it). Built on the meta device and given memory only
+    after TP/FSDP have split it, so no process ever holds more than its shards plus the one weight being
+    drawn: a 70B model never exists whole anywhere. Seeded weights do not depend on the mesh (see
+    `Llama.init_weights`), so runs at different meshes start from the same point."""
+    from llmcluster.model.llama import build_model
+
+    raw = build_model(cfg.model, device="meta")
+    sharded = dims.fsdp or dims.tp > 1
+    model = parallelize(raw, cfg, dims, env) if sharded else raw
+    raw.to_empty(device=env.device)
+    if cfg.model.tie_embeddings and raw.lm_head.weight is not raw.embed_tokens.weight:
+        raw.lm_head.weight = raw.embed_tokens.weight  # to_empty allocates each module's parameters apart
+    raw.init_weights(seed, fill=_fill_own_shard)
+    if not sharded:  # DDP broadcasts rank 0's weights when it wraps: they must be real by then
+        model = parallelize(raw, cfg, dims, env)
+    return model, raw
+
+
+@torch.no_grad()
+def _fill_own_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a whole weight into `param`; a DTensor keeps only its own slice (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(full)

@@ -25,7 +25,6 @@ from llmcluster.config.schema import JobConfig
 from llmcluster.data.dataset import Sampler, eval_batches, open_dataset
 from llmcluster.errors import EXIT_PREEMPTED, UserError
 from llmcluster.model import flops_per_token
-from llmcluster.model.llama import build_model
 from llmcluster.paths import resolve_storage_root
 from llmcluster.storage.layout import Storage
 from llmcluster.train import distributed as D
@@ -34,7 +33,7 @@ from llmcluster.train.health import (CollectiveFailure, FaultInjector, LossSpike
                                      is_collective_error, slow_ranks)
 from llmcluster.train.metrics import MetricsLog, device_peak_flops
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
-from llmcluster.train.parallelize import parallelize
+from llmcluster.train.parallelize import build_parallel_model
 from llmcluster.train.signals import PreemptionFlag
 
 
@@ -73,11 +72,9 @@ class Trainer:
                                     max_vocab=cfg.model.vocab_size)
         self.sampler = Sampler(self.dataset, cfg.data.seq_len, cfg.run.seed)
 
-        # Same seed on every rank: identical initial weights without a broadcast.
+        # Same seed on every rank: identical initial weights without a broadcast, whatever the mesh.
         torch.manual_seed(cfg.run.seed)
-        model = build_model(cfg.model, device="cpu", seed=cfg.run.seed).to(env.device)
-        self.raw_model = model
-        self.model = parallelize(model, cfg, dims, env)
+        self.model, self.raw_model = build_parallel_model(cfg, dims, env, cfg.run.seed)
         self.optimizer = build_optimizer(self.model, t, env.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=t.precision == "fp16")
