@@ -66,7 +66,7 @@ def run_bench(cfg: JobConfig, root: Path, steps: int, warmup: int) -> dict:
     out_dir = Storage(root).require_writable(root / "logs" / "bench")
 
     torch.manual_seed(cfg.run.seed)
-    model, _ = build_parallel_model(cfg, dims, env, seed=None)  # unseeded: a benchmark needs shapes only
+    model, _ = build_parallel_model(cfg, dims, env, cfg.run.seed)
     optimizer = build_optimizer(model, t, env.device)
     # Random tokens, different per data-parallel rank, identical across a TP group (TP ranks share input).
     gen = torch.Generator().manual_seed(cfg.run.seed + dims.dp_rank(env.rank))

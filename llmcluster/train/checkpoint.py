@@ -13,6 +13,7 @@ metadata through an unpickler that accepts only DCP's own metadata classes.
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import json
 import os
@@ -20,6 +21,7 @@ import pickle
 import random
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -225,7 +227,8 @@ class Checkpointer:
                 self.pending = (step, tmp, t0, future)
                 self.last_save_s = time.time() - t0  # the time training was blocked (staging)
                 return None
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+            with _single_process_is_intended():
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
         except (OSError, CheckpointException) as e:
             self._fail(tmp, e, step)
         path = self._finalize(step, tmp, t0, deadline)
@@ -362,7 +365,8 @@ class Checkpointer:
         """Load model + optimizer (resharded to this run's layout) and return train_state.json."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, storage_reader=SafeFileSystemReader(path))
+        with _single_process_is_intended():
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not dist.is_initialized())
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         train_state = json.loads((path / TRAIN_STATE).read_text())
         rng = path / "rng" / f"rank_{self.rank}.json"
@@ -375,9 +379,15 @@ def load_model_weights(path: Path, model) -> None:
     """Model weights only, in one process without a process group (export, generate)."""
     sd = get_model_state_dict(model, options=StateDictOptions())
     state = {"model": sd}
-    import warnings
-
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
+    with _single_process_is_intended():
         dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=True)
     model.load_state_dict(state["model"])
+
+
+@contextlib.contextmanager
+def _single_process_is_intended():
+    """DCP warns "assuming the intent is to load in a single process" whenever no process group exists, even
+    when told `no_dist=True`; in a one-process run or an export that is exactly the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
