@@ -222,8 +222,9 @@ class Checkpointer:
             if async_:
                 # A process group of its own: the writer thread's collectives must not interleave with
                 # the training loop's on the default group.
-                future = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp),
-                                        process_group=self._async_group())
+                with _single_process_is_intended():
+                    future = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp),
+                                            process_group=self._async_group())
                 self.pending = (step, tmp, t0, future)
                 self.last_save_s = time.time() - t0  # the time training was blocked (staging)
                 return None
