@@ -61,6 +61,21 @@ def test_corrupt_newest_checkpoint_falls_back_with_warning(capsys, root):
     assert all(torch.equal(reference[k], again[k]) for k in reference)
 
 
+def test_export_skips_a_corrupt_newest_checkpoint_and_refuses_it_by_name(capsys, root):
+    code, out, err = train(capsys, root, train__steps=8, checkpoint__interval_steps=4)
+    assert code == 0, err
+    shard = next((ckpts(root) / "step_8").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-16])  # truncated
+    assert main(["export", "--run", "llm-tiny", "--root", str(root)]) == 0
+    out = capsys.readouterr()
+    assert re.search(r"warning: skipping checkpoint .*step_8: ", out.err), out.err
+    config = json.loads((root / "models" / "llm-tiny" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert main(["export", "--run", "llm-tiny", "--root", str(root), "--step", "8"]) == 2  # asked for by name
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot export" in err[0] and "step_8" in err[0], err
+
+
 def test_retention_keeps_last_k_and_milestones_and_never_the_newest_before_a_newer_is_complete(tmp_path):
     from llmcluster.storage.layout import Storage
     from llmcluster.train.checkpoint import Checkpointer

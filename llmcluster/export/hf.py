@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -83,8 +84,14 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
     from llmcluster.train.checkpoint import TRAIN_STATE, load_model_weights, verify_checkpoint
 
     st = Storage(root)
-    if step is None:
-        step = st.latest_complete_step(run)
+    if step is None:  # the newest checkpoint that verifies, as `train --resume auto` picks it
+        for s, d, complete in reversed(st.checkpoint_steps(run)):
+            problem = verify_checkpoint(d) if complete else None
+            if complete and problem is None:
+                step = s
+                break
+            if complete:
+                print(f"warning: skipping checkpoint {d}: {problem}", file=sys.stderr)
         if step is None:
             raise UserError(f"run {run!r} has no complete checkpoint under {st.run_checkpoints(run)}")
     ckpt = st.step_dir(run, step)
