@@ -109,7 +109,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, env: DistE
         # The only buffers are the RoPE tables, computed identically on every rank: broadcasting them before
         # each forward is a wasted collective that also makes every rank wait for the slowest one mid-forward.
         model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                    process_group=mesh["dp_replicate"].get_group(), broadcast_buffers=False)
+                    process_group=mesh["dp_replicate"].get_group(), forward_sync_buffers=False)
     return model
 
 
