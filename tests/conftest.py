@@ -99,6 +99,19 @@ def tiny_root(tmp_path_factory) -> Path:
     return root
 
 
+def repo_source_dataset(root: Path, n_files: int) -> Path:
+    """Storage at `root` with a byte-level dataset 'src' made from the first `n_files` of this repo's own
+    Python files (real code, no vocabulary to train)."""
+    src = root.parent / "src"
+    src.mkdir(parents=True)
+    for i, f in enumerate(sorted((REPO / "llmcluster").rglob("*.py"))[:n_files]):
+        (src / f"{i}_{f.name}").write_text(f.read_text())
+    run_cli("storage", "init", "--root", root, check=True)
+    run_cli("data", "prepare", "--root", root, "--name", "src", "--source", src, "--tokenizer", "byte",
+            check=True)
+    return root
+
+
 def read_metrics(root: Path, run: str) -> list[dict]:
     import json
 

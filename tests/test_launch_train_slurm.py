@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from slurm_cluster import ACTIVE, job_state, slurm, wait_for  # noqa: F401
 
-from conftest import REPO, run_cli
+from conftest import REPO, repo_source_dataset, run_cli
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow,
               pytest.mark.skipif(not (REPO / "llmcluster" / "train" / "trainer.py").is_file(),
@@ -40,15 +40,7 @@ TINY = ["--config", "llm_tiny", "--set", "data.dataset=src", "--set", "model.voc
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, slurm):
     """A storage root with a small byte-level dataset made from this repo's own source."""
-    root = tmp_path_factory.mktemp("train") / "s"
-    src = root.parent / "src"
-    src.mkdir()
-    for i, f in enumerate(sorted((REPO / "llmcluster").rglob("*.py"))[:40]):
-        (src / f"{i}_{f.name}").write_text(f.read_text())
-    run_cli("storage", "init", "--root", root, check=True)
-    run_cli("data", "prepare", "--root", root, "--name", "src", "--source", src, "--tokenizer", "byte",
-            check=True)
-    return root
+    return repo_source_dataset(tmp_path_factory.mktemp("train") / "s", 40)
 
 
 def launch(root: Path, run: str, *extra: str) -> str:

@@ -33,10 +33,10 @@ def test_sharded_build_equals_single_process_build(mesh, tie):
            str(REPO / "tests" / "meta_init_worker.py"), *SHAPE, f"model.tie_embeddings={str(tie).lower()}",
            *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     # ranks share one stdout: their lines can interleave, so pick the JSON objects out of the stream
     ranks = [json.loads(m) for m in re.findall(r"\{[^{}]*\}", proc.stdout)]
-    assert sorted(r["rank"] for r in ranks) == list(range(nproc))
+    assert sorted(r["rank"] for r in ranks) == list(range(nproc)), proc.stdout
     for r in ranks:
         assert r["max_abs_diff"] == 0.0, r
         assert r["tied"] is tie, r

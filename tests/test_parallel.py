@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, cli_env, run_cli
+from conftest import REPO, assert_one_line_error, cli_env, repo_source_dataset, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -66,15 +66,7 @@ def assert_matches(ref: dict[int, float], got: dict[int, float], steps: range) -
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     """Storage with a byte-level dataset made from this repo's own source files."""
-    root = tmp_path_factory.mktemp("par") / "s"
-    src = root.parent / "src"
-    src.mkdir()
-    for i, f in enumerate(sorted((REPO / "llmcluster").rglob("*.py"))[:30]):
-        (src / f"{i}_{f.name}").write_text(f.read_text())
-    run_cli("storage", "init", "--root", root, check=True)
-    run_cli("data", "prepare", "--root", root, "--name", "src", "--source", src, "--tokenizer", "byte",
-            check=True)
-    return root
+    return repo_source_dataset(tmp_path_factory.mktemp("par") / "s", 30)
 
 
 @pytest.fixture(scope="module")
