@@ -81,24 +81,21 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 def export(root: Path, run: str, step: int | None, out: Path | None = None) -> Path:
     from llmcluster.model.llama import build_model
-    from llmcluster.train.checkpoint import TRAIN_STATE, load_model_weights, verify_checkpoint
+    from llmcluster.train.checkpoint import (TRAIN_STATE, load_model_weights, newest_verified_checkpoint,
+                                             verify_checkpoint)
 
     st = Storage(root)
-    if step is None:  # the newest checkpoint that verifies, as `train --resume auto` picks it
-        for s, d, complete in reversed(st.checkpoint_steps(run)):
-            problem = verify_checkpoint(d) if complete else None
-            if complete and problem is None:
-                step = s
-                break
-            if complete:
-                print(f"warning: skipping checkpoint {d}: {problem}", file=sys.stderr)
-        if step is None:
+    if step is None:  # the one `train --resume auto` would pick
+        ckpt = newest_verified_checkpoint(st, run, lambda msg: print(msg, file=sys.stderr))
+        if ckpt is None:
             raise UserError(f"run {run!r} has no complete checkpoint under {st.run_checkpoints(run)}")
-    ckpt = st.step_dir(run, step)
-    problem = verify_checkpoint(ckpt) if ckpt.is_dir() else "no such checkpoint"
-    if problem:
-        raise UserError(f"cannot export {ckpt}: {problem}")
+    else:
+        ckpt = st.step_dir(run, step)
+        problem = verify_checkpoint(ckpt) if ckpt.is_dir() else "no such checkpoint"
+        if problem:
+            raise UserError(f"cannot export {ckpt}: {problem}")
     state = json.loads((ckpt / TRAIN_STATE).read_text())
+    step = int(state["step"])
     cfg = validate(state["config"], JobConfig, str(ckpt / TRAIN_STATE))
     model = build_model(cfg.model, device="cpu")
     load_model_weights(ckpt, model)

@@ -229,7 +229,7 @@ class Checkpointer:
                 self.last_save_s = time.time() - t0  # the time training was blocked (staging)
                 return None
             with _single_process_is_intended():
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
         except (OSError, CheckpointException) as e:
             self._fail(tmp, e, step)
         path = self._finalize(step, tmp, t0, deadline)
@@ -353,12 +353,8 @@ class Checkpointer:
             return p
         choice = None
         if self.rank == 0:
-            for step, d, _ok in reversed(self.storage.checkpoint_steps(self.run)):
-                problem = verify_checkpoint(d)
-                if problem is None:
-                    choice = str(d)
-                    break
-                self.log(f"warning: skipping checkpoint {d}: {problem}")
+            newest = newest_verified_checkpoint(self.storage, self.run, self.log)
+            choice = str(newest) if newest else None
         choice = _broadcast_obj(choice)
         return Path(choice) if choice else None
 
@@ -367,13 +363,24 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         with _single_process_is_intended():
-            dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not dist.is_initialized())
+            dcp.load(state, storage_reader=SafeFileSystemReader(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         train_state = json.loads((path / TRAIN_STATE).read_text())
         rng = path / "rng" / f"rank_{self.rank}.json"
         if train_state.get("world_size") == self.world and rng.is_file():
             _set_rng_state(json.loads(rng.read_text()))
         return train_state
+
+
+def newest_verified_checkpoint(storage: Storage, run: str, log) -> Path | None:
+    """The newest step_<N> of a run whose marker and checksums verify; each newer one is skipped with a
+    warning through `log` (an interrupted or corrupted write costs the steps since the previous one, no more)."""
+    for _step, d, _complete in reversed(storage.checkpoint_steps(run)):
+        problem = verify_checkpoint(d)
+        if problem is None:
+            return d
+        log(f"warning: skipping checkpoint {d}: {problem}")
+    return None
 
 
 def load_model_weights(path: Path, model) -> None:
@@ -387,8 +394,8 @@ def load_model_weights(path: Path, model) -> None:
 
 @contextlib.contextmanager
 def _single_process_is_intended():
-    """DCP warns "assuming the intent is to load in a single process" whenever no process group exists, even
-    when told `no_dist=True`; in a one-process run or an export that is exactly the intent."""
+    """DCP warns "assuming the intent is to load/save in a single process" whenever no process group exists,
+    even when told `no_dist=True`; in a one-process run or an export that is exactly the intent."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
