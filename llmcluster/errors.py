@@ -1,19 +1,36 @@
-"""The one exception type that means "the user gave us something we cannot use".
+"""The package's failures and every exit code, in one place.
 
-The CLI turns it into one line on stderr and exit code 2 (never a traceback). Everything else that goes
-wrong is a bug or an environment failure and keeps its traceback.
+`UserError` is bad input (a config, a flag, a file, unusable storage): one line on stderr, exit 2, never a
+traceback. `RunFailure` is a run that failed at run time through no fault of its input (a hung or dead peer rank,
+a node that failed its checks): one line, exit 1, or 75 when it checkpointed and asks to be requeued. The CLI turns
+both into one line; anything else is a bug or an environment failure and keeps its traceback.
 """
 
+EXIT_OK = 0
+EXIT_FAILURE = 1        # the run failed, or a check FAILed (validate)
 EXIT_USAGE = 2          # bad config, bad input, unusable storage
 EXIT_PREEMPTED = 75     # EX_TEMPFAIL: the run checkpointed on a signal; launchers requeue it
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
 
 
-class UserError(Exception):
-    """Bad input: printed as one line, exit code 2."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_USAGE):
+class _OneLine(Exception):
+    def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         self.exit_code = exit_code
 
     def __str__(self) -> str:  # one line, always
         return " ".join(str(self.args[0]).split())
+
+
+class UserError(_OneLine):
+    """Bad input: printed as one line, exit code 2."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_USAGE):
+        super().__init__(message, exit_code)
+
+
+class RunFailure(_OneLine):
+    """A run that failed at run time (not its input): printed as one line, exit 1 (or EXIT_PREEMPTED)."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILURE):
+        super().__init__(message, exit_code)

@@ -2,6 +2,7 @@
 # The main job on the embedded default: storage init -> data prepare (the stdlib's own source) ->
 # 2-rank torchrun training of llm_tiny on CPU -> export to Hugging Face format -> a generated sample.
 # Run again and it resumes (or finds the run finished) instead of starting over.
+# Extra arguments go to `train`, e.g. `bash scripts/demo.sh --set train.precision=fp32`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -9,7 +10,9 @@ LLMC="$VENV/bin/llmcluster"
 ROOT=${LLMCLUSTER_STORAGE:-./storage}
 RUN=llm-tiny
 NPROC=${NPROC:-2}
+CONFIG=configs/llm_tiny.yaml
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+T0=$SECONDS
 
 step "1/5 storage layout under $ROOT"
 "$LLMC" storage init --root "$ROOT"
@@ -22,8 +25,17 @@ else
 fi
 
 step "3/5 training llm_tiny with $NPROC ranks (torchrun, gloo, CPU)"
+# Which precision this machine computes in, and why: bf16 where the CPU has native bf16, else fp32.
+"$VENV/bin/python" - "$CONFIG" "$@" <<'PY'
+import sys, torch
+from llmcluster.config.load import load_job_config
+from llmcluster.train.distributed import precision_note
+args = sys.argv[2:]
+cfg = load_job_config(sys.argv[1], [a for i, a in enumerate(args) if i and args[i - 1] == "--set"])
+print("precision", precision_note(torch.device("cpu"), cfg.train.precision))
+PY
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/torchrun" --standalone --nproc-per-node "$NPROC" -m llmcluster \
-  train --config configs/llm_tiny.yaml --root "$ROOT"
+  train --config "$CONFIG" --root "$ROOT" "$@"
 
 step "4/5 export to Hugging Face Llama format"
 "$LLMC" export --run "$RUN" --root "$ROOT"
@@ -38,4 +50,5 @@ cat <<MSG
   checkpoints  $ROOT/checkpoints/$RUN/step_<N>/
   metrics      $ROOT/logs/$RUN/metrics.jsonl
   model        $ROOT/models/$RUN/   (load with transformers.AutoModelForCausalLM.from_pretrained)
+  demo took    $((SECONDS - T0)) s
 MSG

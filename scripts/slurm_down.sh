@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Stop what scripts/slurm_up.sh started, by PID file only, and remove its /etc/hosts line. Idempotent.
+# Stop what scripts/slurm_up.sh started, by PID file only (and an /etc/hosts line older versions added).
+# Idempotent.
 #   --daemons-only   stop slurmctld/slurmd only (slurm_up.sh uses it to restart with a new slurm.conf)
 pidfiles=(/run/slurmd-n*.pid /run/slurmctld.pid)
 [ "${1:-}" = "--daemons-only" ] || pidfiles+=(/run/munge/munged.pid)

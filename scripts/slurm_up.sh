@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Bring up a real 2-node Slurm on THIS machine, as root, without systemd or cgroups (tests, demos).
 # Debian's slurmctld/slurmd/munge packages; two slurmd daemons (`slurmd -N n1`, `-N n2`) emulate two
-# nodes on 127.0.0.1 and n1..nN are added to /etc/hosts so scripts can resolve the node names
-# exactly as on a real cluster. Idempotent: running it again reconfigures what is already up.
+# nodes at NodeAddr=127.0.0.1. The names n1..nN resolve nowhere (no /etc/hosts entries), as on sites
+# where NodeName is not a hostname. Idempotent: running it again reconfigures what is already up.
 #   SLURM_NODES=N   number of emulated nodes (default 2)
 # Stop everything with scripts/slurm_down.sh (by PID file only).
 # Adapted from a recipe tested on Debian 12 / Slurm 22.05.
@@ -34,12 +34,12 @@ if [ ${#need[@]} -gt 0 ]; then
   [ "$made_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d
 fi
 
-# 2. node names resolve like on a real cluster (one marked line, replaced on every run)
-names=$(seq -f 'n%g' 1 "$NODES" | tr '\n' ' ')
-if ! grep -q "# llmcluster-slurm$" /etc/hosts || ! grep -q "^127.0.0.1 ${names}# llmcluster-slurm$" /etc/hosts; then
+# 2. node names do NOT resolve (as on many sites): Slurm reaches the nodes by NodeAddr, and so must every
+#    job script (launch reads NodeAddr from `scontrol show node`). A line an older version of this script
+#    added to /etc/hosts is removed, in place (/etc/hosts is often a bind mount in containers).
+if grep -q "# llmcluster-slurm$" /etc/hosts; then
   hosts=$(grep -v "# llmcluster-slurm$" /etc/hosts || true)
-  # /etc/hosts is often a bind mount in containers: rewrite in place, never replace the inode
-  printf '%s\n127.0.0.1 %s# llmcluster-slurm\n' "$hosts" "$names" > /etc/hosts
+  printf '%s\n' "$hosts" > /etc/hosts
 fi
 
 # 3. munge

@@ -125,3 +125,11 @@ def torchrun(nproc: int, *args: str, env: dict | None = None, timeout: float = 6
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            *extra, "-m", "llmcluster", *map(str, args)]
     return subprocess.run(cmd, cwd=REPO, env=env or cli_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def assert_nowhere_under(root: Path, secret: str) -> None:
+    """No file under `root` (contents or name) contains `secret`: grep -r, as an auditor would."""
+    p = subprocess.run(["grep", "-rlF", "--", secret, str(root)], capture_output=True, text=True)
+    assert p.returncode == 1, f"{secret!r} found in: {p.stdout or p.stderr}"
+    named = [f for f in root.rglob("*") if secret in f.name]
+    assert not named, named

@@ -45,6 +45,14 @@ def make_dataset(root: Path) -> Path:
     return root
 
 
+def fresh_root(data_root: Path, tmp_path: Path) -> Path:
+    """A fresh storage root that shares data_root's dataset (symlinked): one test's runs, one dataset."""
+    r = tmp_path / "storage"
+    (r / "datasets").mkdir(parents=True)
+    (r / "datasets" / "code").symlink_to(data_root / "datasets" / "code")
+    return r
+
+
 def train_env(**extra: str) -> dict:
     env = cli_env(**extra)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")

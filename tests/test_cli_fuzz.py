@@ -142,3 +142,24 @@ def test_every_command_with_random_arguments(sandbox, cmd, args):
 def test_subprocess_bad_override_is_one_line(tmp_path):
     proc = run_cli("train", "-c", "llm_tiny", "--root", tmp_path, "--set", "train.stepz=3")
     assert_one_line_error(proc, "train.stepz")
+
+
+class _Writes(io.StringIO):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def write(self, s):
+        self.calls.append(s)
+        return super().write(s)
+
+
+@pytest.mark.parametrize("argv", [["train", "-c", "llm_tiny", "--set", "train.stepz=3"], ["plan", "--nope"]])
+def test_the_error_line_is_one_write(monkeypatch, argv):
+    # The ranks of a job share stderr (write-through): a line written as text + newline in two calls ran
+    # into the other rank's line under load. One call per line keeps each rank's line whole.
+    err = _Writes()
+    monkeypatch.setattr("sys.stderr", err)
+    with contextlib.suppress(SystemExit):
+        main(argv)
+    assert err.calls and all(c.endswith("\n") and c.count("\n") == 1 for c in err.calls), err.calls

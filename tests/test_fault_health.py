@@ -10,16 +10,30 @@ import re
 
 from faultkit import make_dataset, run, sets, torchrun_cmd
 
+from llmcluster.train.health import FaultInjector, slow_ranks
+
+
+def test_straggler_decision_and_the_test_clock():
+    assert slow_ranks([0.1, 1.0], 1.5) == (0.55, [1])
+    assert slow_ranks([1.0, 1.0, 1.0, 1.6], 1.5) == (1.0, [3])
+    assert slow_ranks([1.0, 1.4], 1.5)[1] == []
+    inject = FaultInjector(1, {"LLMCLUSTER_TESTING": "1", "LLMCLUSTER_INJECT_BUSY": "0:0.1:1-6,1:1.0:2-3"})
+    assert [inject.busy_time(s, 0.25) for s in (1, 2, 3, 4)] == [0.25, 1.0, 1.0, 0.25]
+    assert FaultInjector(0, {}).busy_time(7, 0.25) == 0.25
+
 
 def test_slow_rank_is_named_and_a_hung_collective_fails_naming_step_and_rank(tmp_path):
     root = make_dataset(tmp_path / "storage")
-    # rank 1: 0.4 s extra on steps 1-6 (a straggler), then 12 s at step 9 (hung past the 5 s timeout)
+    # Steps 1-6 run on the straggler test clock (health.py): rank 1 reports 1.0 s of compute, rank 0 0.1 s, so
+    # the decision at the log steps 3 and 6 does not depend on this machine's load. Rank 1 really sleeps 12 s
+    # before step 9: hung past the 5 s timeout.
     proc = run(torchrun_cmd(2, "train", "-c", "llm_tiny", "--root", root,
                             *sets(train__steps=40, log__interval=3, dist__timeout_s=5, checkpoint__interval_steps=100)),
-               timeout=180, LLMCLUSTER_INJECT_SLEEP="1:0.4:1-6,1:12:9")
+               timeout=180, LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_BUSY="0:0.1:1-6,1:1.0:1-6",
+               LLMCLUSTER_INJECT_SLEEP="1:12:9")
     out = proc.stdout + proc.stderr
-    assert re.search(r"warning: straggler: rank 1 compute time 0\.\d+s vs median 0\.\d+s", out), out[-3000:]
-    assert "straggler: rank 0" not in out
+    named = re.findall(r"warning: straggler: rank (\d) compute time ([\d.]+)s vs median ([\d.]+)s", out)
+    assert named == [("1", "1.000", "0.550")] * 2, out[-3000:]
     assert proc.returncode != 0
     line = re.search(r"llmcluster train: error: after step 8, rank 0: a collective did not complete within "
                      r"dist.timeout_s=5s.*", out)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import assert_one_line_error, run_cli
+from conftest import assert_one_line_error, cli_env, run_cli
 
 HOSTILE = ["x; rm -rf /tmp/pwned", "it's", 'a"b', "$(touch /tmp/pwned)", "`id`", "a\nb"]
 
@@ -38,10 +40,79 @@ def test_sbatch_like_the_seed_and_valid_bash(tmp_path):
     srun = [ln for ln in script.splitlines() if ln.startswith("srun ")][0]
     assert "--kill-on-bad-exit=1" in srun and '--rdzv-endpoint "$head:$rdzv_port"' in srun
     assert '--rdzv-id "$SLURM_JOB_ID"' in srun and "--nproc-per-node 4" in srun and "--nnodes 8" in srun
-    assert 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
+    assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
+    assert "--max-restarts 3" in srun and "umask 027" in script
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in script   # a fresh store per restart round
     assert "export NCCL_DEBUG=WARN" in script and "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in script
     assert '[ "${SLURM_RESTART_COUNT:-0}" -lt 3 ]' in script
     assert not (tmp_path / "s").exists(), "--dry-run wrote files"
+
+
+FAKE_SLURM = {
+    # the CLIs the batch script calls, as a Slurm whose node names resolve nowhere would answer them
+    "scontrol": """#!/bin/bash
+case "$1 $2" in
+  "show hostnames") printf 'gpu-a\\ngpu-b\\n' ;;
+  "show node") echo "NodeName=$4 Arch=x86_64 NodeAddr=10.1.2.3 NodeHostName=$4 State=ALLOCATED" ;;
+  "requeue "*) echo "requeue $2" >> "$FAKE_LOG" ;;
+esac
+""",
+    # srun: record the argv; the "ranks" write their exit reason, and the step ends with $FAKE_RC
+    "srun": """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_LOG.argv"
+[ -n "${FAKE_REASON:-}" ] && echo "$FAKE_REASON" > "$LLMCLUSTER_EXIT_DIR/exit-rank0"
+exit "${FAKE_RC:-0}"
+"""}
+
+
+def run_batch_script(tmp_path: Path, script: str, **env: str) -> tuple[str, str]:
+    """The sbatch script run by bash as slurmd would (job id 7), with scontrol/srun stand-ins on PATH
+    (the real ones are exercised in test_launch_slurm.py); returns (stdout, the stand-ins' log)."""
+    import os
+    import socket
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in FAKE_SLURM.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "fake.log"
+    log.write_text("")
+    with socket.socket() as busy:          # the job's first-choice port is taken: the next one is used
+        busy.bind(("", 29507))
+        busy.listen()
+        p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+                                "SLURM_JOB_NODELIST": "gpu-[a-b]", "FAKE_LOG": str(log), **env})
+    return p.stdout + p.stderr, log.read_text()
+
+
+def test_rendezvous_at_the_head_nodes_nodeaddr_on_a_free_port(tmp_path):
+    script = dry(tmp_path / "s", "--nodes", "2").stdout
+    out, _ = run_batch_script(tmp_path, script)
+    assert "rendezvous 10.1.2.3:29508 (node gpu-a)" in out, out
+    argv = (tmp_path / "fake.log.argv").read_text().splitlines()
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "10.1.2.3:29508"
+    assert argv[argv.index("--max-restarts") + 1] == "3"
+
+
+@pytest.mark.parametrize("rc,reason,requeued", [
+    (0, "completed", False),
+    (1, "failed DistBackendError: NCCL timeout", True),    # a runtime failure torchrun could not cure
+    (1, "", True),                                          # a rank killed outright writes nothing
+    (1, "fatal BadStepLimit: 5 non-finite steps", False),  # a restart would repeat it
+    (1, "preempted", True),
+])
+def test_requeue_on_runtime_failure_not_on_a_fatal_one(tmp_path, rc, reason, requeued):
+    script = dry(tmp_path / "s", "--nodes", "2", "--max-requeues", "2").stdout
+    out, log = run_batch_script(tmp_path, script, FAKE_RC=str(rc), FAKE_REASON=reason)
+    assert ("requeue 7" in log) == requeued, out
+    if reason.startswith("fatal"):
+        assert "not requeueing: fatal BadStepLimit" in out
+    if requeued:
+        assert "requeueing job 7 (restart 0 of 2)" in out
+    out, log = run_batch_script(tmp_path, script, FAKE_RC=str(rc), FAKE_REASON=reason, SLURM_RESTART_COUNT="2")
+    assert "requeue 7" not in log, "job.max_requeues used up"
 
 
 def test_env_values_written_as_numbers_are_exported_as_text(tmp_path):
@@ -129,7 +200,13 @@ def test_local_launch_runs_torchrun_with_per_rank_logs(tmp_path):
     logs = root / "logs" / "loc"
     rec = json.loads((logs / "job.json").read_text())
     assert rec["state"] == "COMPLETED" and rec["exit_code"] == 0 and rec["world_size"] == 2
-    assert (logs / "launch.sh").read_text().startswith("#!/bin/bash") and (logs / "config.yaml").is_file()
+    first = logs / "launches" / "1"
+    assert (first / "launch.sh").read_text().startswith("#!/bin/bash") and (first / "config.yaml").is_file()
+    assert rec["artifact"] == str(first / "launch.sh")
+    # a shared cluster's other users read nothing of the run; what a launch wrote is read-only
+    assert (logs.stat().st_mode & 0o777) == 0o750 and (first.stat().st_mode & 0o777) == 0o750
+    assert (first / "config.yaml").stat().st_mode & 0o777 == 0o440
+    assert all(f.stat().st_mode & 0o027 == 0 for f in logs.rglob("*")), "group-writable or world-readable"
     per_rank = sorted(logs.glob("ranks/*/attempt_0/*/stdout.log"))
     assert [f.read_text().strip() for f in per_rank] == ["rank 0 of 2", "rank 1 of 2"]
     st = json.loads(run_cli("jobs", "status", "loc", "--root", root, "--json", check=True).stdout)
@@ -140,7 +217,43 @@ def test_local_launch_runs_torchrun_with_per_rank_logs(tmp_path):
     p = run_cli("launch", "--scheduler", "local", "--root", root, "--set", "run.name=loc", "--", "false")
     assert p.returncode != 0
     rec = json.loads((logs / "job.json").read_text())
-    assert rec["state"] == "FAILED" and rec["previous_job_ids"]
+    assert rec["state"] == "FAILED" and rec["previous_job_ids"] and rec["launch"] == 2
+    assert (first / "config.yaml").is_file() and (logs / "launches" / "2" / "launch.sh").is_file()
+
+
+def test_second_launch_of_an_active_run_is_refused_unless_forced(tmp_path):
+    root = tmp_path / "s"
+    args = ["launch", "--scheduler", "local", "--root", root, "--set", "run.name=busy"]
+    running = subprocess.Popen([sys.executable, "-m", "llmcluster", *map(str, args), "--", "sleep", "60"],
+                               env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        rec_file = root / "logs" / "busy" / "job.json"
+        for _ in range(200):
+            if rec_file.is_file() and json.loads(rec_file.read_text()).get("state") == "RUNNING":
+                break
+            time.sleep(0.1)
+        assert_one_line_error(run_cli(*args, "--", "true"), "already RUNNING")
+        assert run_cli(*args, "--force", "--", "true").returncode == 0
+        # job.json now names the forced launch; the first one still runs and is cancelled by its own pid
+    finally:
+        running.terminate()
+        running.wait(timeout=60)
+
+
+def test_cancel_does_not_trust_the_pid_in_job_json(tmp_path):
+    """A doctored job.json naming some other process: `jobs cancel` refuses to signal it."""
+    root = tmp_path / "s"
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        logs = root / "logs" / "fake"
+        logs.mkdir(parents=True)
+        (logs / "job.json").write_text(json.dumps({"run": "fake", "scheduler": "local", "job_id": "local-1",
+                                                    "pid": other.pid, "state": "RUNNING"}))
+        assert_one_line_error(run_cli("jobs", "cancel", "fake", "--root", root), "not running")
+        assert other.poll() is None, "the other process was signalled"
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_jobs_on_unknown_run_is_one_line(tmp_path):
@@ -150,6 +263,59 @@ def test_jobs_on_unknown_run_is_one_line(tmp_path):
 
 def test_launch_never_imports_torch():
     code = ("import sys, llmcluster.launch.launcher, llmcluster.launch.slurm, llmcluster.launch.k8s, "
+            "llmcluster.launch.scheduler, llmcluster.launch.k8s.pod, llmcluster.launch.k8s.api, "
+            "llmcluster.launch.cluster_defaults, "
             "llmcluster.launch.local, llmcluster.launch.jobs, llmcluster.cli.launch, llmcluster.cli.jobs; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+@pytest.mark.parametrize("key", ["run.name", "job.partition", "job.k8s.namespace", "job.image", "job.time",
+                                 "job.mem_per_node", "log.metrics_bind"])
+def test_a_trailing_newline_fails_every_validator(key):
+    """`re.match` with `$` accepts "gpu\\n" (and breaks the #SBATCH header): every validator is a fullmatch."""
+    from llmcluster.config.load import validate
+    from llmcluster.config.schema import JobConfig
+    from llmcluster.errors import UserError
+
+    good = {"job.time": "01:00:00", "job.mem_per_node": "4G", "log.metrics_bind": "0.0.0.0:9401"}.get(key, "gpu")
+
+    def config(value: str) -> dict:   # a YAML file can hold "gpu\n" ("|" block); --set strips it
+        section, *rest = key.split(".")
+        inner = {rest[-1]: value}
+        for k in reversed(rest[:-1]):
+            inner = {k: inner}
+        return {section: inner}
+
+    validate(config(good), JobConfig)
+    with pytest.raises(UserError):
+        validate(config(good + "\n"), JobConfig)
+
+
+def test_no_validator_uses_re_match():
+    """grep: every pattern check in the package is anchored by fullmatch (a tokenizer's match at a
+    position, `_PART.match(expr, pos)`, is not a validator)."""
+    p = subprocess.run(["grep", "-rnE", r"\.match\(", str(Path(__file__).resolve().parents[1] / "llmcluster")],
+                       capture_output=True, text=True)
+    lines = [ln for ln in p.stdout.splitlines() if "fullmatch" not in ln and ".match(expr, pos)" not in ln
+             and 're.match(r"\\s*(\\d+)", rate)' not in ln]
+    assert not lines, lines
+
+
+def test_secret_env_is_checked_and_never_rendered(tmp_path):
+    """A missing secret is one line before anything runs; a present one is in no rendered file."""
+    root = tmp_path / "s"
+    args = ["launch", "--scheduler", "local", "--root", root, "--set", "job.secret_env=[LLMC_TEST_TOKEN]"]
+    env = cli_env()
+    env.pop("LLMC_TEST_TOKEN", None)
+    assert_one_line_error(run_cli(*args, "--", "true", env=env), "LLMC_TEST_TOKEN", "not set")
+    token = "tok-" + "x7" * 12
+    digest = hashlib.sha256(token.encode()).hexdigest()               # the program names only its hash
+    check = f'test "$(printf %s "$LLMC_TEST_TOKEN" | sha256sum | cut -c1-64)" = {digest}'
+    p = run_cli(*args, "--", "bash", "-c", check, env=cli_env(LLMC_TEST_TOKEN=token))
+    assert p.returncode == 0, p.stderr                                # it reached the rank
+    for sched in ("slurm", "k8s"):
+        dry = run_cli("launch", "--scheduler", sched, "--image", "img:1", "--root", root, "--dry-run",
+                      "--set", "job.secret_env=[LLMC_TEST_TOKEN]", env=cli_env(LLMC_TEST_TOKEN=token))
+        assert dry.returncode == 0 and "LLMC_TEST_TOKEN" in dry.stdout and token not in dry.stdout
+    assert subprocess.run(["grep", "-rlF", token, str(root)], capture_output=True).returncode == 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,7 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from conftest import assert_one_line_error, cli_env, run_cli
+from conftest import REPO, assert_one_line_error, cli_env, run_cli
 
 CRD_DIR = Path(__file__).parent / "data" / "k8s-crds"
 CRD_SCHEMAS = {("batch.volcano.sh/v1alpha1", "Job"): "volcano-job.v1alpha1.schema.json",
@@ -100,37 +101,155 @@ def _render(tmp_path: Path, kind: str, *extra: str) -> list[dict]:
     return list(yaml.safe_load_all(p.stdout))
 
 
-@pytest.mark.parametrize("kind", ["indexed-job", "volcano", "jobset", "pytorchjob"])
-def test_every_form_validates_strictly_and_has_the_essentials(tmp_path, kind):
-    objects = render(tmp_path, kind)
+FORMS = ["indexed-job", "volcano", "jobset", "pytorchjob"]
+
+
+@pytest.mark.parametrize("kind", FORMS)
+def test_every_form_validates_strictly_and_is_hardened(tmp_path, kind):
+    objects = render(tmp_path, kind, "--set", "job.secret_env=[HF_TOKEN]")
     validate_all(objects)
-    cm = objects[0]
+    cm, netpol = objects[:2]
     assert cm["kind"] == "ConfigMap" and yaml.safe_load(cm["data"]["config.yaml"])["job"]["nodes"] == 2
-    pods = list(pod_templates(objects[1:]))
+    # c10d/gloo listen unauthenticated: only the run's own pods may connect
+    assert netpol["kind"] == "NetworkPolicy" and netpol["spec"]["policyTypes"] == ["Ingress"]
+    me = {"matchLabels": {"llmcluster.io/run": "llm-tiny"}}
+    assert netpol["spec"]["podSelector"] == me and netpol["spec"]["ingress"] == [{"from": [{"podSelector": me}]}]
+    pods = list(pod_templates(objects[2:]))
     assert pods
     for tpl in pods:
         spec = tpl["spec"]
         c = spec["containers"][0]
         assert c["resources"]["limits"] == {"nvidia.com/gpu": "4", "cpu": "32", "memory": "480Gi"}
         mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
-        assert mounts["/storage/datasets"]["readOnly"] is True
-        assert mounts["/storage/checkpoints"]["readOnly"] is False
-        assert mounts["/storage/logs"]["readOnly"] is False
-        shm = [v for v in spec["volumes"] if v["name"] == "dshm"][0]
-        assert shm["emptyDir"]["medium"] == "Memory" and "/dev/shm" in mounts
-        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        # storage per area: datasets read-only; of checkpoints/logs/models only this run's directory
+        assert mounts["/storage/datasets"]["readOnly"] is True and mounts["/storage/datasets"]["subPath"] == "datasets"
+        for area in ("checkpoints", "logs", "models"):
+            m = mounts[f"/storage/{area}/llm-tiny"]
+            assert m["readOnly"] is False and m["subPath"] == f"{area}/llm-tiny"
+        assert not any(p.rstrip("/") in ("/storage", "/storage/checkpoints") for p in mounts)
+        assert not any("hostPath" in v for v in volumes.values())
+        # read-only root: /tmp and the compile caches are emptyDirs
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        for path in ("/tmp", "/cache", "/dev/shm"):
+            assert "emptyDir" in volumes[mounts[path]["name"]]
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+        env = {e["name"]: e for e in c["env"]}
+        assert env["TORCHINDUCTOR_CACHE_DIR"]["value"].startswith("/cache/")
+        assert env["TRITON_CACHE_DIR"]["value"].startswith("/cache/")
+        # no API token in a pod that never calls the API
+        assert spec["automountServiceAccountToken"] is False and "serviceAccountName" not in spec
+        sc = spec["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc["runAsUser"] >= 10000 and sc["fsGroupChangePolicy"] == "OnRootMismatch"
         assert c["securityContext"]["privileged"] is False
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert {p["name"] for p in c["ports"]} == {"rdzv"}
         argv = c["args"]
         assert argv[argv.index("--nnodes") + 1] == "2" and argv[argv.index("--nproc-per-node") + 1] == "4"
-        assert argv[argv.index("--rdzv-backend") + 1] == "c10d"
+        assert argv[argv.index("--rdzv-backend") + 1] == "c10d" and argv[argv.index("--max-restarts") + 1] == "3"
         assert "SIGUSR2" in argv[argv.index("--signals-to-handle") + 1]
-        env = {e["name"]: e.get("value") for e in c["env"]}
-        assert env["NCCL_DEBUG"] == "WARN" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+        assert env["NCCL_DEBUG"]["value"] == "WARN" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"]["value"] == "1"
+        # the secret comes from a Secret, never as a value
+        assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": "llmcluster-secrets", "key": "HF_TOKEN"}}}
+
+
+def test_service_account_only_when_set(tmp_path):
+    job = render(tmp_path, "indexed-job", "--set", "job.k8s.service_account=trainer")[-1]
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "trainer" and pod["automountServiceAccountToken"] is True
+
+
+def test_the_seeds_two_claim_job_from_its_cluster_file(tmp_path):
+    """The seed's form, from clusters/seed-a100.yaml: datasets from one claim (read-only), checkpoints from
+    another, image / namespace / node selector / tolerations from the cluster; logs and models, with no
+    claim there, stay in the pod."""
+    p = run_cli("launch", "--cluster", "seed-a100", "--scheduler", "k8s", "--nodes", "2", "--root", tmp_path / "s",
+                "--dry-run",
+                check=True)
+    objects = list(yaml.safe_load_all(p.stdout))
+    validate_all(objects)
+    job = objects[-1]
+    assert job["kind"] == "Job" and job["metadata"]["namespace"] == "llm" and job["spec"]["completions"] == 2
+    pod = job["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["image"] == "registry.example.com/llmcluster:0.1" and c["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    ds, ck = mounts["/storage/datasets"], mounts["/storage/checkpoints/llm-tiny"]
+    assert volumes[ds["name"]]["persistentVolumeClaim"] == {"claimName": "datasets-pvc", "readOnly": True}
+    assert ds["readOnly"] is True and "subPath" not in ds
+    assert volumes[ck["name"]]["persistentVolumeClaim"] == {"claimName": "checkpoints-pvc"}
+    assert ck["readOnly"] is False and ck["subPath"] == "llm-tiny"
+    assert "emptyDir" in volumes[mounts["/storage/logs/llm-tiny"]["name"]]
+    assert not any("llmcluster-storage" in json.dumps(v) for v in volumes.values()), "no implicit shared claim"
+    p = run_cli("launch", "--scheduler", "k8s", "--image", IMAGE, "--root", tmp_path / "s", "--dry-run",
+                "--set", "job.k8s.storage_claim=null")
+    assert_one_line_error(p, "no claim for datasets")
+
+
+def test_host_paths_only_where_the_cluster_allows_and_read_only(tmp_path):
+    mount = ["--set", "job.mounts=[{source: /opt/site/models, path: /models, read_only: false}]"]
+    p = run_cli("launch", "--scheduler", "k8s", "--image", IMAGE, "--root", tmp_path / "s", "--dry-run", *mount)
+    assert_one_line_error(p, "hostPath", "job.k8s.host_paths")
+    for bad in ("/", "/opt/site/../../etc"):
+        p = run_cli("launch", "--scheduler", "k8s", "--image", IMAGE, "--root", tmp_path / "s", "--dry-run",
+                    "--set", f"job.k8s.host_paths=[{bad}]")
+        assert_one_line_error(p, "host_paths")
+    objects = render(tmp_path, "indexed-job", *mount, "--set", "job.k8s.host_paths=[/opt/site]")
+    validate_all(objects)
+    pod = objects[-1]["spec"]["template"]["spec"]
+    host = [v for v in pod["volumes"] if "hostPath" in v]
+    assert host == [{"name": "host-0", "hostPath": {"path": "/opt/site/models", "type": "Directory"}}]
+    assert [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "host-0"][0]["readOnly"] is True
+
+
+@pytest.mark.parametrize("name", ["LLM-Tiny", "llm_tiny", "a" * 60, "llm.tiny"])
+def test_names_are_dns_1123_before_anything_is_created(tmp_path, name):
+    p = run_cli("launch", "--scheduler", "k8s", "--image", IMAGE, "--root", tmp_path / "s", "--dry-run",
+                "--set", f"run.name={name}")
+    assert_one_line_error(p, "RFC 1123")
+    assert not (tmp_path / "s").exists()
+
+
+CHECKOV = REPO / ".venv-checkov" / "bin" / "checkov"
+# Checks that do not apply to a batch training job, each with its reason:
+CHECKOV_SKIP = {
+    "CKV_K8S_8": "liveness probe: a training rank has no endpoint to probe; torchrun watches its ranks",
+    "CKV_K8S_9": "readiness probe: no traffic is routed to a trainer (the headless Service publishes not-ready)",
+    "CKV_K8S_35": "secrets as files: HF_TOKEN / WANDB_API_KEY are read from the environment by their libraries",
+}
+
+
+@pytest.mark.parametrize("kind", FORMS)
+def test_every_form_passes_checkov(tmp_path, kind):
+    """checkov (from PyPI, in its own venv: `make checkov`) on every built-in object, and on each pod
+    template of the custom resources as a Pod (checkov does not look inside CRDs)."""
+    assert CHECKOV.is_file(), f"{CHECKOV} missing: run `make checkov`"
+    digest = "nvcr.io/nvidia/pytorch:24.07-py3@sha256:" + "a" * 64     # CKV_K8S_43: images by digest
+    objects = render(tmp_path, kind, "--image", digest, "--namespace", "ml", "--set", "job.secret_env=[HF_TOKEN]")
+    # the built-in kinds as they are; a custom resource's pod templates as Pods (checkov reads Volcano's
+    # kind "Job" as a batch/v1 Job and finds no template in it)
+    docs = [o for o in objects if (o["apiVersion"], o["kind"]) not in CRD_SCHEMAS]
+    if kind != "indexed-job":
+        docs += [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"pod-{i}", "namespace": "ml"},
+                  "spec": tpl["spec"]} for i, tpl in enumerate(pod_templates(objects[2:]))]
+    (tmp_path / "objects.yaml").write_text(yaml.safe_dump_all(docs))
+    p = subprocess.run([str(CHECKOV), "-f", str(tmp_path / "objects.yaml"), "--framework", "kubernetes",
+                        "--skip-check", ",".join(CHECKOV_SKIP), "--output", "json", "--quiet", "--compact"],
+                       capture_output=True, text=True, timeout=300, env={**cli_env(), "BC_SKIP_MAPPING": "TRUE"})
+    report = json.loads(p.stdout)
+    report = report[0] if isinstance(report, list) else report
+    failed = [(c["check_id"], c["resource"]) for c in report.get("results", {}).get("failed_checks", [])]
+    assert not failed, failed
+    assert report["summary"]["passed"] > 20, report["summary"]
 
 
 def test_indexed_job_is_the_seed_form(tmp_path):
-    cm, svc, job = render(tmp_path, "indexed-job")
+    cm, _, svc, job = render(tmp_path, "indexed-job")
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert job["spec"]["completionMode"] == "Indexed"
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == 2
@@ -142,7 +261,7 @@ def test_indexed_job_is_the_seed_form(tmp_path):
 
 
 def test_volcano_gang_schedules_and_restarts_on_eviction(tmp_path):
-    _, vj = render(tmp_path, "volcano", "--set", "job.k8s.queue=research")
+    vj = render(tmp_path, "volcano", "--set", "job.k8s.queue=research")[-1]
     s = vj["spec"]
     assert s["minAvailable"] == 2 and s["schedulerName"] == "volcano" and s["queue"] == "research"
     assert set(s["plugins"]) == {"pytorch", "svc", "env"}
@@ -153,18 +272,18 @@ def test_volcano_gang_schedules_and_restarts_on_eviction(tmp_path):
 def test_misspelt_field_is_caught(tmp_path):
     objects = render(tmp_path, "indexed-job")
     bad = copy.deepcopy(objects)
-    bad[2]["spec"]["template"]["spec"]["containers"][0]["volumeMount"] = []   # volumeMounts misspelt
+    bad[-1]["spec"]["template"]["spec"]["containers"][0]["volumeMount"] = []   # volumeMounts misspelt
     with pytest.raises(kubernetes_validate.ValidationError):
         validate_all(bad)
     for kind, path in (("volcano", ("spec", "minAvaliable")), ("jobset", ("spec", "replicatedJob")),
                        ("pytorchjob", ("spec", "pytorchReplicaSpec"))):
-        obj = render(tmp_path, kind)[1]
+        obj = render(tmp_path, kind)[-1]
         validate_all([obj])
         obj[path[0]][path[1]] = 1
         with pytest.raises(jsonschema.ValidationError):
             validate_all([obj])
     # and inside a CRD's pod template, the core schema catches it
-    vj = render(tmp_path, "volcano")[1]
+    vj = render(tmp_path, "volcano")[-1]
     vj["spec"]["tasks"][0]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
     with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError)):
         validate_all([vj])
@@ -194,15 +313,27 @@ class Recorder(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    refuse: str | None = None     # a collection path whose POSTs are refused (a quota, an admission webhook)
+
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.calls.append(("POST", self.path, body))
+        if self.path == self.refuse:
+            return self._reply(403, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 403,
+                                     "reason": "Forbidden", "message": "exceeded quota"})
         self.objects[self.path.rstrip("/") + "/" + body["metadata"]["name"]] = body
         self._reply(201, body)
 
     def do_GET(self):  # noqa: N802
         self.calls.append(("GET", self.path, None))
-        base = self.path.split("?")[0].removesuffix("/status")
+        base, _, query = self.path.partition("?")
+        if "labelSelector=" in query:                 # a list: the objects of that collection with the label
+            from urllib.parse import parse_qs
+            key, value = parse_qs(query)["labelSelector"][0].split("=", 1)
+            items = [o for path, o in self.objects.items() if path.rsplit("/", 1)[0] == base
+                     and o["metadata"].get("labels", {}).get(key) == value]
+            return self._reply(200, {"kind": "List", "apiVersion": "v1", "metadata": {}, "items": items})
+        base = base.removesuffix("/status")
         obj = self.objects.get(base)
         if obj is None:
             return self._reply(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404})
@@ -222,7 +353,7 @@ class Recorder(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fake_apiserver(tmp_path):
-    Recorder.calls, Recorder.objects = [], {}
+    Recorder.calls, Recorder.objects, Recorder.refuse = [], {}, None
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     kubeconfig = tmp_path / "kubeconfig"
@@ -242,22 +373,42 @@ def test_apply_status_cancel_indexed_job(tmp_path, fake_apiserver):
     assert "Job/llm-tiny" in p.stdout
     posts = [(path, body["kind"]) for verb, path, body in Recorder.calls if verb == "POST"]
     assert posts == [("/api/v1/namespaces/ml/configmaps", "ConfigMap"),
+                     ("/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies", "NetworkPolicy"),
                      ("/api/v1/namespaces/ml/services", "Service"),
                      ("/apis/batch/v1/namespaces/ml/jobs", "Job")]
-    # what was sent is what --dry-run prints and what job.yaml holds
+    # what was sent is what --dry-run prints and what the launch's job.yaml holds
     sent = [body for verb, _, body in Recorder.calls if verb == "POST"]
-    assert sent == list(yaml.safe_load_all((root / "logs" / "llm-tiny" / "job.yaml").read_text()))
-    rec = json.loads((root / "logs" / "llm-tiny" / "job.json").read_text())
+    logs = root / "logs" / "llm-tiny"
+    assert sent == list(yaml.safe_load_all((logs / "launches" / "1" / "job.yaml").read_text()))
+    rec = json.loads((logs / "job.json").read_text())
     assert rec["scheduler"] == "k8s" and rec["k8s"]["namespace"] == "ml"
 
     st = run_cli("jobs", "status", "llm-tiny", "--root", root, "--json", env=fake_apiserver, check=True)
     assert json.loads(st.stdout)["state"] == "RUNNING"
+    # job.json is a user-editable file: names in it are not what cancel deletes (it lists by the run label)
+    rec["k8s"]["objects"] = [{"apiVersion": "v1", "kind": "ConfigMap", "name": "someone-elses"}]
+    (logs / "job.json").write_text(json.dumps(rec))
+    Recorder.objects["/api/v1/namespaces/ml/configmaps/someone-elses"] = {"metadata": {"name": "someone-elses"}}
     run_cli("jobs", "cancel", "llm-tiny", "--root", root, env=fake_apiserver, check=True)
     deletes = [path for verb, path, _ in Recorder.calls if verb == "DELETE"]
     assert deletes == ["/apis/batch/v1/namespaces/ml/jobs/llm-tiny", "/api/v1/namespaces/ml/services/llm-tiny",
+                       "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/llm-tiny",
                        "/api/v1/namespaces/ml/configmaps/llm-tiny-config"]
     job_delete = [b for verb, _, b in Recorder.calls if verb == "DELETE"][0]
     assert job_delete["propagationPolicy"] == "Foreground"
+    assert "/api/v1/namespaces/ml/configmaps/someone-elses" in Recorder.objects
+
+
+def test_a_failed_apply_rolls_back_what_it_created(tmp_path, fake_apiserver):
+    Recorder.refuse = "/apis/batch/v1/namespaces/default/jobs"
+    p = run_cli("launch", "--scheduler", "k8s", "--image", IMAGE, "--root", tmp_path / "s", "--apply",
+                env=fake_apiserver)
+    assert_one_line_error(p, "403", "rolled back")
+    deletes = [path for verb, path, _ in Recorder.calls if verb == "DELETE"]
+    assert deletes == ["/api/v1/namespaces/default/services/llm-tiny",
+                       "/apis/networking.k8s.io/v1/namespaces/default/networkpolicies/llm-tiny",
+                       "/api/v1/namespaces/default/configmaps/llm-tiny-config"]
+    assert Recorder.objects == {}, "nothing of the run is left on the server"
 
 
 def test_apply_custom_resource(tmp_path, fake_apiserver):

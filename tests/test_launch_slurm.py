@@ -6,8 +6,10 @@ chain (rendezvous on the first node, one agent per node, signal, requeue, cancel
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -16,22 +18,28 @@ from pathlib import Path
 import pytest
 from slurm_cluster import job_state, slurm, wait_for  # noqa: F401
 
-from conftest import run_cli
+from conftest import assert_nowhere_under, cli_env, run_cli
 
 pytestmark = pytest.mark.slurm
 
 
-def launch(root: Path, run: str, program: str, *flags: str) -> str:
+def launch(root: Path, run: str, program: str, *flags: str, env: dict | None = None) -> str:
     p = run_cli("launch", "--scheduler", "slurm", "--nodes", "2", "--root", root, "--set", f"run.name={run}",
-                *flags, "--", "bash", "-c", program, check=True)
+                *flags, "--", "bash", "-c", program, check=True, env=env)
     rec = json.loads((root / "logs" / run / "job.json").read_text())
     assert rec["scheduler"] == "slurm" and f"job {rec['job_id']}" in p.stdout
     return rec["job_id"]
 
 
 def test_two_node_job_status_and_logs(slurm, tmp_path):
+    """Node names that resolve nowhere (NodeAddr only); a secret from the submitting environment."""
+    assert subprocess.run(["getent", "hosts", "n1"], capture_output=True).returncode != 0, \
+        "n1 resolves: this test is about a Slurm whose node names are not hostnames"
     root = tmp_path / "s"
-    job = launch(root, "hello", 'echo "rank=$RANK of $WORLD_SIZE group=$GROUP_RANK on $SLURMD_NODENAME"')
+    secret = secrets.token_hex(16)
+    job = launch(root, "hello", 'echo "rank=$RANK of $WORLD_SIZE group=$GROUP_RANK on $SLURMD_NODENAME"; '
+                 'echo "secret sha256 $(printf %s "$LLMC_TEST_SECRET" | sha256sum | cut -c1-64)"',
+                 "--set", "job.secret_env=[LLMC_TEST_SECRET]", env=cli_env(LLMC_TEST_SECRET=secret))
     assert wait_for(job, ("COMPLETED",)) == "COMPLETED"
     st = json.loads(run_cli("jobs", "status", "hello", "--root", root, "--json", check=True).stdout)
     assert st["state"] == "COMPLETED" and st["job_id"] == job and st["nodes"] == "n[1-2]"
@@ -40,7 +48,10 @@ def test_two_node_job_status_and_logs(slurm, tmp_path):
     # one rank per node, both in one world of 2, each node its own torchrun group
     assert {(r, w) for r, w, _, _ in lines} == {("0", "2"), ("1", "2")}
     assert {n for *_, n in lines} == {"n1", "n2"} and {g for _, _, g, _ in lines} == {"0", "1"}
-    assert "rendezvous n1:" in out
+    assert re.search(r"rendezvous 127\.0\.0\.1:\d+ \(node n1\)", out), out     # n1's NodeAddr
+    # the secret reached both ranks, and no file under the storage root holds it
+    assert out.count(f"secret sha256 {hashlib.sha256(secret.encode()).hexdigest()}") == 2, out
+    assert_nowhere_under(root, secret)
     listing = run_cli("jobs", "list", "--root", root, check=True).stdout
     assert re.search(rf"hello\s+slurm\s+{job}\s+2\s+2\s+COMPLETED", listing), listing
 
@@ -60,7 +71,7 @@ def test_time_limit_signal_reaches_ranks_and_requeues(slurm, tmp_path):
     assert wait_for(job, ("COMPLETED",), timeout=240) == "COMPLETED"
     out = (root / "logs" / "sig" / f"slurm-{job}.out").read_text()
     assert "rank 0 got USR2" in out and "rank 1 got USR2" in out, out
-    assert f"requeueing job {job} (restart 0 of 3)" in out
+    assert f"requeueing job {job} (restart 0 of 3): preempted" in out
     assert "rank 0 attempt 1 done" in out and "rank 1 attempt 1 done" in out
     assert "no signal" not in out
 
@@ -87,7 +98,7 @@ def test_validate_collectives_across_both_nodes(slurm, tmp_path):
     root = tmp_path / "s"
     report = tmp_path / "collectives.json"
     job = launch(root, "nccl-check", f"{sys.executable} -m llmcluster validate collectives --quick -b 64K -e 256K "
-                 f"-f 4 -n 2 -w 1 --json {report}", "--set", "job.env.COLUMNS=120")   # rich: a wide table
+                 f"-f 4 -n 2 -w 1 --report {report}", "--set", "job.env.COLUMNS=120")   # rich: a wide table
     assert wait_for(job, ("COMPLETED",), timeout=240) == "COMPLETED"
     doc = json.loads(report.read_text())
     coll = next(c for c in doc["checks"] if c["check"] == "collectives")

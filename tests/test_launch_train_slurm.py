@@ -1,6 +1,8 @@
 """Acceptance on the real 2-node Slurm: the trainer itself, launched by `launch --scheduler slurm`.
 
   * 2 nodes x 1 process train llm_tiny (world size 2) and checkpoint; `jobs status` / `jobs logs`;
+  * a rank SIGKILLed mid-run is restarted by torchrun (job.max_restarts) and the run logs the same loss
+    at every step as the uninterrupted one; a second launch of the active run is refused;
   * the same run interrupted by the pre-time-limit signal checkpoints, requeues itself and ends with the
     same final loss as the uninterrupted run;
   * `jobs cancel` stops a run and its last complete checkpoint stays intact.
@@ -13,7 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import secrets
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -21,7 +26,7 @@ from pathlib import Path
 import pytest
 from slurm_cluster import ACTIVE, job_state, slurm, wait_for  # noqa: F401
 
-from conftest import REPO, repo_source_dataset, run_cli
+from conftest import REPO, assert_nowhere_under, repo_source_dataset, run_cli
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow,
               pytest.mark.skipif(not (REPO / "llmcluster" / "train" / "trainer.py").is_file(),
@@ -78,14 +83,63 @@ def final_loss(root: Path, run: str) -> float:
     return last[STEPS]
 
 
+def workers(root: Path, run: str) -> list[int]:
+    """The pids of the run's ranks (torchrun's workers, not the agents or srun)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"train" in cmd and any(str(root / "logs" / run).encode() in w for w in cmd) \
+                and not any(b"torch.distributed.run" in w or w.endswith(b"srun") for w in cmd):
+            out.append(int(proc.name))
+    return out
+
+
+def losses(root: Path, run: str) -> dict[int, float]:
+    """step -> loss, the last one logged for each step (a restarted run logs its resumed steps again)."""
+    return {m["step"]: m["loss"] for m in metrics(root, run)}
+
+
 def test_two_nodes_train_and_requeue_gives_the_same_loss(root):
-    straight = launch(root, "straight", "--set", f"train.steps={STEPS}", "--set", "checkpoint.interval_steps=4")
+    token = secrets.token_hex(16)
+    straight = launch(root, "straight", "--set", f"train.steps={STEPS}", "--set", "checkpoint.interval_steps=4",
+                      "--set", f"job.env.WANDB_API_KEY={token}")
+    killed = launch(root, "killed", "--set", f"train.steps={STEPS}", "--set", "checkpoint.interval_steps=4")
     interrupted = launch(root, "interrupted", "--set", f"train.steps={STEPS}",
                          "--set", "checkpoint.interval_steps=100")   # only the signal's checkpoint exists
+
+    # a rank SIGKILLed after the step-4 checkpoint (a segfault, the OOM killer): torchrun restarts the group
+    wait_step(root, "killed", killed, 5)
+    ranks = workers(root, "killed")
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[1], signal.SIGKILL)
+    # while it runs, a second launch of the run is refused (it would race it for the checkpoints)
+    again = run_cli("launch", "--scheduler", "slurm", "--nodes", "2", "--root", root, *TINY,
+                    "--set", "run.name=killed")
+    assert again.returncode == 2 and "already" in again.stderr and "--force" in again.stderr, again.stderr
+
     wait_step(root, "interrupted", interrupted, 3)
     subprocess.run(["scancel", "--batch", "--signal=USR2", interrupted], check=True)
     assert wait_for(straight, ("COMPLETED",), timeout=300) == "COMPLETED"
+    assert wait_for(killed, ("COMPLETED",), timeout=300) == "COMPLETED", log_tail(root, "killed")
     assert wait_for(interrupted, ("COMPLETED",), timeout=300) == "COMPLETED"
+
+    # the killed run: restarted by torchrun inside the same Slurm attempt, resumed
+    # from step 4, and every step's loss is the uninterrupted run's
+    log = (root / "logs" / "killed" / f"slurm-{killed}.out").read_text()
+    assert "requeueing" not in log and "attempt 1" not in log, log[-3000:]
+    # the dead rank's agent counts a restart (attempt_1); the other counts one too if its rank failed
+    # first, or restarts on the membership change without counting (reusing its attempt_0 directory)
+    assert len(list((root / "logs" / "killed" / "ranks").glob(f"{killed}-0/*/attempt_1/0"))) in (1, 2)
+    assert re.search(r"resumed from \S+/step_4 \(step 4\)", log), log[-3000:]
+    assert sorted(losses(root, "killed")) == list(range(1, STEPS + 1))
+    assert losses(root, "killed") == pytest.approx(losses(root, "straight"), rel=1e-5)
+
+    # job.env values are redacted from the saved configs and every checkpoint's train state
+    assert_nowhere_under(root / "checkpoints", token)
+    assert all(token not in f.read_text() for f in (root / "logs" / "straight").glob("launches/*/config.yaml"))
 
     # the uninterrupted run: world size 2 across both nodes, checkpoint written, status and logs
     st = json.loads(run_cli("jobs", "status", "straight", "--root", root, "--json", check=True).stdout)
@@ -97,7 +151,7 @@ def test_two_nodes_train_and_requeue_gives_the_same_loss(root):
     assert (last / "COMPLETE.json").is_file()
     assert sorted(p.name for p in (last / "rng").iterdir()) == ["rank_0.json", "rank_1.json"]
     out = run_cli("jobs", "logs", "straight", "--root", root, check=True).stdout
-    assert "rendezvous n1:" in out and "srun exited with 0" in out
+    assert "rendezvous 127.0.0.1:" in out and "(node n1)" in out and "srun exited with 0" in out
 
     # the interrupted run: signal -> checkpoint -> requeue -> resume -> same loss
     log = (root / "logs" / "interrupted" / f"slurm-{interrupted}.out").read_text()

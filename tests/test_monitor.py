@@ -27,7 +27,7 @@ from monitor_helpers import (DASHBOARDS, MONITORING, PROMETHEUS_BUILTINS, FakeNV
 from llmcluster.errors import UserError
 from llmcluster.monitor.exporter import build_registry
 from llmcluster.monitor.nvml_metrics import GPU_METRIC_NAMES
-from llmcluster.monitor.scrape_config import expand_hostlist
+from llmcluster.config.hostlist import expand_hostlist
 from llmcluster.monitor.train_metrics import TrainMetrics
 
 
@@ -204,6 +204,21 @@ def start_serve(*args, env=None) -> tuple[subprocess.Popen, int]:
     return p, int(line.split("127.0.0.1:")[1].split("/")[0])
 
 
+def test_serve_takes_expected_gpus_and_root_from_the_cluster_spec(storage, tmp_path):
+    spec = tmp_path / "cluster.yaml"
+    me = socket.gethostname().split(".")[0]
+    spec.write_text(f"nodes: {{hosts: [{me}, other1], overrides: {{{me}: {{gpus_per_node: 3}}}}}}\n"
+                    f"hardware: {{gpu: H100, gpus_per_node: 8}}\nstorage: {{root: {storage}}}\n")
+    p, port = start_serve("--cluster", spec)
+    try:
+        f = scrape(port)
+        assert value(f, "llmcluster_node_gpus_expected") == 3            # this host's override, not the 8
+        assert value(f, "llmcluster_storage_size_bytes", area="logs", path=str(storage / "logs")) > 0
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=10) == 0
+
+
 def test_serve_exposes_node_and_storage_metrics_on_loopback_and_stops_on_sigterm(storage):
     p, port = start_serve("--root", storage, "--expected-gpus", 2)
     try:
@@ -242,12 +257,20 @@ def test_config_static_nodes_slurm_nodelist_and_cluster_spec(tmp_path):
     assert cfg["scrape_configs"][0]["static_configs"][0]["targets"] == [
         "gpu08:9400", "gpu09:9400", "gpu10:9400", "gpu12:9400"]
     spec = tmp_path / "cluster.yaml"
-    spec.write_text("gpus_per_node: 8\nnodes:\n  - name: a1\n  - {name: 'b[1-2]', gpus: 4}\n  - c9\n")
+    spec.write_text("nodes: {hosts: [a1, 'b[1-2]', c9]}\nhardware: {gpu: H100, gpus_per_node: 2}\n"
+                    "monitoring: {exporter_port: 9500}\n")
     cfg = yaml.safe_load(run_cli("monitor", "config", "--cluster", spec, check=True).stdout)
-    assert cfg["scrape_configs"][0]["static_configs"][0]["targets"] == ["a1:9400", "b1:9400", "b2:9400", "c9:9400"]
-    spec.write_text("cluster:\n  gpu: H100\n  hosts: gpu[1-2]\n")
+    jobs = {j["job_name"]: j["static_configs"][0]["targets"] for j in cfg["scrape_configs"]}
+    assert jobs["llmcluster-node"] == ["a1:9500", "b1:9500", "b2:9500", "c9:9500"]
+    assert jobs["llmcluster-train"][:2] == ["a1:9401", "a1:9402"]    # one trainer port per GPU (local rank)
+    spec.write_text("nodes: {hosts: 'g[1-2]', overrides: {g2: {gpus_per_node: 1}}}\n"
+                    "hardware: {gpu: H100, gpus_per_node: 2}\n")
     cfg = yaml.safe_load(run_cli("monitor", "config", "--cluster", spec, check=True).stdout)
-    assert cfg["scrape_configs"][0]["static_configs"][0]["targets"] == ["gpu1:9400", "gpu2:9400"]
+    assert cfg["scrape_configs"][1]["static_configs"][0]["targets"] == ["g1:9401", "g1:9402", "g2:9401"]
+    spec.write_text("nodes: {hosts: [a1, 'b[1-2]', c9]}\nhardware: {gpu: H100, gpus_per_node: 2}\n")
+    # no --cluster: ./cluster.yaml, as every command resolves it
+    cfg = yaml.safe_load(run_cli("monitor", "config", "--port", "9400", cwd=tmp_path, check=True).stdout)
+    assert cfg["scrape_configs"][0]["static_configs"][0]["targets"][0] == "a1:9400"
 
 
 def test_config_bad_input_is_one_line(tmp_path):
@@ -258,12 +281,12 @@ def test_config_bad_input_is_one_line(tmp_path):
     assert_one_line_error(run_cli("monitor", "config", "--cluster", tmp_path / "missing.yaml"), "not found")
     bad = tmp_path / "bad.yaml"
     bad.write_text("nodes: {a: 1}\n")
-    assert_one_line_error(run_cli("monitor", "config", "--cluster", bad), "nodes:")
-    bad.write_text("cluster:\n  gpu: H100\n  nodes: 4\n  gpus_per_node: 8\n")  # a plan file: a count, no names
+    assert_one_line_error(run_cli("monitor", "config", "--cluster", bad), "nodes.a")
+    bad.write_text("nodes: {count: 4}\nhardware: {gpu: H100, gpus_per_node: 8}\n")  # a count, no names
     assert_one_line_error(run_cli("monitor", "config", "--cluster", bad), "4 node(s) but no host names")
-    bad.write_text("nodes:\n  - {name: a, gpus: -2}\n")
-    assert_one_line_error(run_cli("monitor", "config", "--cluster", bad), "nodes[0].gpus")
-    assert_one_line_error(run_cli("monitor", "config"), "one of the arguments")
+    bad.write_text("cluster:\n  gpu: H100\n  hosts: gpu[1-2]\n")               # the old format
+    assert_one_line_error(run_cli("monitor", "config", "--cluster", bad), "old cluster format")
+    assert_one_line_error(run_cli("monitor", "config", cwd=tmp_path), "no cluster spec", "--nodes")
 
 
 @pytest.mark.parametrize("expr", ["gpu[01-03,7],login,n[8-10]", "node1", "a[098-101]", "x[1,3,5-6]"])

@@ -206,7 +206,7 @@ def test_end_to_end_prometheus_scrapes_exporter_and_training_metrics(tmp_path, s
 @pytest.mark.slow
 def test_end_to_end_with_a_real_llm_tiny_training_run(tmp_path, storage, exporter):
     """The real trainer (`llmcluster train`, preset llm_tiny shrunk to run fast on 2 shared cores) serving
-    log.metrics_port, scraped by a real Prometheus next to `monitor serve`."""
+    log.metrics_bind, scraped by a real Prometheus next to `monitor serve`."""
     src = tmp_path / "src"
     shutil.copytree(REPO / "llmcluster" / "monitor", src, ignore=shutil.ignore_patterns("__pycache__"))
     run_cli("data", "prepare", "--root", storage, "--name", "tiny", "--source", src, "--tokenizer", "byte",
@@ -216,7 +216,7 @@ def test_end_to_end_with_a_real_llm_tiny_training_run(tmp_path, storage, exporte
             "model.vocab_size=257", "data.dataset=tiny", "data.seq_len=32", "train.micro_batch=2",
             "train.steps=100000", "train.warmup_steps=1", "train.precision=fp32", "log.interval=1",
             "log.eval_interval=100000", "checkpoint.interval_steps=100000", "run.name=e2e-tiny",
-            f"log.metrics_port={port}"]
+            f"log.metrics_bind=127.0.0.1:{port}"]
     log = open(tmp_path / "train.log", "w")
     trainer = subprocess.Popen([sys.executable, "-m", "llmcluster", "train", "--config", "llm_tiny", "--root",
                                 str(storage), *[a for kv in tiny for a in ("--set", kv)]],

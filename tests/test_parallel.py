@@ -57,10 +57,10 @@ def losses(root: Path, run: str) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}
 
 
-def assert_matches(ref: dict[int, float], got: dict[int, float], steps: range) -> None:
+def assert_matches(ref: dict[int, float], got: dict[int, float], steps: range, tol: float = TOL) -> None:
     assert sorted(got) == list(steps), sorted(got)
     diffs = {s: abs(got[s] - ref[s]) for s in steps}
-    assert max(diffs.values()) < TOL, diffs
+    assert max(diffs.values()) < tol, diffs
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,11 @@ def test_resume_fsdp_checkpoint_as_ddp(root, reference, ddp_run):
 def test_resume_ddp_checkpoint_as_tensor_parallel(root, reference, ddp_run):
     proc = train(root, "tp", 2, *mesh(1, 1, tp=2), "--resume", str(root / "checkpoints" / ddp_run / "step_7"))
     assert "× TP 2" in proc.stdout and "(step 7)" in proc.stdout, proc.stdout
-    assert_matches(reference, losses(root, "tp"), range(8, 11))
+    got = losses(root, "tp")
+    # The first step after the reshard sees exactly the saved weights: a wrong reshard shows here at once.
+    assert abs(got[8] - reference[8]) < 1e-5, (got[8], reference[8])
+    # Then TP's other reduction order drifts through AdamW (on torch 2.6 ~1.3e-4 by step 10, 4e-5 on 2.13).
+    assert_matches(reference, got, range(8, 11), tol=3e-4)
 
 
 def test_fsdp_times_tp_on_four_ranks_matches_one_process(root, reference):

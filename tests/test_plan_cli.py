@@ -77,7 +77,7 @@ def test_seed_plan_tables_and_overrides():
     proc = run_cli("plan", plan, *preset_args(plan), check=True)
     for heading in ("Memory per GPU", "Compute", "Checkpoint", "Network", "Power and cooling", "Cost", "Advice"):
         assert heading in proc.stdout
-    small, big = plan_json(plan), plan_json(plan, "--set", "cluster.nodes=8")
+    small, big = plan_json(plan), plan_json(plan, "--set", "cluster.nodes.count=8")
     assert big["parallel"]["dp"] == 2 * small["parallel"]["dp"]
     assert big["time"]["days"] < small["time"]["days"]
     assert big["power"]["it_kw"] == pytest.approx(2 * small["power"]["it_kw"])
@@ -124,20 +124,26 @@ def test_plot_writes_memory_and_cost_charts(tmp_path):
 def write_plan(tmp_path: Path, **sections) -> Path:
     base = {"model": {"n_layers": 4, "d_model": 256, "n_heads": 8, "ffn_hidden": 768, "vocab_size": 8192,
                       "seq_len": 256},
-            "cluster": {"gpu": "A100-80GB", "nodes": 2, "gpus_per_node": 4}}
+            "cluster": {"nodes": {"count": 2},
+                        "hardware": {"gpu": "A100-80GB", "gpus_per_node": 4, "fabric": "ib-ndr"}}}
     for k, v in sections.items():
-        base[k] = {**base.get(k, {}), **v}
+        base[k] = {**base.get(k, {}), **v} if isinstance(v, dict) else v
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(base))
     return path
 
 
 @pytest.mark.parametrize("sections, needles", [
-    ({"cluster": {"gpu": "B300"}}, ["cluster.gpu", "unknown GPU 'B300'"]),
+    ({"cluster": {"hardware": {"gpu": "B300", "gpus_per_node": 4}}}, ["hardware.gpu", "unknown GPU 'B300'"]),
+    ({"cluster": {"gpu": "A100-80GB"}}, ["'gpu' is from an old cluster format", "hardware.gpu"]),
+    ({"cluster": {"nodes": 4}}, ["'nodes' is from an old cluster format", "nodes.count"]),
+    ({"cost": {"pue": 1.3}}, ["cluster.cost"]),
+    ({"cluster": {"nodes": {"count": 2}, "hardware": {"gpu": "none", "gpus_per_node": 0}}}, ["plans GPU clusters"]),
     ({"parallel": {"tp": 3}}, ["parallel.tp (3) must divide model.n_heads (8)"]),
-    ({"parallel": {"tp": 2, "dp": 8}}, ["16 GPUs: more than the cluster has", "2 nodes x 4 = 8"]),
+    ({"parallel": {"tp": 2, "dp_replicate": 8}}, ["16 GPUs but the cluster has", "2 nodes x 4 = 8"]),
+    ({"parallel": {"dp": 8}}, ["unknown key 'parallel.dp'"]),
     ({"parallel": {"zero": 4}}, ["parallel.zero"]),
-    ({"cluster": {"nodez": 4}}, ["unknown key 'cluster.nodez'", "cluster.nodes"]),
+    ({"cluster": {"nodez": 4}}, ["unknown key 'nodez'", "nodes"]),
     ({"parallel": {"micro_batch": 3, "global_batch": 16}}, ["global_batch (16)", "micro_batch x dp"]),
 ])
 def test_bad_plan_is_one_line_error(tmp_path, sections, needles):
@@ -157,3 +163,36 @@ def test_planner_never_imports_torch():
             "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_plan_on_a_cluster_file_needs_no_cluster_section(tmp_path):
+    plan = write_plan(tmp_path)
+    data = yaml.safe_load(plan.read_text())
+    del data["cluster"]
+    plan.write_text(yaml.safe_dump(data))
+    assert_one_line_error(run_cli("plan", plan, cwd=tmp_path), "no cluster", "--cluster")
+    seed = plan_json(plan, "--cluster", "seed-a100")                  # 8 hosts x 4 A100-80GB
+    assert seed["parallel"]["world"] == 32
+    assert plan_json(plan, "--cluster", REPO / "clusters" / "h200-8x.yaml")["parallel"]["world"] == 32
+    bigger = plan_json(plan, "--cluster", "seed-a100", "--set", "cluster.nodes.count=16")
+    assert bigger["parallel"]["world"] == 64
+    (tmp_path / "cluster.yaml").write_text((REPO / "clusters" / "rtx4090-box.yaml").read_text())
+    local = json.loads(run_cli("plan", plan, "--json", cwd=tmp_path, check=True).stdout)   # ./cluster.yaml
+    assert local["parallel"]["world"] == 2
+    # --cluster wins over the plan's own cluster: section
+    assert plan_json(REPO / "plans" / "seed-a100-7b.yaml", "--cluster", "rtx4090-box")["parallel"]["world"] == 2
+
+
+def test_plan_names_its_cluster_file_relative_to_itself(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "mine.yaml").write_text("name: mine\nnodes: {count: 3}\n"
+                                                 "hardware: {gpu: H100, gpus_per_node: 8, fabric: ib-ndr}\n")
+    plan = write_plan(tmp_path)
+    data = yaml.safe_load(plan.read_text())
+    data["cluster"] = "sub/mine.yaml"
+    plan.write_text(yaml.safe_dump(data))
+    r = json.loads(run_cli("plan", plan, "--json", cwd=REPO, check=True).stdout)
+    assert r["cluster"]["name"] == "mine" and r["parallel"]["world"] == 24
+    data["cluster"] = {"base": "sub/mine.yaml", "nodes": {"count": 1}, "hardware": {"gpus_per_node": 4}}
+    plan.write_text(yaml.safe_dump(data))
+    assert plan_json(plan)["parallel"]["world"] == 4

@@ -10,7 +10,8 @@ import torch
 
 from llmcluster.errors import UserError
 from llmcluster.validate import nodes, thermal
-from llmcluster.validate.collectives import Buffers, periodic
+from llmcluster.validate import collectives
+from llmcluster.validate.collectives import Buffers, periodic, time_collective, timed_row
 from llmcluster.validate.nccl_semantics import (
     OPS, bandwidths, bus_factor, element_count, parse_size, size_sweep)
 from llmcluster.validate.result import FAIL, PASS, SKIP, WARN, CheckResult
@@ -28,6 +29,73 @@ def test_bus_factors_are_nccl_tests():
     assert bus_factor("broadcast", 8) == 1.0
     # 1 GB in 10 ms on 8 ranks: algbw 100 GB/s, busbw 175 GB/s
     assert bandwidths("all_reduce", 10**9, 0.01, 8) == pytest.approx((100.0, 175.0))
+
+
+class RecordedClock:
+    """A monotonic fake clock that a fake collective advances by recorded per-call durations: validate and a
+    hand-written loop fed the same recording must measure exactly the same window, whatever the machine's load."""
+
+    def __init__(self, durations):
+        self.now, self.durations = 1000.0, list(durations)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def collective(self, real):
+        def run(*args, **kwargs):
+            real(*args, **kwargs)
+            self.now += self.durations.pop(0)
+        return run
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+# the per-call durations of 3 warm-up + 4 timed calls; a window that took in a warm-up call, the barrier
+# or the rank-mean all-reduce would give another number than 0.25 s
+RECORDED = [9.0, 7.0, 5.0, 0.1, 0.2, 0.3, 0.4]
+
+
+def test_validate_times_exactly_the_window_a_hand_loop_times(one_rank_group, monkeypatch):
+    import torch.distributed as dist
+
+    count = 1 << 16
+    validate_clock = RecordedClock(RECORDED)
+    monkeypatch.setattr(collectives, "clock", validate_clock)
+    bufs = Buffers("all_reduce", count, True, 0, 1, torch.device("cpu"))
+    bufs.fill()
+    bufs.run = validate_clock.collective(bufs.run)
+    row = timed_row(bufs, warmup=3, iters=4)
+    assert not validate_clock.durations                       # every recorded call was made, no more
+    assert row["bytes"] == count * 4 and row["time_us"] == pytest.approx(0.25e6, rel=1e-12)
+    assert row["algbw_GBps"] == pytest.approx(count * 4 / 0.25 / 1e9, rel=1e-12)
+    assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * bus_factor("all_reduce", 1))
+
+    # the plainest hand loop (warm-up; barrier; t0; iters calls; t1) over the same recording
+    hand_clock = RecordedClock(RECORDED)
+    buf = torch.ones(count)
+    all_reduce = hand_clock.collective(dist.all_reduce)
+    for _ in range(3):
+        all_reduce(buf)
+    dist.barrier()
+    t0 = hand_clock()
+    for _ in range(4):
+        all_reduce(buf)
+    assert (hand_clock() - t0) / 4 * 1e6 == pytest.approx(row["time_us"], rel=1e-12)
+
+
+def test_time_collective_window_starts_after_warmup_and_barrier(one_rank_group, monkeypatch):
+    clock = RecordedClock([1.0] * 2 + [0.5] * 3)
+    monkeypatch.setattr(collectives, "clock", clock)
+    bufs = Buffers("broadcast", 1024, True, 0, 1, torch.device("cpu"))
+    bufs.run = clock.collective(bufs.run)
+    assert time_collective(bufs, warmup=2, iters=3) == pytest.approx(0.5)
 
 
 def test_sizes_and_sweep():
@@ -108,6 +176,7 @@ def test_outlier_logic_flags_an_injected_slow_node():
 
 
 def test_inject_slowness_hook_slows_only_that_rank(monkeypatch):
+    monkeypatch.setenv("LLMCLUSTER_TESTING", "1")   # test hooks act only with the testing switch on
     monkeypatch.setenv(nodes.SLOW_RANK_ENV, "1")
     mine, other = [_compute("h:1", 800.0)], [_compute("h:0", 800.0)]
     nodes.inject_slowness(mine, rank=1)
@@ -225,16 +294,22 @@ def test_parse_fio_json():
 
 def test_spec_loading(tmp_path):
     f = tmp_path / "cluster.yaml"
-    f.write_text("nodes: 4\nvalidate:\n  gpu: H200\n  min_busbw_GBps: 360\n  storage:\n"
-                 "    checkpoints: {write_GBps: 5}\n")
+    f.write_text("nodes: {count: 4}\nhardware: {gpu: H200, gpus_per_node: 8}\nvalidate:\n  min_busbw_GBps: 360\n"
+                 "storage:\n  areas:\n    checkpoints: {write_GBps: 5}\n")
     spec = load_spec(str(f))
     assert spec.gpu_model(None).name == "H200" and spec.storage["checkpoints"].write_GBps == 5
+    assert spec.gpus_per_node == 8 and spec.min_busbw_GBps == 360
     assert ValidateSpec().gpu_model("NVIDIA H100 80GB HBM3").name == "H100"
+    seed = load_spec("seed-a100")                     # a shipped cluster by name
+    assert seed.gpu == "A100-80GB" and seed.gpus_per_node == 4 and seed.storage["datasets"].read_GBps == 10
     f.write_text("validate:\n  tolerence: 0.2\n")
-    with pytest.raises(UserError, match="did you mean 'tolerance'"):
+    with pytest.raises(UserError, match="did you mean 'validate.tolerance'"):
         load_spec(str(f))
-    f.write_text("validate:\n  gpu: B300\n")
+    f.write_text("hardware: {gpu: B300, gpus_per_node: 8}\n")
     with pytest.raises(UserError, match="unknown GPU"):
+        load_spec(str(f))
+    f.write_text("validate:\n  gpu: H200\n")        # the old format: the GPU is hardware's now
+    with pytest.raises(UserError, match="validate.gpu.*hardware.gpu"):
         load_spec(str(f))
 
 

@@ -10,20 +10,27 @@ import argparse
 import sys
 
 from llmcluster import __version__
-from llmcluster.errors import EXIT_USAGE, UserError
+from llmcluster.errors import EXIT_INTERRUPTED, EXIT_USAGE, RunFailure, UserError
 
 # (module under llmcluster.cli, in --help order)
 _COMMAND_MODULES = (
     "storage", "data", "train", "bench", "export", "generate",
-    "plan", "launch", "jobs", "validate", "monitor",
+    "cluster", "plan", "launch", "jobs", "validate", "monitor", "provision",
 )
+
+
+def say(line: str) -> None:
+    """One line on stderr in one write: the ranks of a job share the stream, and print() writes the text and
+    its newline separately, so two ranks' lines could run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse prints usage + error; we print one line and exit 2."""
 
     def error(self, message: str):  # noqa: D401
-        print(f"{self.prog}: error: {' '.join(message.split())}", file=sys.stderr)
+        say(f"{self.prog}: error: {' '.join(message.split())}")
         raise SystemExit(EXIT_USAGE)
 
 
@@ -47,11 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except UserError as e:
-        print(f"llmcluster {args.command}: error: {e}", file=sys.stderr)
+    except (UserError, RunFailure) as e:
+        say(f"llmcluster {args.command}: error: {e}")
         return e.exit_code
     except KeyboardInterrupt:
-        print(f"llmcluster {args.command}: interrupted", file=sys.stderr)
-        return 130
+        say(f"llmcluster {args.command}: interrupted")
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # `llmcluster ... | head`
         return 0

@@ -1,4 +1,4 @@
-"""`llmcluster data prepare`: tokenizer + token shards under datasets/<kind>/<name>/."""
+"""`llmcluster data prepare|merge|verify`: tokenizer + token shards under datasets/<kind>/<name>/."""
 
 from __future__ import annotations
 
@@ -6,16 +6,27 @@ from llmcluster.cli.common import add_root_arg
 
 
 def register(sub) -> None:
-    p = sub.add_parser("data", help="prepare datasets: train a BPE tokenizer and write token shards")
+    p = sub.add_parser("data", help="prepare datasets: tokenize corpora into checksummed token shards")
     dsub = p.add_subparsers(dest="data_cmd", metavar="ACTION")
     dsub.required = True
-    prep = dsub.add_parser("prepare", help="tokenize source files into datasets/<kind>/<name>/")
+    prep = dsub.add_parser("prepare", help="tokenize sources into datasets/<kind>/<name>/")
     prep.add_argument("--source", nargs="+", metavar="PATH",
-                      help="files or directories (default: the Python standard library's own source)")
+                      help="files, directories, .jsonl[.gz|.zst] / .parquet corpora or saved `datasets` "
+                           "directories (default: the Python standard library's own source)")
+    prep.add_argument("--format", choices=("text", "chat"), default="text",
+                      help="chat: records of {role, content} messages, rendered with the tokenizer's chat "
+                           "template; only assistant tokens are trained")
+    prep.add_argument("--text-field", default=None,
+                      help="the record field holding a document (default: text; with --format chat: messages)")
     prep.add_argument("--name", default="stdlib", help="dataset name (default: stdlib)")
     prep.add_argument("--kind", choices=("code", "text"), default="code")
     prep.add_argument("--tokenizer", default="bpe:4096", metavar="bpe:N|byte|PATH",
-                      help="train a byte-level BPE of N tokens, use raw bytes, or load a tokenizer.json")
+                      help="train a byte-level BPE of N tokens, use raw bytes, or an HF model directory / "
+                           "tokenizer.json")
+    prep.add_argument("--tokenizer-sample-bytes", type=int, default=100_000_000,
+                      help="train the BPE on the first this many bytes of the sources")
+    prep.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    prep.add_argument("--shard", metavar="I/N", help="prepare slice I of N (then `data merge`)")
     prep.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out")
     prep.add_argument("--shard-tokens", type=int, default=16 * 1024 * 1024, help="tokens per shard")
     prep.add_argument("--max-bytes", type=int, default=None, help="stop reading sources after this many bytes")
@@ -23,6 +34,12 @@ def register(sub) -> None:
     prep.add_argument("--force", action="store_true", help="rebuild the dataset if it exists")
     add_root_arg(prep)
     prep.set_defaults(func=run)
+    mrg = dsub.add_parser("merge", help="seal the slices of `prepare --shard` into one dataset")
+    mrg.add_argument("--name", default="stdlib")
+    mrg.add_argument("--kind", choices=("code", "text"), default="code")
+    mrg.add_argument("--force", action="store_true", help="replace the dataset if it exists")
+    add_root_arg(mrg)
+    mrg.set_defaults(func=run)
     ver = dsub.add_parser("verify", help="check a prepared dataset's shards against their checksums")
     ver.add_argument("--name", default="stdlib")
     ver.add_argument("--kind", choices=("code", "text"), default="code")
@@ -31,10 +48,13 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from llmcluster.data import prepare
     from llmcluster.paths import resolve_storage_root
 
     root = resolve_storage_root(args.root)
-    if args.data_cmd == "prepare":
-        return prepare.prepare_cli(args, root)
-    return prepare.verify_cli(args, root)
+    if args.data_cmd == "verify":
+        from llmcluster.data.dataset import verify_cli
+
+        return verify_cli(args, root)
+    from llmcluster.data import prepare
+
+    return (prepare.prepare_cli if args.data_cmd == "prepare" else prepare.merge_cli)(args, root)

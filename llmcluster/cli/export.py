@@ -17,4 +17,4 @@ def register(sub) -> None:
 def run(args) -> int:
     from llmcluster.export.hf import export_cli
 
-    return export_cli(args)
+    return export_cli(args.run, root=args.root, step=args.step, out=args.out)

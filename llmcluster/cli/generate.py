@@ -20,4 +20,5 @@ def register(sub) -> None:
 def run(args) -> int:
     from llmcluster.export.generate import generate_cli
 
-    return generate_cli(args)
+    return generate_cli(args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_k=args.top_k, seed=args.seed, root=args.root)

@@ -12,33 +12,41 @@ def register(sub) -> None:
 
     s = msub.add_parser("serve", help="run this node's exporter: GPUs (dcgm-exporter names), CPU, memory, storage")
     s.add_argument("--bind", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    s.add_argument("--port", type=int, default=9400, help="port (default 9400, dcgm-exporter's; 0: any free)")
+    s.add_argument("--port", type=int,
+                   help="port (default: the cluster spec's monitoring.exporter_port, 9400 = dcgm-exporter's; 0: any free)")
     add_root_arg(s)
     s.add_argument("--expected-gpus", type=int, metavar="N",
-                   help="GPUs this node should have; fewer present fires GPUCountBelowExpected")
+                   help="GPUs this node should have (default: the cluster spec's GPUs for this host); fewer present "
+                        "fires GPUCountBelowExpected")
+    s.add_argument("--cluster", metavar="FILE|NAME",
+                   help="the cluster spec (default: $LLMCLUSTER_CLUSTER, else ./cluster.yaml)")
     s.set_defaults(func=run)
 
-    c = msub.add_parser("config", help="write a Prometheus scrape config (or Kubernetes PodMonitors)")
-    src = c.add_mutually_exclusive_group(required=True)
-    src.add_argument("--nodes", metavar="A,B,...", help="comma-separated host names or addresses")
-    src.add_argument("--slurm-nodelist", metavar="EXPR", help="a Slurm hostlist, e.g. \"gpu[01-16]\" or "
+    c = msub.add_parser("config", help="write a Prometheus scrape config (or Kubernetes PodMonitors) for the cluster")
+    src = c.add_mutually_exclusive_group()
+    src.add_argument("--cluster", metavar="FILE|NAME", help="the cluster spec whose nodes.hosts are scraped (default: "
+                     "$LLMCLUSTER_CLUSTER, else ./cluster.yaml)")
+    src.add_argument("--nodes", metavar="A,B,...", help="comma-separated host names or addresses instead")
+    src.add_argument("--slurm-nodelist", metavar="EXPR", help="a Slurm hostlist instead, e.g. \"gpu[01-16]\" or "
                      "\"$(sinfo -h -o %%N)\"")
-    src.add_argument("--cluster", metavar="FILE", help="cluster spec YAML with a nodes: list")
-    src.add_argument("--kubernetes", action="store_true",
-                     help="DaemonSet + PodMonitors + PrometheusRule (prometheus-operator) instead")
-    c.add_argument("--port", type=int, default=9400, help="exporter port on each node (default 9400)")
-    c.add_argument("--train-port", type=int, default=9401,
-                   help="the trainer's log.metrics_port (default 9401); -1: do not scrape trainers")
-    c.add_argument("--train-ports-per-node", type=int, default=1, metavar="N",
-                   help="scrape train-port .. train-port+N-1 on each node (one per local rank)")
-    c.add_argument("--scrape-interval", default="15s", help="Prometheus duration (default 15s)")
-    c.add_argument("--namespace", default="monitoring", help="Kubernetes namespace (--kubernetes)")
-    c.add_argument("--image", default="ghcr.io/llmcluster/llmcluster:latest",
-                   help="container image with llmcluster installed (--kubernetes)")
+    c.add_argument("--kubernetes", action="store_true",
+                   help="DaemonSet + PodMonitors + PrometheusRule (prometheus-operator) instead")
+    c.add_argument("--port", type=int, help="exporter port on each node (default: monitoring.exporter_port, 9400)")
+    c.add_argument("--train-port", type=int,
+                   help="the port of the trainers' log.metrics_bind (default: monitoring.train_port, 9401); -1: do not "
+                        "scrape trainers")
+    c.add_argument("--train-ports-per-node", type=int, metavar="N",
+                   help="scrape train-port .. train-port+N-1 on each node, one per local rank (default: "
+                        "monitoring.train_ports_per_node, else the cluster's GPUs per node, else 1)")
+    c.add_argument("--scrape-interval", help="Prometheus duration (default: monitoring.scrape_interval, 15s)")
+    c.add_argument("--namespace", help="Kubernetes namespace (--kubernetes; default: monitoring.namespace)")
+    c.add_argument("--image", help="container image with llmcluster installed (--kubernetes; default: "
+                   "scheduler.kubernetes.image, else ghcr.io/llmcluster/llmcluster:latest)")
     c.add_argument("--train-port-name", default="train-metrics",
                    help="named container port of training pods (--kubernetes)")
-    c.add_argument("--expected-gpus", type=int, metavar="N", help="GPUs per node (--kubernetes)")
-    c.add_argument("--storage-path", default="/storage", help="host path of the storage root (--kubernetes)")
+    c.add_argument("--expected-gpus", type=int, metavar="N",
+                   help="GPUs per node (--kubernetes; default: the cluster's hardware.gpus_per_node)")
+    c.add_argument("--storage-path", help="host path of the storage root (--kubernetes; default: storage.root)")
     c.add_argument("--out", "-o", metavar="FILE", help="write here instead of stdout")
     c.set_defaults(func=run)
 
@@ -55,21 +63,75 @@ def run(args) -> int:
         from llmcluster.monitor.exporter import serve
         from llmcluster.paths import resolve_storage_root
 
-        root = resolve_storage_root(args.root) if args.root else _default_root()
+        import socket
+
+        from llmcluster.config.cluster_load import load_cluster
+
+        resolved = load_cluster(args.cluster)
+        c = resolved.spec
+        root = resolve_storage_root(args.root) if args.root else _default_root(c.storage.root)
         if args.root and not root.is_dir():
             from llmcluster.errors import UserError
             raise UserError(f"storage root {root} does not exist (run `llmcluster storage init --root {root}`)")
-        return serve(args.bind, args.port, root, args.expected_gpus)
+        expected = args.expected_gpus
+        if expected is None and not resolved.is_default:
+            expected = c.node_gpus(socket.gethostname().split(".")[0])    # nodes.overrides may say fewer
+        port = c.monitoring.exporter_port if args.port is None else args.port
+        return serve(args.bind, port, root, expected)
     if args.monitor_cmd == "config":
-        from llmcluster.monitor.scrape_config import write_config
-        return write_config(args)
+        return _config(args)
     from llmcluster.monitor.watch import watch
     return watch([t.strip() for t in args.targets.split(",") if t.strip()], args.interval, args.once)
 
 
-def _default_root():
-    """$LLMCLUSTER_STORAGE or ./storage, if it exists; a node without storage still serves GPU/host metrics."""
+def _default_root(cluster_root: str):
+    """$LLMCLUSTER_STORAGE, else the cluster's storage.root (./storage by default), if it exists; a node without
+    storage still serves GPU/host metrics."""
     from llmcluster.paths import resolve_storage_root
 
-    root = resolve_storage_root(None)
+    root = resolve_storage_root(None, cluster_root)
     return root if root.is_dir() else None
+
+
+def _config(args) -> int:
+    """`monitor config`: the cluster's values as defaults, the flags over them."""
+    from llmcluster.config.cluster_load import load_cluster
+    from llmcluster.errors import UserError
+    from llmcluster.monitor import scrape_config as sc
+
+    resolved = load_cluster(args.cluster)
+    c, m = resolved.spec, resolved.spec.monitoring
+    pick = lambda flag, default: default if flag is None else flag  # noqa: E731
+    port = pick(args.port, m.exporter_port)
+    train_port = pick(args.train_port, m.train_port)
+    train_port = None if train_port == -1 else train_port
+    per_node = pick(args.train_ports_per_node, m.train_ports_per_node or c.gpus_per_node or 1)
+    interval = pick(args.scrape_interval, m.scrape_interval)
+    sc.check_scrape_flags(port, train_port, per_node, interval)
+    if args.kubernetes:
+        if args.nodes is not None or args.slurm_nodelist is not None:
+            raise UserError("--kubernetes discovers the pods itself: drop --nodes / --slurm-nodelist")
+        k = c.scheduler.kubernetes
+        expected = pick(args.expected_gpus, None if resolved.is_default else c.gpus_per_node)
+        text = sc.dump(sc.kubernetes_manifests(
+            pick(args.namespace, m.namespace), pick(args.image, k.image or "ghcr.io/llmcluster/llmcluster:latest"),
+            port, args.train_port_name, expected, pick(args.storage_path, c.storage.root if c.storage.root.startswith("/")
+                                                      else "/storage"),
+            node_selector=k.node_selector or None, tolerations=k.tolerations or None))
+    else:
+        if args.nodes is not None:
+            nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
+            if not nodes:
+                raise UserError("--nodes is empty")
+        elif args.slurm_nodelist is not None:
+            nodes = sc.expand_hostlist(args.slurm_nodelist)
+        elif resolved.is_default:
+            raise UserError("no cluster spec to take the nodes from: give --cluster FILE|NAME (or set "
+                            "$LLMCLUSTER_CLUSTER, or write ./cluster.yaml), --nodes or --slurm-nodelist")
+        else:
+            nodes = sc.cluster_hosts(c, resolved.source)
+            if args.train_ports_per_node is None and m.train_ports_per_node is None and c.nodes.overrides:
+                per_node = {h: max(1, c.node_gpus(h)) for h in nodes}    # nodes.overrides: GPUs differ per node
+        text = sc.dump(sc.prometheus_config(nodes, port, train_port, per_node, interval))
+    sc.write_text(text, args.out)
+    return 0

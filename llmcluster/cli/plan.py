@@ -5,11 +5,17 @@ from __future__ import annotations
 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="memory, step time, run time, checkpoints, network, power and cost of a plan")
-    p.add_argument("file", metavar="FILE", help="plan YAML (see plans/)")
+    p.add_argument("file", metavar="FILE", help="plan YAML, or the name of a shipped plan (seed-a100-7b, h100-70b-1024, ...)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a plan value by dotted path, e.g. --set cluster.nodes=32 (repeatable)")
+                   help="override a plan value by dotted path, e.g. --set cluster.nodes.count=32 (repeatable)")
+    p.add_argument("--cluster", metavar="FILE|NAME",
+                   help="the cluster to plan on (a cluster.yaml or a shipped one: seed-a100, h200-8x, rtx4090-box); "
+                        "default: the plan's cluster: section, else $LLMCLUSTER_CLUSTER, else ./cluster.yaml")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--search", action="store_true", help="rank the tp/pp/zero/recompute/micro-batch choices that fit")
+    p.add_argument("--search", action="store_true",
+                   help="rank the layouts the trainer can run that fit (each with its --set overrides)")
+    p.add_argument("--emit-config", metavar="FILE",
+                   help="write the best --search candidate as a job config for `llmcluster train`")
     p.add_argument("--calibrate", nargs="+", default=[], metavar="BENCH_JSON",
                    help="take the compute efficiency from `llmcluster bench` records of this cluster")
     p.add_argument("--plot", metavar="DIR", help="write memory.png and cost.png into DIR")
@@ -23,13 +29,17 @@ def run(args) -> int:
     from llmcluster.plan.calibration import bench_rows
     from llmcluster.plan.load import load_plan
 
-    plan = load_plan(args.file, args.overrides)
+    plan = load_plan(args.file, args.overrides, cluster=args.cluster)
     bench = bench_rows(args.calibrate) if args.calibrate else None
     result = analyse(plan, bench)
-    if args.search:
+    if args.search or args.emit_config:
         from llmcluster.plan.search import search
 
         result["search"] = search(plan, bench)
+    if args.emit_config:
+        from llmcluster.plan.emit import write_job_config
+
+        result["emitted_config"] = str(write_job_config(args.emit_config, plan, result["search"][0]))
     if args.plot:
         from llmcluster.plan.plots import plot
 
@@ -42,4 +52,6 @@ def run(args) -> int:
     render(result)
     if args.search:
         render_search(result["search"])
+    if args.emit_config:
+        print(f"wrote {result['emitted_config']}: llmcluster train --config {result['emitted_config']}")
     return 0

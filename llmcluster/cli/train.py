@@ -15,6 +15,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from llmcluster.floor import require_torch
+
+    require_torch()
     from llmcluster.train.trainer import train_cli
 
     return train_cli(args)

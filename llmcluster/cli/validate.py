@@ -17,10 +17,14 @@ def register(sub) -> None:
                        "memory, PCIe, storage, thermal (exit 1 on any FAIL)")
     p.add_argument("checks", nargs="*", metavar="CHECK", default=["all"],
                    help=f"any of {', '.join(CHECKS)}, or all (default)")
-    p.add_argument("--json", metavar="FILE", help="write every measurement and the environment as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print the report (every measurement and the environment) as one JSON object on stdout")
+    p.add_argument("--report", metavar="FILE", help="also write that JSON report to FILE")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots (busbw vs size, per-node bars)")
     p.add_argument("--quick", action="store_true", help="seconds, not minutes: fit for a Slurm prolog")
-    p.add_argument("--cluster", metavar="SPEC", help="expected figures and thresholds (YAML; see docs/bring-up.md)")
+    p.add_argument("--cluster", metavar="FILE|NAME",
+                   help="the cluster spec: expected GPUs, storage figures, thresholds (default: $LLMCLUSTER_CLUSTER, "
+                        "else ./cluster.yaml; see docs/cluster.md)")
     add_root_arg(p)
     g = p.add_argument_group("collectives (nccl-tests semantics)")
     g.add_argument("--nproc", type=int, metavar="N",
@@ -34,9 +38,14 @@ def register(sub) -> None:
     g.add_argument("--tune", action="store_true", help="sweep NCCL_ALGO x NCCL_PROTO for all_reduce (NCCL only)")
     n = p.add_argument_group("nodes")
     n.add_argument("--drain", action="store_true",
-                   help="scontrol-drain nodes that FAIL or sit below the median by more than the tolerance")
+                   help="scontrol-drain nodes that FAIL or sit below the median by more than the tolerance "
+                        "(never for a failure every node shows; prints the commands)")
+    n.add_argument("--max-drain", type=int, metavar="N",
+                   help="drain nothing when more than N nodes are flagged (default: 10%% of the nodes, at least 1)")
     n.add_argument("--seconds", type=float, metavar="S", help="thermal: load per GPU (default 60, quick 5)")
-    n.add_argument("--storage-size", metavar="SIZE", help="storage: bytes written per area (default 2G, quick 64M)")
+    n.add_argument("--storage-size", metavar="SIZE",
+                   help="storage: bytes each node writes per area (default 2G, quick 64M; at most 5%% of the "
+                        "free space shared by the nodes writing at once)")
     p.set_defaults(func=run)
 
 
@@ -63,10 +72,14 @@ def run(args) -> int:
     if args.stepfactor is not None or begin or end:   # a bad range is an error now, not after spawning ranks
         from llmcluster.validate.nccl_semantics import size_sweep
         size_sweep(begin or 1, end or max(begin or 1, 1), args.stepfactor or 2)
-    opts = Options(checks=checks, root=resolve_storage_root(args.root), quick=args.quick,
-                   json=Path(args.json) if args.json else None, plot=Path(args.plot) if args.plot else None,
+    from llmcluster.config.cluster_load import load_cluster
+
+    cluster = load_cluster(args.cluster)      # a bad spec is one line now, not in every rank later
+    opts = Options(checks=checks, root=resolve_storage_root(args.root, cluster.spec.storage.root), quick=args.quick,
+                   report=Path(args.report) if args.report else None, json=args.json,
+                   plot=Path(args.plot) if args.plot else None,
                    nproc=args.nproc, begin=begin, end=end, factor=args.stepfactor, iters=args.iters,
-                   warmup=args.warmup_iters, ops=ops, tune=args.tune, drain=args.drain,
-                   spec_path=args.cluster, seconds=args.seconds,
+                   warmup=args.warmup_iters, ops=ops, tune=args.tune, drain=args.drain, max_drain=args.max_drain,
+                   spec_path=None if cluster.is_default else cluster.source, seconds=args.seconds,
                    storage_size=parse_size(args.storage_size) if args.storage_size else None)
     return run_checks(opts)

@@ -1,7 +1,11 @@
-"""GPU datasheet figures (dense, no sparsity), shared by plan, bench (MFU), validate and monitor.
+"""The one GPU and fabric table, read by plan, bench and the trainer (MFU), validate and `cluster init`.
 
-Source: NVIDIA datasheets (A100, H100, H200, L40S) and the Ada whitepaper (RTX 4090), as transcribed in
-the project's planning facts (docs/planning.md). Bandwidths in GB/s, compute in TFLOP/s, power in W.
+Datasheet figures (dense, no sparsity): NVIDIA datasheets (A100, H100, H200, L40S) and the Ada whitepaper
+(RTX 4090). Achieved figures: ml-engineering's MAMF finder (max achievable bf16 matmul), nccl-tests runs of 8 GPUs
+in one node (all-reduce busbw, large messages; H100/H200 with NCCL_ALGO=Ring, NVLS reaches 475-482), PCIe host to
+device copies (Gen4 x16 22-26 GB/s achieved; Gen5 x16 55 GB/s H2D on H200 nodes, nvbandwidth), Epoch AI's server
+power / (GPUs x TDP) factors, and per-NIC achieved bandwidth of InfiniBand (nccl-tests issues #290 and #267, nccl
+#412). Every figure and source is listed in docs/planning.md ("Sources"). GB/s, TFLOP/s, W.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ class GPUSpec:
     power_w: float
     nvlink_gbps: float | None     # per direction, GB/s; None = PCIe only
     mamf_bf16_tflops: float | None = None  # max achievable matmul (ml-engineering MAMF finder)
+    pcie_gen: int = 4
+    pcie_h2d_GBps: float = 24     # achieved pinned host->device copy, one GPU
+    allreduce_busbw_GBps: float = 22   # achieved all-reduce busbw inside one 8-GPU node (PCIe: 22)
+    server_power_factor: float = 2.03  # server max power / (GPUs x TDP), Epoch AI; a DGX A100: 6.5 kW = 2.03 x 8 x 400 W
 
     @property
     def memory_bytes(self) -> int:
@@ -34,13 +42,29 @@ class GPUSpec:
 
 
 GPUS: dict[str, GPUSpec] = {g.name: g for g in (
-    GPUSpec("A100-40GB", 40, 1555, 312, None, 156, 19.5, 400, 300, 271),
-    GPUSpec("A100-80GB", 80, 2039, 312, None, 156, 19.5, 400, 300, 271),
-    GPUSpec("H100", 80, 3350, 989, 1979, 495, 67, 700, 450, 794.5),
-    GPUSpec("H200", 141, 4800, 989, 1979, 495, 67, 700, 450, 794.5),
-    GPUSpec("RTX4090", 24, 1008, 165, 330, 82.6, 82.6, 450, None, None),
-    GPUSpec("L40S", 48, 864, 362, 733, 183, 91.6, 350, None, None),
+    GPUSpec("A100-40GB", 40, 1555, 312, None, 156, 19.5, 400, 300, 271, 4, 24, 230, 2.03),
+    GPUSpec("A100-80GB", 80, 2039, 312, None, 156, 19.5, 400, 300, 271, 4, 24, 230, 2.03),
+    GPUSpec("H100", 80, 3350, 989, 1979, 495, 67, 700, 450, 794.5, 5, 55, 368, 1.82),
+    GPUSpec("H200", 141, 4800, 989, 1979, 495, 67, 700, 450, 794.5, 5, 55, 368, 1.82),
+    GPUSpec("RTX4090", 24, 1008, 165, 330, 82.6, 82.6, 450, None, None, 4, 24, 22),
+    GPUSpec("L40S", 48, 864, 362, 733, 183, 91.6, 350, None, None, 4, 24, 22),
 )}
+
+PCIE_ALLREDUCE_BUSBW_GBPS = 22   # an NVLink GPU planned with intra_node: pcie (PCIe Gen4 x16 achieves 22-26 GB/s)
+
+
+@dataclass(frozen=True)
+class Fabric:
+    line_gbit: float              # per NIC
+    achieved_GBps: float          # what nccl-tests reach per NIC
+
+
+# Inter-node fabrics. RoCE is assumed equal to InfiniBand at the same line rate; `none` is one node (no traffic).
+FABRICS: dict[str, Fabric] = {
+    "ib-hdr": Fabric(200, 24), "ib-ndr": Fabric(400, 46),
+    "roce-200": Fabric(200, 24), "roce-400": Fabric(400, 46),
+    "none": Fabric(0, 0),
+}
 
 _ALIASES = {
     "a100": "A100-80GB", "a100-80": "A100-80GB", "a100-80gb": "A100-80GB", "a100-sxm4-80gb": "A100-80GB",

@@ -10,15 +10,15 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Slurm accepts MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS; we take the two unambiguous forms.
-TIME_RE = re.compile(r"^(?:(\d+)-)?(\d{1,3}):([0-5]\d):([0-5]\d)$")
-MEM_RE = re.compile(r"^\d+[KMGT]?$")                       # Slurm --mem / converted to a k8s quantity
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")  # partitions, queues, namespaces, claims
-IMAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,254}$")  # registry/repo:tag@sha256:...
-ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-PATH_RE = re.compile(r"^/[A-Za-z0-9._/+-]*$")               # mount paths: absolute, no spaces or quotes
+TIME_RE = re.compile(r"(?:(\d+)-)?(\d{1,3}):([0-5]\d):([0-5]\d)")
+MEM_RE = re.compile(r"\d+[KMGT]?")                       # Slurm --mem / converted to a k8s quantity
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # partitions, queues, namespaces, claims
+IMAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,254}")  # registry/repo:tag@sha256:...
+ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+PATH_RE = re.compile(r"/[A-Za-z0-9._/+-]*")               # mount paths: absolute, no spaces or quotes
 
 # The NCCL environment presets. `default` is what every multi-node job wants: warnings only, and a
 # collective that hangs or fails tears the process group down (instead of hanging until the time limit).
@@ -38,7 +38,7 @@ NCCL_PRESETS: dict[str, dict[str, str]] = {
 
 
 def time_to_seconds(value: str) -> int:
-    m = TIME_RE.match(value)
+    m = TIME_RE.fullmatch(value)
     if not m:
         raise ValueError(f"job.time {value!r} must be HH:MM:SS or D-HH:MM:SS")
     d, h, mi, s = (int(x or 0) for x in m.groups())
@@ -48,7 +48,7 @@ def time_to_seconds(value: str) -> int:
 def _match(regex: re.Pattern, prefix: str, allowed: str):
     """A field validator: the value must match `regex`; the error names the key and what is allowed."""
     def check(cls, v, info):
-        if v is not None and not regex.match(v):
+        if v is not None and not regex.fullmatch(v):
             raise ValueError(f"{prefix}{info.field_name} {v!r} is not allowed: {allowed}")
         return v
     return classmethod(check)
@@ -68,27 +68,63 @@ class Mount(BaseModel):
     _paths = field_validator("source", "path")(_match(PATH_RE, "job.mounts.", PATH_CHARS))
 
 
+AREAS = ("datasets", "checkpoints", "logs", "models")   # what a pod mounts of the storage root
+
+
+class Claim(BaseModel):
+    """One storage area on its own PersistentVolumeClaim (the area is the claim's root directory)."""
+    model_config = ConfigDict(extra="forbid")
+    claim: str
+    read_only: bool = False
+
+    _claim = field_validator("claim")(_match(NAME_RE, "job.k8s.claims.", NAME_CHARS))
+
+
 class K8sSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     kind: Literal["indexed-job", "volcano", "jobset", "pytorchjob"] = "indexed-job"
     namespace: str = "default"
-    storage_claim: str = "llmcluster-storage"   # the PVC holding datasets/, checkpoints/, logs/, models/
+    # The site's storage and service account come from the cluster spec (storage.kubernetes,
+    # scheduler.kubernetes: launch/cluster_defaults.py); a job config may set them on a cluster without one.
+    # One PVC for every area (sub-paths datasets/, checkpoints/...), or a PVC per area in `claims`; with
+    # `claims` given, areas without a claim are not on a PVC unless storage_claim is set explicitly.
+    storage_claim: str | None = "llmcluster-storage"
+    claims: dict[Literal["datasets", "checkpoints", "logs", "models"], Claim] = {}
+    host_paths: list[str] = []                  # hostPath prefixes the cluster allows job.mounts under (ro)
     storage_path: str = "/storage"              # where it is mounted in the pods (= run.storage there)
     queue: str | None = None                    # Volcano queue / Kueue local queue
-    service_account: str | None = None
-    run_as_user: int = Field(1000, ge=1)        # never root
+    service_account: str | None = None          # None: no API token is mounted into the pods
+    secret_name: str = "llmcluster-secrets"     # the Secret holding job.secret_env (one key per name)
+    run_as_user: int = Field(10000, ge=1)       # never root; above host UIDs (checkov CKV_K8S_40)
     shm_size: str = "16Gi"                      # memory-backed /dev/shm for dataloader workers and NCCL
     rdzv_port: int = Field(29500, ge=1024, le=65535)
+    # From the cluster spec (scheduler.kubernetes) unless the job says otherwise:
+    node_selector: dict[str, str] = {}
+    tolerations: list[dict] = []
 
-    _ns = field_validator("namespace", "storage_claim", "queue", "service_account")(
+    _ns = field_validator("namespace", "storage_claim", "queue", "service_account", "secret_name")(
         _match(NAME_RE, "job.k8s.", NAME_CHARS))
     _sp = field_validator("storage_path")(_match(PATH_RE, "job.k8s.", PATH_CHARS))
+
+    @model_validator(mode="after")
+    def _claims_replace_the_shared_one(self):
+        if self.claims and "storage_claim" not in self.model_fields_set:
+            self.__dict__["storage_claim"] = None   # the cluster named its claims: no implicit shared one
+        return self
+
+    @field_validator("host_paths")
+    @classmethod
+    def _hp(cls, v):
+        for p in v:
+            if not PATH_RE.fullmatch(p) or p.rstrip("/") == "" or ".." in p.split("/"):
+                raise ValueError(f"job.k8s.host_paths {p!r}: {PATH_CHARS}, not / itself")
+        return v
 
     @field_validator("shm_size")
     @classmethod
     def _shm(cls, v):
-        if not re.match(r"^\d+(Ki|Mi|Gi|Ti)?$", v):
+        if not re.fullmatch(r"\d+(Ki|Mi|Gi|Ti)?", v):
             raise ValueError(f"job.k8s.shm_size {v!r} must be a quantity like 16Gi")
         return v
 
@@ -108,9 +144,13 @@ class JobSpec(BaseModel):
     mounts: list[Mount] = []                     # extra container mounts (storage is always mounted)
     nccl: Literal["none", "default", "infiniband", "ethernet", "debug"] = "default"
     env: dict[str, str] = {}                     # extra environment, applied after the NCCL preset
-    max_requeues: int = Field(3, ge=0)           # automatic requeues after a preemption / time limit
+    # names of secrets (HF_TOKEN, WANDB_API_KEY) passed from the submitting environment (Slurm, local) or
+    # the Kubernetes Secret job.k8s.secret_name: their values are never rendered, logged or saved
+    secret_env: list[str] = []
+    max_restarts: int = Field(3, ge=0)           # torchrun --max-restarts: a crashed rank restarts the group
+    max_requeues: int = Field(3, ge=0)           # requeues after a preemption, time limit or runtime failure
     signal_before_s: int = Field(300, ge=10)     # SIGUSR2 this long before the time limit: checkpoint now
-    rdzv_port: int = Field(29500, ge=1024, le=65535)  # torchrun c10d store on the first node (Slurm: + job id)
+    rdzv_port: int = Field(29500, ge=1024, le=65535)  # c10d store: Slurm takes the first free port from here
     k8s: K8sSpec = K8sSpec()
 
     _time = field_validator("time")(classmethod(lambda cls, v: (time_to_seconds(v), v)[1]))
@@ -131,10 +171,20 @@ class JobSpec(BaseModel):
     @classmethod
     def _env(cls, v):
         for key, val in v.items():
-            if not ENV_KEY_RE.match(key):
+            if not ENV_KEY_RE.fullmatch(key):
                 raise ValueError(f"job.env key {key!r} is not a valid environment variable name")
             if "\n" in val or "\0" in val:
                 raise ValueError(f"job.env.{key}: newlines are not allowed")
+        return v
+
+    @field_validator("secret_env")
+    @classmethod
+    def _secrets(cls, v, info):
+        for key in v:
+            if not ENV_KEY_RE.fullmatch(key):
+                raise ValueError(f"job.secret_env name {key!r} is not a valid environment variable name")
+        if set(v) & set(info.data.get("env", {})):
+            raise ValueError(f"job.secret_env names {sorted(set(v) & set(info.data['env']))} are also in job.env")
         return v
 
     @property
@@ -152,3 +202,11 @@ class JobSpec(BaseModel):
 
     def environment(self) -> dict[str, str]:
         return {**NCCL_PRESETS[self.nccl], **self.env}
+
+
+REDACTED = "<redacted>"
+
+
+def redact_job(job: dict) -> dict:
+    """A dumped job section as it may be saved: job.env values replaced (they may hold tokens)."""
+    return {**job, "env": {k: REDACTED for k in job.get("env", {})}}

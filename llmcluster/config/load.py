@@ -178,3 +178,14 @@ def load_job_config(name_or_path: str | None, overrides: list[str] | None = None
 
 def config_to_dict(cfg: BaseModel) -> dict[str, Any]:
     return cfg.model_dump(mode="json", by_alias=True)
+
+
+def saved_config_dict(cfg: BaseModel) -> dict[str, Any]:
+    """The config as it may be written to disk (launch copies, checkpoints' train state): job.env values
+    redacted, since sites put tokens there; the trainer never reads job.env (the launcher exports it)."""
+    from llmcluster.config.job import redact_job
+
+    data = config_to_dict(cfg)
+    if isinstance(data.get("job"), dict):
+        data["job"] = redact_job(data["job"])
+    return data

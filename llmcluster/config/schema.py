@@ -14,12 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from llmcluster.config.job import JobSpec
 
-RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def check_run_name(name: str) -> str:
     """Run names become directory names and shell words: letters, digits, '.', '_', '-' only."""
-    if not RUN_NAME_RE.match(name) or ".." in name:
+    if not RUN_NAME_RE.fullmatch(name) or ".." in name:
         raise ValueError(
             f"invalid run name {name!r}: use letters, digits, '.', '_' and '-' "
             "(no '/', '..', spaces or shell metacharacters)")
@@ -38,6 +38,15 @@ class RunConfig(Section):
     _check_name = field_validator("name")(classmethod(lambda cls, v: check_run_name(v)))
 
 
+class RopeScaling(Section):
+    """Llama 3's RoPE frequency scaling (HF rope_type "llama3"): long wavelengths stretched by `factor`."""
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = Field(gt=0)
+    low_freq_factor: float = Field(gt=0)
+    high_freq_factor: float = Field(gt=0)
+    original_max_position_embeddings: int = Field(ge=1)
+
+
 class ModelConfig(Section):
     """A Llama-style decoder. Defaults are the tiny CPU model."""
     n_layers: int = Field(4, ge=1)
@@ -48,9 +57,12 @@ class ModelConfig(Section):
     vocab_size: int = Field(8192, ge=2)
     max_seq_len: int = Field(2048, ge=1)
     rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScaling | None = None
     norm_eps: float = Field(1e-5, gt=0)
     tie_embeddings: bool = False
     init_std: float = Field(0.02, gt=0)
+    # Packed documents end in this token: attention stays inside each one (chat/SFT data sets it itself)
+    doc_mask_id: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _heads(self):
@@ -76,6 +88,31 @@ class DataConfig(Section):
     dataset: str = "stdlib"        # a name under datasets/<kind>/, or a path to a prepared dataset dir
     kind: Literal["code", "text", "multimodal"] = "code"
     seq_len: int = Field(256, ge=1)
+    # {name: weight}: sample the datasets in proportion instead of `dataset` (names looked up in every kind)
+    mixture: dict[str, float] | None = None
+
+    @field_validator("mixture")
+    @classmethod
+    def _weights(cls, v):
+        if v is not None:
+            if not v:
+                raise ValueError("data.mixture is empty: name at least one dataset")
+            bad = [k for k, w in v.items() if not w > 0]
+            if bad:
+                raise ValueError(f"data.mixture: weight of {bad[0]!r} must be > 0")
+        return v
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Section):
+    """Low-rank adapters (Hu et al. 2021): W x + (alpha / rank) B A x on the targeted projections; only A and
+    B train (B starts at zero, so step 0 is the base model)."""
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]] = \
+        Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
 
 
 class TrainConfig(Section):
@@ -84,7 +121,7 @@ class TrainConfig(Section):
     micro_batch: int = Field(8, ge=1)          # sequences per rank per forward
     grad_accum: int = Field(1, ge=1)           # micro-batches per optimizer step
     global_batch: int | None = Field(None, ge=1)  # if set: must equal micro_batch * grad_accum * dp
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(3e-4, ge=0)             # 0: a run that changes nothing (checks an import round trip)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(100, ge=0)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -101,6 +138,19 @@ class TrainConfig(Section):
     spike_zscore: float | None = Field(None, gt=0)  # loss z-score over the window that counts as a spike
     spike_window: int = Field(100, ge=10)
     skip_spikes: bool = False
+    init_from: str | None = None               # a local HF model dir: its config sets `model`, its weights step 0
+    lora: LoraConfig | None = None             # train adapters only; the base weights stay frozen
+
+
+def check_parallel_keys(p) -> None:
+    """The rules the trainer's `parallel:` and the plan's share: one home, so plan and train agree."""
+    for k in ("dp_replicate", "dp_shard"):
+        if getattr(p, k) == 0:
+            raise ValueError(f"parallel.{k} must be >= 1 or -1")
+    if p.dp_replicate == -1 and p.dp_shard == -1:
+        raise ValueError("only one of parallel.dp_replicate and parallel.dp_shard may be -1")
+    if p.pp_schedule == "1F1B" and (p.pp_virtual_stages or 1) != 1:
+        raise ValueError("parallel.pp_virtual_stages > 1 needs parallel.pp_schedule=interleaved_1F1B")
 
 
 class ParallelConfig(Section):
@@ -108,18 +158,26 @@ class ParallelConfig(Section):
     dp_replicate: int = Field(1, ge=-1)
     dp_shard: int = Field(-1, ge=-1)
     tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)                   # pipeline stages' ranks: the outermost mesh dimension
+    pp_schedule: Literal["1F1B", "interleaved_1F1B"] = "1F1B"
+    pp_virtual_stages: int | None = Field(None, ge=1)  # stages per pp rank; None: 1 (1F1B), 2 (interleaved)
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
     ac_every: int = Field(2, ge=1)             # selective: checkpoint every k-th block
-    fsdp_reshard_after_forward: bool = True
+    fsdp_reshard_after_forward: bool = True    # false: ZeRO-2-like (gathered weights kept for backward)
 
     @model_validator(mode="after")
     def _degrees(self):
-        for k in ("dp_replicate", "dp_shard"):
-            if getattr(self, k) == 0:
-                raise ValueError(f"parallel.{k} must be >= 1 or -1")
-        if self.dp_replicate == -1 and self.dp_shard == -1:
-            raise ValueError("only one of parallel.dp_replicate and parallel.dp_shard may be -1")
+        check_parallel_keys(self)
         return self
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.pp_virtual_stages or (2 if self.pp_schedule == "interleaved_1F1B" else 1)
+
+    @property
+    def pp_stages(self) -> int:
+        """Model chunks in the whole pipeline: pp ranks x virtual stages per rank."""
+        return self.pp * self.virtual_stages if self.pp > 1 else 1
 
 
 class CheckpointConfig(Section):
@@ -130,6 +188,11 @@ class CheckpointConfig(Section):
     keep_every: int | None = Field(None, ge=1)  # milestone: also keep every M-th step
     async_save: bool = Field(False, alias="async")
     grace_period_s: float = Field(120.0, gt=0)  # preemption: the checkpoint must finish within this
+    lock_stale_s: float = Field(600.0, gt=0)    # an owner lock whose heartbeat is older is taken over
+    allow_dataset_change: bool = False         # resume although the dataset's meta.json changed since
+
+
+METRICS_BIND_RE = re.compile(r"(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})")
 
 
 class LogConfig(Section):
@@ -138,9 +201,27 @@ class LogConfig(Section):
     eval_batches: int = Field(8, ge=1)
     tensorboard: bool = False
     progress: bool = True                     # rank 0 progress bar on a terminal
-    metrics_port: int | None = Field(None, ge=0, le=65535)  # Prometheus llmcluster_train_* (0: any free)
+    # Prometheus llmcluster_train_* as HOST:PORT; each rank serves PORT + its local rank (the ports
+    # `monitor config` scrapes per node); PORT 0: rank 0 only, on any free port
+    metrics_bind: str | None = None
     straggler_factor: float = Field(1.5, gt=1)  # a rank slower than median * factor is named
     sample_log: bool = False                  # logs/<run>/samples-rank<r>.jsonl: global sample ids per step
+
+    @field_validator("metrics_bind")
+    @classmethod
+    def _bind(cls, v):
+        m = METRICS_BIND_RE.fullmatch(v) if v is not None else None
+        if v is not None and (m is None or int(m["port"]) > 65535):
+            raise ValueError(f"log.metrics_bind {v!r} must be HOST:PORT (e.g. 0.0.0.0:9401; port 0: any free)")
+        return v
+
+    @property
+    def metrics(self) -> tuple[str, int] | None:
+        """(host, port) of log.metrics_bind, or None."""
+        if self.metrics_bind is None:
+            return None
+        host, port = self.metrics_bind.rsplit(":", 1)
+        return host.strip("[]"), int(port)
 
 
 class DistConfig(Section):
@@ -166,7 +247,17 @@ class JobConfig(Section):
                 f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
         if self.parallel.tp > 1 and self.model.n_heads % self.parallel.tp:
             raise ValueError(f"parallel.tp ({self.parallel.tp}) must divide model.n_heads ({self.model.n_heads})")
+        if self.parallel.tp > 1 and self.train.lora is not None:
+            raise ValueError("train.lora with parallel.tp > 1 is not supported: shard with parallel.dp_shard")
         if self.parallel.tp > 1 and self.model.kv_heads % self.parallel.tp:
             raise ValueError(
                 f"parallel.tp ({self.parallel.tp}) must divide the kv heads ({self.model.kv_heads})")
+        p = self.parallel
+        if p.pp > 1:
+            if p.pp_stages > self.model.n_layers:
+                raise ValueError(f"parallel.pp x virtual stages ({p.pp_stages}) exceeds model.n_layers "
+                                 f"({self.model.n_layers}): every stage needs a transformer block")
+            if self.model.tie_embeddings:
+                raise ValueError("model.tie_embeddings with parallel.pp > 1: the embedding and the head live on "
+                                 "different stages (untie them)")
         return self

@@ -31,7 +31,7 @@ def load_exported(path: Path):
     if missing or unexpected:
         raise UserError(f"{path}: weights do not match config.json (missing {missing[:3]}, "
                         f"unexpected {unexpected[:3]})")
-    return model.eval(), load_tokenizer(path), cfg
+    return model.eval(), load_tokenizer(path), cfg  # a DocTokenizer: .tok encodes, .eos_id ends
 
 
 @torch.no_grad()
@@ -54,22 +54,24 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
     return ids[0, (len(prompt_ids) if prompt_ids else 1):].tolist()
 
 
-def generate_cli(args) -> int:
-    from llmcluster.data.tokenizer import EOT
+def generate_cli(model: str, prompt: str = "", max_new_tokens: int = 200, temperature: float = 0.8,
+                 top_k: int = 50, seed: int = 0, root: str | None = None) -> int:
+    """`llmcluster generate`: sample from an exported model (a run name under models/, or a directory)."""
     from llmcluster.paths import resolve_storage_root
     from llmcluster.storage.layout import Storage, check_run_name
 
-    path = Path(args.model)
+    path = Path(model)
     if not (path / "config.json").is_file():
-        if "/" in args.model:
+        if "/" in model:
             raise UserError(f"no exported model at {path}")
-        path = Storage(resolve_storage_root(args.root)).model_dir(check_run_name(args.model))
-    if args.max_new_tokens < 1:
+        path = Storage(resolve_storage_root(root)).model_dir(check_run_name(model))
+    if max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
-    model, tok, cfg = load_exported(path)
-    gen = torch.Generator().manual_seed(args.seed)
-    prompt_ids = tok.encode(args.prompt, add_special_tokens=False).ids if args.prompt else []
-    out = sample(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, cfg.max_seq_len,
-                 tok.token_to_id(EOT), gen)
-    print(args.prompt + tok.decode(out, skip_special_tokens=True))
+    net, tok, cfg = load_exported(path)
+    gen = torch.Generator().manual_seed(seed)
+    prompt_ids = tok.tok.encode(prompt, add_special_tokens=False).ids if prompt else []
+    if tok.bos_id is not None:
+        prompt_ids = [tok.bos_id] + prompt_ids
+    out = sample(net, prompt_ids, max_new_tokens, temperature, top_k, cfg.max_seq_len, tok.eos_id, gen)
+    print(prompt + tok.tok.decode(out, skip_special_tokens=True))
     return 0

@@ -8,6 +8,8 @@ names already follow HF's Llama (see llmcluster/model/llama.py), so the mapping 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shutil
 import sys
 from pathlib import Path
@@ -17,13 +19,16 @@ from safetensors.torch import save_file
 
 from llmcluster.config.load import validate
 from llmcluster.config.schema import JobConfig, ModelConfig
-from llmcluster.data.tokenizer import EOT
+from llmcluster.data.tokenizer import EOT, HF_TOKENIZER_FILES
 from llmcluster.errors import UserError
 from llmcluster.paths import resolve_storage_root
-from llmcluster.storage.layout import Storage
+from llmcluster.storage.layout import AREAS, DATASET_KINDS, Storage
 
 
-def hf_config(cfg: ModelConfig, eot_id: int) -> dict:
+def hf_config(cfg: ModelConfig, eos_id: int, bos_id: int | None = None) -> dict:
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope = {**cfg.rope_scaling.model_dump(), "rope_theta": cfg.rope_theta}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -36,19 +41,20 @@ def hf_config(cfg: ModelConfig, eot_id: int) -> dict:
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
-        # transformers < 5 reads rope_theta; 5.x reads rope_parameters. Write both.
+        # transformers < 5 reads rope_theta/rope_scaling; 5.x reads rope_parameters. Write both.
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None,
+        "rope_parameters": rope,
+        "rope_scaling": rope if cfg.rope_scaling is not None else None,
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
         "initializer_range": cfg.init_std,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "bos_token_id": eot_id,
-        "eos_token_id": eot_id,
+        "bos_token_id": eos_id if bos_id is None else bos_id,
+        "eos_token_id": eos_id,
         "torch_dtype": "float32",
+        "dtype": "float32",
         "use_cache": True,
     }
 
@@ -66,17 +72,45 @@ def to_hf_names(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.T
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    """Our ModelConfig from an HF Llama config.json (ours or anyone's with the same architecture)."""
-    rope = hf.get("rope_parameters") or {}
-    data = {
+def _rope_from_hf(hf: dict) -> tuple[float, dict | None]:
+    """(rope_theta, our rope_scaling) from transformers 5's rope_parameters or 4's rope_theta/rope_scaling."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise UserError(f"config.json: rope_type {kind!r} is not supported (default and llama3 are)")
+    return theta, {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                        "original_max_position_embeddings")}
+
+
+def model_fields_from_hf(hf: dict) -> dict:
+    """Our model-section keys from an HF Llama-family config.json, or a one-line error for what our model
+    does not implement (it would load, and compute something else)."""
+    kind = hf.get("model_type")
+    if kind not in ("llama", "mistral"):
+        raise UserError(f"config.json: model_type {kind!r} is not supported (Llama-family: llama, mistral)")
+    for key, ok in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu"),
+                    ("sliding_window", None)):
+        if hf.get(key, ok) != ok:
+            raise UserError(f"config.json: {key}={hf[key]!r} is not supported (the model implements {ok!r})")
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
+        raise UserError(f"config.json: head_dim {hf['head_dim']} != hidden_size / num_attention_heads "
+                        "is not supported")
+    theta, scaling = _rope_from_hf(hf)
+    return {
         "n_layers": hf["num_hidden_layers"], "d_model": hf["hidden_size"], "n_heads": hf["num_attention_heads"],
         "n_kv_heads": hf.get("num_key_value_heads"), "ffn_hidden": hf["intermediate_size"],
         "vocab_size": hf["vocab_size"], "max_seq_len": hf.get("max_position_embeddings", 2048),
-        "rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+        "rope_theta": theta, "rope_scaling": scaling,
         "norm_eps": hf.get("rms_norm_eps", 1e-5), "tie_embeddings": hf.get("tie_word_embeddings", False),
     }
-    return validate(data, ModelConfig, "config.json")
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """Our ModelConfig from an HF Llama config.json (ours or anyone's with the same architecture)."""
+    return validate(model_fields_from_hf(hf), ModelConfig, "config.json")
 
 
 def export(root: Path, run: str, step: int | None, out: Path | None = None) -> Path:
@@ -85,6 +119,7 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
                                              verify_checkpoint)
 
     st = Storage(root)
+    out = check_export_target(root, out or st.model_dir(run))  # before any work
     if step is None:  # the one `train --resume auto` would pick
         ckpt = newest_verified_checkpoint(st, run, lambda msg: print(msg, file=sys.stderr))
         if ckpt is None:
@@ -98,46 +133,144 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
     step = int(state["step"])
     cfg = validate(state["config"], JobConfig, str(ckpt / TRAIN_STATE))
     model = build_model(cfg.model, device="cpu")
+    if cfg.train.lora is not None:
+        from llmcluster.train.lora import apply_lora
+        apply_lora(model, cfg.train.lora)
     load_model_weights(ckpt, model)
 
-    from llmcluster.data.dataset import resolve_dataset_dir
+    from llmcluster.data.dataset import tokenizer_dir
 
-    tok_src = resolve_dataset_dir(root, cfg.data.dataset, cfg.data.kind) / "tokenizer.json"
+    tok_dir = tokenizer_dir(root, cfg.data)
+    tok_src = tok_dir / "tokenizer.json"
     if not tok_src.is_file():
         raise UserError(f"the run's tokenizer is missing: {tok_src}")
-    from tokenizers import Tokenizer
+    meta = json.loads((tok_dir / "meta.json").read_text())
+    eos_id, bos_id = int(meta["eot_id"]), meta.get("bos_id")
+    # After init_from: the original config.json's fields we do not set (dtype names, token ids, anything a
+    # newer transformers added) are kept, and ours - what the weights now are - override the rest.
+    base = {}
+    if cfg.train.init_from and (Path(cfg.train.init_from) / "config.json").is_file():
+        base = json.loads((Path(cfg.train.init_from) / "config.json").read_text())
 
-    eot_id = Tokenizer.from_file(str(tok_src)).token_to_id(EOT)
-
-    out = out or st.model_dir(run)
-    tmp = out.parent / f".tmp-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(hf_config(cfg.model, eot_id), indent=2))
-    (tmp / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": eot_id, "eos_token_id": eot_id, "do_sample": True, "temperature": 0.8, "top_k": 50}))
-    save_file(to_hf_names(model.state_dict(), cfg.model.tie_embeddings), str(tmp / "model.safetensors"),
-              metadata={"format": "pt", "source": f"llmcluster {run} step {step}"})
-    shutil.copy(tok_src, tmp / "tokenizer.json")
-    (tmp / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT, "unk_token": None,
-        "pad_token": EOT, "model_max_length": cfg.model.max_seq_len, "add_bos_token": False,
-        "clean_up_tokenization_spaces": False}, indent=2))
-    (tmp / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": EOT, "eos_token": EOT, "pad_token": EOT}, indent=2))
-    (tmp / "llmcluster.json").write_text(json.dumps({"run": run, "step": step, "checkpoint": str(ckpt)}))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}-{secrets.token_hex(3)}"  # ours alone
+    try:
+        tmp.mkdir(parents=True)
+        _write(tmp / "config.json", json.dumps({**base, **hf_config(cfg.model, eos_id, bos_id)}, indent=2))
+        _write(tmp / "generation_config.json", json.dumps(
+            {"bos_token_id": eos_id if bos_id is None else bos_id, "eos_token_id": eos_id, "do_sample": True,
+             "temperature": 0.8, "top_k": 50}))
+        state = model.state_dict()
+        if cfg.train.lora is not None:  # merged weights here; the adapters alone, PEFT-format, in adapter/
+            from llmcluster.train.lora import merged_state_dict, save_peft_adapter
+            state = merged_state_dict(model)
+            if cfg.train.init_from:
+                save_peft_adapter(model, cfg.train.lora, tmp / "adapter", str(Path(cfg.train.init_from).resolve()))
+        save_file(to_hf_names(state, cfg.model.tie_embeddings), str(tmp / "model.safetensors"),
+                  metadata={"format": "pt", "source": f"llmcluster {run} step {step}"})
+        _write(tmp / "tokenizer.json", tok_src.read_bytes())
+        if (tok_dir / "tokenizer_config.json").is_file():  # an HF model's tokenizer: its own files, verbatim
+            for name in HF_TOKENIZER_FILES:
+                if (tok_dir / name).is_file():
+                    _write(tmp / name, (tok_dir / name).read_bytes())
+        else:
+            _write(tmp / "tokenizer_config.json", json.dumps({
+                "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT, "unk_token": None,
+                "pad_token": EOT, "model_max_length": cfg.model.max_seq_len, "add_bos_token": False,
+                "clean_up_tokenization_spaces": False}, indent=2))
+            _write(tmp / "special_tokens_map.json", json.dumps(
+                {"bos_token": EOT, "eos_token": EOT, "pad_token": EOT}, indent=2))
+        _write(tmp / EXPORT_MARKER, json.dumps({"format": EXPORT_FORMAT, "run": run, "step": step,
+                                                "checkpoint": str(ckpt)}))
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                _fsync(f)
+        for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
+            _fsync(d)
+        _swap_in(tmp, out)
+    except OSError as e:
+        raise UserError(f"cannot write the export to {out}: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # our own temporary (after a swap: our earlier export)
     return out
 
 
-def export_cli(args) -> int:
+EXPORT_MARKER = "llmcluster.json"   # written into every export: what makes a directory ours to replace
+EXPORT_FORMAT = "llmcluster-hf-export"
+
+
+def is_our_export(d: Path) -> bool:
+    try:
+        info = json.loads((d / EXPORT_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    # exports written before the "format" key carry run, step and checkpoint
+    return isinstance(info, dict) and (info.get("format") == EXPORT_FORMAT
+                                       or {"run", "step", "checkpoint"} <= info.keys())
+
+
+def check_export_target(root: Path, out: Path) -> Path:
+    """`export --out DIR` replaces only a fresh directory or an earlier export of ours; never `.`, $HOME, `/`,
+    the storage root, its areas, or anything that contains them."""
+    target = Path(os.path.abspath(out))
+    resolved = target.resolve()
+    storage = Path(os.path.abspath(root)).resolve()
+    cwd, home = Path.cwd().resolve(), Path.home().resolve()
+    protected = {Path("/"), home, cwd, storage, *(storage / a for a in AREAS),
+                 *(storage / "datasets" / k for k in DATASET_KINDS)}
+    if resolved in protected or any(p.is_relative_to(resolved) for p in (storage, cwd, home)):
+        raise UserError(f"export --out {out}: refusing to replace {resolved} (the working directory, $HOME, '/', "
+                        "the storage root or one of its areas): give a new directory")
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise UserError(f"export --out {out}: exists and is not a directory: give a new directory")
+    if target.is_dir() and any(target.iterdir()) and not is_our_export(target):
+        raise UserError(f"export --out {out}: not empty and not an earlier llmcluster export (no {EXPORT_MARKER}): "
+                        "refusing to replace it; give a new or empty directory")
+    return target
+
+
+def _write(path: Path, data: str | bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Put the finished `tmp` at `out` atomically; an earlier export at `out` ends up at `tmp` (then removed).
+    Linux renameat2(RENAME_EXCHANGE) swaps in one step; elsewhere two renames (a moment without `out`)."""
+    if not out.exists():
+        os.rename(tmp, out)
+    elif not _rename_exchange(tmp, out):
+        old = out.parent / f"{tmp.name}.old"
+        os.rename(out, old)
+        os.rename(tmp, out)
+        os.rename(old, tmp)
+    _fsync(out.parent)
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def export_cli(run: str, root: str | None = None, step: int | None = None, out: str | None = None) -> int:
+    """`llmcluster export`: the checkpoint of `run` (newest verified, or `step`) -> Hugging Face format."""
     from llmcluster.storage.layout import check_run_name
 
-    check_run_name(args.run)
-    root = resolve_storage_root(args.root)
-    out = export(root, args.run, args.step, Path(args.out) if args.out else None)
-    size = sum(f.stat().st_size for f in out.iterdir())
-    print(f"exported {args.run} to {out} ({size / 1e6:.1f} MB, Hugging Face Llama format)")
+    check_run_name(run)
+    dest = export(resolve_storage_root(root), run, step, Path(out) if out else None)
+    size = sum(f.stat().st_size for f in dest.iterdir())
+    print(f"exported {run} to {dest} ({size / 1e6:.1f} MB, Hugging Face Llama format)")
     return 0

@@ -1,7 +1,10 @@
-"""`llmcluster launch`: render the spec for one scheduler, print it (--dry-run) or submit it, and record it.
+"""`llmcluster launch`: render the spec for its scheduler, print it (--dry-run) or submit it, and record it.
 
-Every launch writes its artifact (launch.sh / job.sbatch / job.yaml), the resolved config and a job.json
-record under <storage>/logs/<run>/; `llmcluster jobs` works from those records.
+Every launch gets its own directory, logs/<run>/launches/<n>/, holding the rendered artifact (launch.sh /
+job.sbatch / job.yaml) and the resolved config the ranks read, both read-only: a later launch never
+changes what an already queued (or requeued) job reads. logs/<run>/job.json records the latest launch;
+`llmcluster jobs` works from it. Run directories are 0750 and files 0640: a shared cluster's other users
+do not read a run's config, logs or checkpoints.
 """
 
 from __future__ import annotations
@@ -13,21 +16,11 @@ import time
 from pathlib import Path
 
 from llmcluster.errors import UserError
+from llmcluster.launch.scheduler import ACTIVE_STATES, get
 from llmcluster.launch.spec import LaunchSpec
 
-ARTIFACT = {"local": "launch.sh", "slurm": "job.sbatch", "k8s": "job.yaml"}
 RECORD = "job.json"
-
-
-def render(spec: LaunchSpec) -> str:
-    if spec.scheduler == "local":
-        from llmcluster.launch import local
-        return local.render(spec)
-    if spec.scheduler == "slurm":
-        from llmcluster.launch import slurm
-        return slurm.render(spec)
-    from llmcluster.launch import k8s
-    return k8s.to_yaml(k8s.render(spec))
+UMASK = 0o027
 
 
 def write_record(logs: Path, record: dict) -> None:
@@ -38,62 +31,55 @@ def write_record(logs: Path, record: dict) -> None:
 
 def read_record(logs: Path) -> dict | None:
     try:
-        return json.loads((logs / RECORD).read_text())
+        rec = json.loads((logs / RECORD).read_text())
     except (OSError, ValueError):
         return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("run"), str) else None
 
 
-def launch(spec: LaunchSpec, *, dry_run: bool, apply: bool) -> int:
-    text = render(spec)
+def refuse_if_active(spec: LaunchSpec, old: dict | None) -> None:
+    """A second launch of a run whose job is still queued or running would race it for the same
+    checkpoints: refused (`--force` launches anyway)."""
+    if not old or not old.get("job_id"):
+        return
+    try:
+        st = get(old["scheduler"]).state(spec.logs, {**old, "run": spec.run})["state"]
+    except UserError:
+        return              # the old job's scheduler can't be asked (e.g. no credentials): not active here
+    if st in ACTIVE_STATES:
+        raise UserError(f"run {spec.run} is already {st} as {old['scheduler']} job {old['job_id']}: "
+                        "`llmcluster jobs cancel` it first, or pass --force to launch a second one")
+
+
+def _write_once(path: Path, text: str) -> None:
+    with open(path, "x") as f:            # "x": a launch directory is never written twice
+        f.write(text)
+    path.chmod(0o440)
+
+
+def launch(spec: LaunchSpec, *, dry_run: bool, apply: bool = False, force: bool = False) -> int:
+    sched = get(spec.scheduler)
+    text = sched.render(spec)
     if dry_run:
         sys.stdout.write(text)            # exactly what would be submitted, and only that
         return 0
     logs = spec.logs
+    old = read_record(logs)
+    if not force:
+        refuse_if_active(spec, old)
+    os.umask(UMASK)                       # this process and what it starts: 0750 directories, 0640 files
     try:
-        logs.mkdir(parents=True, exist_ok=True)
+        spec.launch_dir.mkdir(parents=True)
+    except FileExistsError:
+        raise UserError(f"{spec.launch_dir} exists: another launch of {spec.run} is starting; try again") from None
     except OSError as e:
-        raise UserError(f"cannot create {logs}: {e.strerror or e}") from None
-    artifact = logs / ARTIFACT[spec.scheduler]
-    artifact.write_text(text)
-    spec.config_path.write_text(spec.config_yaml)
-    record = {"run": spec.run, "scheduler": spec.scheduler, "artifact": str(artifact),
+        raise UserError(f"cannot create {spec.launch_dir}: {e.strerror or e}") from None
+    artifact = spec.launch_dir / sched.artifact
+    _write_once(artifact, text)
+    _write_once(spec.config_path, spec.config_yaml)
+    record = {"run": spec.run, "scheduler": spec.scheduler, "launch": spec.launch_id, "artifact": str(artifact),
               "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "nodes": spec.job.nodes,
               "procs_per_node": spec.job.procs, "world_size": spec.job.world_size}
-    old = read_record(logs)
     if old and old.get("job_id"):
         record["previous_job_ids"] = old.get("previous_job_ids", []) + [old["job_id"]]
-
-    if spec.scheduler == "local":
-        from llmcluster.launch import local
-
-        def started(pid: int) -> None:
-            write_record(logs, {**record, "job_id": f"local-{pid}", "pid": pid, "state": "RUNNING"})
-
-        rc = local.run(spec, started)
-        final = read_record(logs) or record
-        write_record(logs, {**final, "state": "COMPLETED" if rc == 0 else "FAILED", "exit_code": rc})
-        print(f"[llmcluster] run {spec.run} exited with {rc}; logs in {logs}", file=sys.stderr)
-        return rc
-
-    if spec.scheduler == "slurm":
-        from llmcluster.launch import slurm
-        artifact.chmod(0o755)
-        job_id = slurm.submit(str(artifact))
-        write_record(logs, {**record, "job_id": job_id})
-        print(f"submitted {spec.run} as Slurm job {job_id}; log: {logs}/slurm-{job_id}.out")
-        return 0
-
-    from llmcluster.launch import k8s
-    objects = k8s.render(spec)
-    record["k8s"] = {"namespace": spec.job.k8s.namespace, "kind": spec.job.k8s.kind,
-                     "objects": [{"apiVersion": o["apiVersion"], "kind": o["kind"],
-                                  "name": o["metadata"]["name"]} for o in objects]}
-    if not apply:
-        write_record(logs, {**record, "job_id": None, "state": "RENDERED"})
-        print(f"rendered {len(objects)} object(s) to {artifact} (add --apply to create them)")
-        return 0
-    k8s.apply(objects, spec.job.k8s.namespace)
-    write_record(logs, {**record, "job_id": spec.run, "state": "SUBMITTED"})
-    print(f"created {', '.join(o['kind'] + '/' + o['metadata']['name'] for o in objects)} "
-          f"in namespace {spec.job.k8s.namespace}")
-    return 0
+    return sched.submit(spec, artifact, record, lambda r: write_record(logs, r), apply=apply)

@@ -1,45 +1,92 @@
 """local: `torchrun --standalone` on this machine (the embedded default), per-rank logs under logs/<run>/ranks.
 
 The launch runs in the foreground: its exit code is the job's, and `jobs status` reads it from job.json.
+job.secret_env is inherited from the launching shell (checked present, never written anywhere).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
+from pathlib import Path
 
+from llmcluster.errors import UserError
+from llmcluster.launch.scheduler import Scheduler
 from llmcluster.launch.spec import LaunchSpec, sh_join
 
 
-def argv(spec: LaunchSpec) -> list[str]:
-    # --standalone: a c10d store on a free local port, so --max-restarts would work too (static can't)
-    return spec.torchrun(spec.python, ["--standalone"], str(spec.logs / "ranks"))
+def missing_secrets(spec: LaunchSpec) -> list[str]:
+    return [n for n in spec.job.secret_env if n not in os.environ]
 
 
-def env(spec: LaunchSpec) -> dict[str, str]:
-    extra = {**spec.job.environment(), "LLMCLUSTER_STORAGE": str(spec.root)}
-    if spec.job.gpus_per_node == 0:
-        extra.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
-    return extra
+class Local(Scheduler):
+    name = "local"
+    artifact = "launch.sh"
 
+    def check(self, spec: LaunchSpec) -> None:
+        if spec.job.nodes > 1:
+            raise UserError(f"--scheduler local runs on this machine only; job.nodes is {spec.job.nodes} "
+                            "(use --scheduler slurm or k8s)")
 
-def render(spec: LaunchSpec) -> str:
-    """The command as a shell script (what --dry-run prints and launch.sh holds)."""
-    lines = ["#!/bin/bash", f"# llmcluster launch: run {spec.run} on this machine, {spec.job.procs} process(es)",
-             "set -euo pipefail"]
-    lines += [f"export {k}={sh_join([v])}" for k, v in env(spec).items()]
-    lines.append("exec " + sh_join(argv(spec)))
-    return "\n".join(lines) + "\n"
+    def argv(self, spec: LaunchSpec) -> list[str]:
+        # --standalone: a c10d store on a free local port, so --max-restarts works (static can't)
+        return spec.torchrun(spec.python, "standalone", "", str(spec.logs / "ranks"))
 
+    def render(self, spec: LaunchSpec) -> str:
+        """The command as a shell script (what --dry-run prints and launch.sh holds)."""
+        lines = ["#!/bin/bash",
+                 f"# llmcluster launch: run {spec.run} on this machine, {spec.job.procs} process(es)",
+                 "set -euo pipefail", "umask 027"]
+        if spec.job.secret_env:
+            lines.append(f"# from the launching environment (never written here): {' '.join(spec.job.secret_env)}")
+        lines += [f"export {k}={sh_join([v])}" for k, v in spec.rank_env().items()]
+        lines.append("exec " + sh_join(self.argv(spec)))
+        return "\n".join(lines) + "\n"
 
-def run(spec: LaunchSpec, on_start) -> int:
-    """Run to completion; `on_start(pid)` records the job before we block."""
-    (spec.logs / "ranks").mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(argv(spec), env={**os.environ, **env(spec)}, start_new_session=True)
-    on_start(proc.pid)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        # Ctrl-C: torchrun forwards SIGINT to the ranks; give them their checkpoint grace period
-        proc.send_signal(2)
-        return proc.wait()
+    def submit(self, spec: LaunchSpec, artifact: Path, record: dict, write_record, **flags) -> int:
+        """Run to completion in the foreground."""
+        if missing := missing_secrets(spec):
+            raise UserError(f"job.secret_env: {', '.join(missing)} not set in this environment")
+        (spec.logs / "ranks").mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen(self.argv(spec), env={**os.environ, **spec.rank_env()}, start_new_session=True)
+        write_record({**record, "job_id": f"local-{proc.pid}", "pid": proc.pid, "state": "RUNNING"})
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            # Ctrl-C: torchrun forwards SIGINT to the ranks; give them their checkpoint grace period
+            proc.send_signal(signal.SIGINT)
+            rc = proc.wait()
+        write_record({**record, "job_id": f"local-{proc.pid}", "pid": proc.pid,
+                      "state": "COMPLETED" if rc == 0 else "FAILED", "exit_code": rc})
+        print(f"[llmcluster] run {spec.run} exited with {rc}; logs in {spec.logs}", file=sys.stderr)
+        return rc
+
+    def _alive(self, logs: Path, rec: dict) -> int | None:
+        """The launcher's pid if it is alive AND is this run's torchrun: job.json is a user-writable file,
+        so a pid in it is checked against /proc before anything is signalled."""
+        try:
+            pid = int(rec["pid"])
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (KeyError, ValueError, TypeError, OSError):
+            return None
+        ranks = str(logs / "ranks").encode()
+        return pid if b"torch.distributed.run" in cmd and ranks in cmd and pid > 1 else None
+
+    def state(self, logs: Path, rec: dict) -> dict:
+        if rec.get("state") == "RUNNING":
+            if self._alive(logs, rec) is None:
+                return {"state": "LOST", "detail": "the launcher is gone without recording an exit code"}
+            return {"state": "RUNNING"}
+        return {"state": rec.get("state", "UNKNOWN"), "exit_code": rec.get("exit_code")}
+
+    def log_files(self, logs: Path, rec: dict) -> list[Path]:
+        # torchrun --log-dir: ranks/<id>/attempt_<n>/<local rank>/{stdout,stderr}.log
+        return sorted((logs / "ranks").glob("*/attempt_*/*/std*.log"))
+
+    def cancel(self, logs: Path, rec: dict) -> None:
+        pid = self._alive(logs, rec)
+        if pid is None:
+            raise UserError(f"{rec['run']} is not running (no live torchrun of it)")
+        os.killpg(pid, signal.SIGTERM)  # torchrun forwards it; the ranks checkpoint and stop

@@ -1,30 +1,45 @@
 """Slurm: render an sbatch script from a LaunchSpec, and submit / query / cancel through the Slurm CLIs.
 
 The script runs one task per node; each task is a torchrun agent, and the agents meet at a c10d rendezvous
-on the first node of the allocation. Preemption is handled in two layers:
+on the first node of the allocation, addressed by its NodeAddr from `scontrol show node` (a NodeName need
+not resolve) at a port the script finds free there. Failures are handled in three layers:
+  * a rank that dies (segfault, OOM, an NCCL error) makes its torchrun agent restart the whole group, up to
+    job.max_restarts times; the ranks resume from the last complete checkpoint;
   * `--signal=B:USR2@N` signals the batch shell N seconds before the time limit; its trap forwards USR2 to
-    srun, which delivers it to every process of the step (torchrun agents and ranks). The ranks agree to
-    stop at the next step boundary, checkpoint and exit 75 ("requeue me").
-  * torchrun reports any worker exit as 1, so the trainer's 75 does not survive it: the shell requeues when
-    srun fails after the signal arrived (or exits 75, e.g. a launcher that keeps the code), while
-    SLURM_RESTART_COUNT < max_requeues. The requeued job resumes from the last complete checkpoint.
+    srun, which delivers it to every process of the step. The ranks checkpoint and exit 75;
+  * when srun fails (the signal, restarts used up, a node lost) the shell requeues the job while
+    SLURM_RESTART_COUNT < job.max_requeues, unless the trainer wrote that the failure is `fatal` (a restart
+    would repeat it: see train/exit_reason.py). The requeued job resumes from the last complete checkpoint.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 from llmcluster.errors import EXIT_PREEMPTED, UserError
+from llmcluster.launch.scheduler import Scheduler
 from llmcluster.launch.spec import LaunchSpec, ShellVar, sh, sh_join
+from llmcluster.train.exit_reason import EXIT_DIR_ENV
 
 # values in #SBATCH lines are parsed by sbatch, not by a shell: they cannot be quoted, only refused
-SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_./:@%+=,-]+$")
+SBATCH_SAFE = re.compile(r"[A-Za-z0-9_./:@%+=,-]+")
+JOB_ID = re.compile(r"\d+(?:_\d+)?")
+# The first free port from BASE + job id % 1000 on (jobs sharing a head node start apart, and a port some
+# other program holds is skipped). Runs on the batch host, which is the first node of the allocation.
+FREE_PORT = ("import socket, sys\n"
+             "for p in range(int(sys.argv[1]), 65536):\n"
+             "    with socket.socket() as s:\n"
+             "        try:\n"
+             "            s.bind((\"\", p)); print(p); break\n"
+             "        except OSError: pass\n")
 
 
 def _sbatch_value(value: str, what: str) -> str:
-    if not SBATCH_SAFE.match(value):
+    if not SBATCH_SAFE.fullmatch(value):
         raise UserError(f"{what} {value!r} cannot go into an #SBATCH line "
                         "(letters, digits and ._/:@%+=,- only)")
     return value
@@ -60,11 +75,16 @@ def render(spec: LaunchSpec) -> str:
         "#SBATCH --requeue",
         "",
         "set -uo pipefail",
+        "umask 027                                # run files 0640, directories 0750",
     ]
-    env = {**j.environment(), "LLMCLUSTER_STORAGE": str(spec.root)}
-    if j.gpus_per_node == 0:
-        env.setdefault("OMP_NUM_THREADS", "1")   # CPU ranks: no oversubscription by default
-    head += [f"export {k}={sh(v)}" for k, v in env.items()]
+    head += [f"export {k}={sh(v)}" for k, v in spec.rank_env().items()]
+    if j.secret_env:
+        names = " ".join(j.secret_env)
+        head += ["# job.secret_env: from the submitting environment (sbatch --export=ALL), never written here",
+                 f"for v in {names}; do",
+                 '  [ -n "${!v+x}" ] || { echo "[llmcluster] job.secret_env: $v is not in the job\'s '
+                 'environment" >&2; exit 2; }',
+                 "done"]
 
     srun = ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", f"--nodes={j.nodes}"]
     if j.image:
@@ -72,20 +92,22 @@ def render(spec: LaunchSpec) -> str:
             f"{m.source}:{m.path}" + (":ro" if m.read_only else "") for m in j.mounts]
         srun += [f"--container-image={j.image}", f"--container-mounts={','.join(mounts)}",
                  f"--container-workdir={spec.root}"]
-    rdzv = ["--nnodes", str(j.nodes), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", ShellVar("$head:$rdzv_port"), "--rdzv-id", ShellVar("$SLURM_JOB_ID")]
-    log_dir = ShellVar("$ranks_dir")
-    srun += spec.torchrun(spec.python, rdzv, log_dir)
-
+    srun += spec.torchrun(spec.python, ShellVar("$head:$rdzv_port"), ShellVar("$SLURM_JOB_ID"),
+                          ShellVar("$ranks_dir"))
+    port_python = "python3" if j.image else spec.python   # the batch host's own interpreter
     body = [
         "",
-        "# rendezvous on the first node of the allocation; a port per job so jobs sharing a node don't collide",
-        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"rdzv_port=$(( {j.rdzv_port} + SLURM_JOB_ID % 1000 ))",
+        "# rendezvous on the first node at the address Slurm uses for it (NodeAddr: node names need not",
+        "# resolve), on a port free there (this script runs on that node)",
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'head=$(scontrol show node -o "$head_node" | tr " " "\\n" | sed -n "s/^NodeAddr=//p")',
+        'head=${head:-$head_node}',
+        f'rdzv_port=$({sh(port_python)} -c {sh(FREE_PORT)} "$(( {j.rdzv_port} + SLURM_JOB_ID % 1000 ))")',
         f'ranks_dir={sh(logs)}/ranks/"$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}"',
         'mkdir -p "$ranks_dir"',
+        f'export {EXIT_DIR_ENV}="$ranks_dir"       # the ranks say why they stopped (train/exit_reason.py)',
         'echo "[llmcluster] job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0}:'
-        ' nodes $SLURM_JOB_NODELIST, rendezvous $head:$rdzv_port"',
+        ' nodes $SLURM_JOB_NODELIST, rendezvous $head:$rdzv_port (node $head_node)"',
         "",
         "# the pre-time-limit signal: pass it on to every process of the step (torchrun and the ranks)",
         "preempted=0",
@@ -101,11 +123,16 @@ def render(spec: LaunchSpec) -> str:
         "done",
         'echo "[llmcluster] srun exited with $rc"',
         "",
-        f"# {EXIT_PREEMPTED} = the trainer checkpointed and asks to be requeued (torchrun turns it into 1)",
-        f'if [ "$rc" -ne 0 ] && {{ [ "$rc" -eq {EXIT_PREEMPTED} ] || [ "$preempted" = 1 ]; }}; then',
+        f"# requeue a failed attempt (preempted: the trainer exits {EXIT_PREEMPTED}, torchrun turns it into 1;",
+        "# a runtime failure torchrun's restarts did not cure) unless a rank said a restart would repeat it",
+        'fatal=$(cat "$ranks_dir"/exit-rank* 2>/dev/null | grep -m 1 "^fatal")',
+        'if [ "$rc" -ne 0 ] && [ "$preempted" = 0 ] && [ -n "$fatal" ]; then',
+        '  echo "[llmcluster] not requeueing: $fatal"',
+        'elif [ "$rc" -ne 0 ]; then',
+        f'  why=$([ "$preempted" = 1 ] || [ "$rc" -eq {EXIT_PREEMPTED} ] && echo preempted || echo "runtime failure")',
         f'  if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {j.max_requeues} ]; then',
         '    echo "[llmcluster] requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0} of '
-        f'{j.max_requeues})"',
+        f'{j.max_requeues}): $why"',
         '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
         "  else",
         f'    echo "[llmcluster] not requeueing: {j.max_requeues} requeue(s) used"',
@@ -131,11 +158,23 @@ def _call(argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def submit(script_path: str) -> str:
-    """sbatch --parsable -> the job id."""
-    p = _call(["sbatch", "--parsable", script_path])
+    """sbatch --parsable -> the job id. --export=ALL: the submitting environment (job.secret_env among
+    it) reaches the job without being written into the script; umask 027 makes slurm-<id>.out 0640."""
+    old = os.umask(0o027)
+    try:
+        p = _call(["sbatch", "--parsable", "--export=ALL", script_path])
+    finally:
+        os.umask(old)
     if p.returncode != 0:
         raise UserError(f"sbatch failed: {' '.join(p.stderr.split()) or p.returncode}")
     return p.stdout.strip().split(";")[0]          # "<id>[;cluster]"
+
+
+def _job_id(rec: dict) -> str:
+    jid = str(rec.get("job_id") or "")
+    if not JOB_ID.fullmatch(jid):
+        raise UserError(f"job.json of {rec.get('run')!r} has no valid Slurm job id ({jid!r})")
+    return jid
 
 
 def state(job_id: str) -> dict:
@@ -172,7 +211,35 @@ def _scontrol(job_id: str) -> dict | None:
     return fields
 
 
-def cancel(job_id: str) -> None:
-    p = _call(["scancel", job_id])
-    if p.returncode != 0:
-        raise UserError(f"scancel {job_id} failed: {' '.join(p.stderr.split())}")
+class Slurm(Scheduler):
+    name = "slurm"
+    artifact = "job.sbatch"
+
+    def render(self, spec: LaunchSpec) -> str:
+        return render(spec)
+
+    def submit(self, spec: LaunchSpec, artifact: Path, record: dict, write_record, **flags) -> int:
+        if missing := [n for n in spec.job.secret_env if n not in os.environ]:
+            raise UserError(f"job.secret_env: {', '.join(missing)} not set in this environment")
+        job_id = submit(str(artifact))
+        write_record({**record, "job_id": job_id})
+        print(f"submitted {spec.run} as Slurm job {job_id}; log: {spec.logs}/slurm-{job_id}.out")
+        return 0
+
+    def state(self, logs: Path, rec: dict) -> dict:
+        return state(_job_id(rec))
+
+    def log_files(self, logs: Path, rec: dict) -> list[Path]:
+        return [logs / f"slurm-{_job_id(rec)}.out"]
+
+    def cancel(self, logs: Path, rec: dict) -> None:
+        job_id = _job_id(rec)
+        # job.json is a file anyone with write access to logs/ can edit: cancel the id only if Slurm
+        # says that job is this run (its job name), so a doctored record cannot stop someone else's job
+        info = _scontrol(job_id)
+        if info is None or info.get("JobName") != rec["run"]:
+            raise UserError(f"Slurm job {job_id} is not run {rec['run']!r} "
+                            f"({'unknown to Slurm' if info is None else 'named ' + repr(info.get('JobName'))})")
+        p = _call(["scancel", job_id])
+        if p.returncode != 0:
+            raise UserError(f"scancel {job_id} failed: {' '.join(p.stderr.split())}")

@@ -1,7 +1,8 @@
 """The launch spec: one job config + flags -> what every scheduler renders from.
 
-A `LaunchSpec` is plain data (no I/O). The renderers in `local`, `slurm` and `k8s` are pure functions of it,
-so what `--dry-run` prints is exactly what a launch submits, and the tests can check every form offline.
+A `LaunchSpec` is plain data (no I/O). The schedulers render pure functions of it, so what `--dry-run`
+prints is exactly what a launch submits, and the tests can check every form offline. The rank
+environment and the torchrun command line (rendezvous included) are built here once for all of them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ SCHEDULERS = ("local", "slurm", "k8s")
 # torchrun forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT to its workers by default; SIGUSR2 ("checkpoint now",
 # SIGUSR1 belongs to NCCL) must be added, or the default action of SIGUSR2 kills the torchrun agent itself.
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
+LAUNCHES = "launches"   # logs/<run>/launches/<n>/: one immutable directory per launch
 
 
 class ShellVar(str):
@@ -52,24 +54,60 @@ class LaunchSpec:
     command: list[str]             # what every rank runs: ["-m", "llmcluster", "train", ...] or a program
     python: str = sys.executable   # interpreter on the nodes (outside containers)
     generic: bool = False          # True: `command` is a program (torchrun --no-python), not a module
-    config_yaml: str = ""          # the resolved job config the trainer reads
+    config_yaml: str = ""          # the resolved job config the trainer reads (job.env values redacted)
     overrides: list[str] = field(default_factory=list)
+    launch_id: int = 1             # this launch's number under logs/<run>/launches/
+    storage: str = ""              # the storage root as the ranks see it
+    metrics_port: int | None = None  # the port of log.metrics_bind (rank r serves it + its local rank)
 
     @property
     def logs(self) -> Path:
         return self.root / "logs" / self.run
 
     @property
-    def config_path(self) -> Path:
-        return self.logs / "config.yaml"
+    def launch_dir(self) -> Path:
+        return self.logs / LAUNCHES / str(self.launch_id)
 
-    def torchrun(self, python: str, rdzv: list[str], log_dir: str | None) -> list[str]:
-        """`python -m torch.distributed.run ...` for one node; `rdzv` is the rendezvous flags."""
+    @property
+    def config_path(self) -> Path:
+        """The config this launch's ranks read: written once, read-only, never replaced by a later
+        launch (a queued or requeued job re-reads it)."""
+        return self.launch_dir / "config.yaml"
+
+    def rank_env(self) -> dict[str, str]:
+        """The environment every rank gets from the launcher (secrets are not in it: they never are
+        rendered; each scheduler passes job.secret_env its own way)."""
         j = self.job
-        argv = [python, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", str(j.procs),
-                "--max-restarts", "0", "--signals-to-handle", TORCHRUN_SIGNALS,
-                # after forwarding a signal torchrun waits this long for the checkpoint before SIGKILL
-                "--shutdown-timeout", str(j.signal_before_s)]
+        env = {**j.environment(), "LLMCLUSTER_STORAGE": self.storage,
+               # torchrun shares one bootstrap TCPStore across rendezvous rounds by default, without a
+               # per-round key prefix: after a restart the new ranks can read the dead ranks' gloo/NCCL
+               # addresses from the last round and hang in init_process_group (seen here after a SIGKILL).
+               # Opting out gives every round a fresh store.
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        if j.gpus_per_node == 0:
+            env.setdefault("OMP_NUM_THREADS", "1")   # CPU ranks: no oversubscription by default
+        return env
+
+    def torchrun(self, python: str, endpoint: str, rdzv_id: str, log_dir: str | None,
+                 node_rank: str | None = None) -> list[str]:
+        """`python -m torch.distributed.run ...` for one node.
+
+        c10d rendezvous at `endpoint` (also for one node: the static rendezvous cannot restart), and
+        --max-restarts: when a rank dies its agent stops the local ranks, every agent re-rendezvouses
+        and the whole group restarts (the trainer resumes from the last complete checkpoint)."""
+        j = self.job
+        argv = [python, "-m", "torch.distributed.run"]
+        if endpoint == "standalone":
+            argv += ["--standalone"]
+        else:
+            argv += ["--nnodes", str(j.nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                     "--rdzv-id", rdzv_id]
+            if node_rank:      # not needed by c10d, but keeps rank 0 on pod 0 for readable logs
+                argv += ["--node-rank", node_rank]
+        argv += ["--nproc-per-node", str(j.procs), "--max-restarts", str(j.max_restarts),
+                 "--signals-to-handle", TORCHRUN_SIGNALS,
+                 # after forwarding a signal torchrun waits this long for the checkpoint before SIGKILL
+                 "--shutdown-timeout", str(j.signal_before_s)]
         if log_dir:
             argv += ["--log-dir", log_dir, "--tee", "3"]   # per-rank stdout/stderr files + the console
         if self.generic:
@@ -95,7 +133,8 @@ def apply_flags(job: JobSpec, args) -> JobSpec:
 
     flags = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "procs_per_node": args.procs_per_node,
              "time": args.time, "partition": args.partition, "image": args.image,
-             "max_requeues": getattr(args, "max_requeues", None)}
+             "max_requeues": getattr(args, "max_requeues", None),
+             "max_restarts": getattr(args, "max_restarts", None)}
     data = job.model_dump()
     data.update({k: v for k, v in flags.items() if v is not None})
     if getattr(args, "k8s_kind", None):
@@ -108,38 +147,43 @@ def apply_flags(job: JobSpec, args) -> JobSpec:
         raise UserError(explain(err, Wrapped)) from None
 
 
+def next_launch_id(logs: Path) -> int:
+    """One more than the highest launch number under logs/<run>/launches/ (1 for a new run)."""
+    d = logs / LAUNCHES
+    ids = [int(p.name) for p in d.iterdir() if p.name.isdigit()] if d.is_dir() else []
+    return max(ids, default=0) + 1
+
+
 def build_spec(cfg, args, root: Path) -> LaunchSpec:
     """The LaunchSpec for `llmcluster launch` from the validated JobConfig and the parsed flags."""
     import yaml
 
-    from llmcluster.config.load import config_to_dict
+    from llmcluster.config.load import saved_config_dict
+    from llmcluster.launch.scheduler import get
 
+    sched = get(args.scheduler)
     job = apply_flags(cfg.job, args)
     if job.gpus_per_node and job.procs > job.gpus_per_node:
         raise UserError(f"job.procs_per_node ({job.procs}) exceeds job.gpus_per_node ({job.gpus_per_node})")
-    if args.scheduler == "local" and job.nodes > 1:
-        raise UserError(f"--scheduler local runs on this machine only; job.nodes is {job.nodes} "
-                        "(use --scheduler slurm or k8s)")
     if job.signal_before_s >= job.time_s:
         raise UserError(f"job.signal_before_s ({job.signal_before_s}) must be shorter than job.time ({job.time})")
-    if args.scheduler == "k8s" and not job.image:
-        raise UserError("--scheduler k8s needs a container image: --image or job.image")
     check_text(str(root), "storage root")
-    for m in job.mounts:
-        check_text(m.source, "mount")
     generic = bool(args.program)
     cfg = cfg.model_copy(update={"job": job})
-    if args.scheduler == "k8s":
-        storage = job.k8s.storage_path
-        config_path = "/etc/llmcluster/config.yaml"     # from the ConfigMap
+    logs = root / "logs" / cfg.run.name
+    launch_id = next_launch_id(logs)
+    if sched.in_container:
+        from llmcluster.launch.k8s import CONFIG_DIR
+        storage, config_path = job.k8s.storage_path, f"{CONFIG_DIR}/config.yaml"   # from the ConfigMap
     else:
-        storage = str(root)
-        config_path = str(root / "logs" / cfg.run.name / "config.yaml")
+        storage, config_path = str(root), str(logs / LAUNCHES / str(launch_id) / "config.yaml")
     command = [check_text(c, "command word") for c in args.program] if generic else \
         trainer_command(config_path, storage)
-    python = "python" if (job.image or args.scheduler == "k8s") else sys.executable
-    return LaunchSpec(run=cfg.run.name, scheduler=args.scheduler, root=root, job=job, command=command,
+    python = "python" if (job.image or sched.in_container) else sys.executable
+    spec = LaunchSpec(run=cfg.run.name, scheduler=args.scheduler, root=root, job=job, command=command,
                       python=check_text(python, "python"), generic=generic,
-                      config_yaml=yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
-                      overrides=list(args.overrides))
-
+                      config_yaml=yaml.safe_dump(saved_config_dict(cfg), sort_keys=False),
+                      overrides=list(args.overrides), launch_id=launch_id, storage=storage,
+                      metrics_port=cfg.log.metrics[1] if cfg.log.metrics else None)
+    sched.check(spec)
+    return spec

@@ -32,13 +32,29 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_cos_sin(head_dim: int, max_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(head_dim: int, max_len: int, theta: float, device=None,
+                 scaling=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape (max_len, head_dim), frequencies repeated over the two halves (HF layout)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_scaled(inv_freq, scaling)
     t = torch.arange(max_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
+
+
+def llama3_scaled(inv_freq: torch.Tensor, s) -> torch.Tensor:
+    """Llama 3.1's long-context RoPE: wavelengths longer than the original context / low_freq_factor are
+    stretched by `factor`, shorter than context / high_freq_factor kept, the band between interpolated
+    (as HF's `_compute_llama3_parameters`, so imported weights see the positions they were trained on)."""
+    old = s.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+    smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= old / s.high_freq_factor) & (wavelen <= old / s.low_freq_factor)
+    return torch.where(medium, smoothed, scaled)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +77,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # Head counts come from the tensors, not the config: under tensor parallelism each rank holds
         # n_heads / tp of them and this code must not care.
@@ -71,7 +88,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # GQA: each kv head serves n_heads / n_kv_heads query heads; SDPA broadcasts them itself instead
         # of materialising repeated k/v copies.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=k.shape[1] != q.shape[1])
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -96,8 +114,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        # mask by keyword: tensor parallelism's input preparation of self_attn maps positional inputs only
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask=mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -113,7 +133,8 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # RoPE tables are derived, never saved: non-persistent buffers stay out of checkpoints and exports.
-        cos, sin = rope_cos_sin(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_cos_sin(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
+                                scaling=cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -127,7 +148,7 @@ class Llama(nn.Module):
         and handed to `fill(param, full)` (default: copy it in). A caller whose parameters are shards passes a
         `fill` that keeps its own slice, so the weights do not depend on how the model is split.
         """
-        device = self.embed_tokens.weight.device
+        device = self.rope_cos.device  # where the model is materialised (buffers always are)
         gen = None
         if seed is not None:
             gen = torch.Generator(device=device).manual_seed(seed)
@@ -154,7 +175,8 @@ class Llama(nn.Module):
         self.norm.reset_parameters()
         if not self.cfg.tie_embeddings:
             normal_(self.lm_head.weight, std)
-        cos, sin = rope_cos_sin(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        cos, sin = rope_cos_sin(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
+                                scaling=self.cfg.rope_scaling)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
@@ -162,10 +184,20 @@ class Llama(nn.Module):
         """tokens (B, T) -> logits (B, T, vocab). The loss is the trainer's business."""
         T = tokens.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        mask = None if self.cfg.doc_mask_id is None else document_mask(tokens, self.cfg.doc_mask_id)
         h = self.embed_tokens(tokens)
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, cos, sin) if mask is None else block(h, cos, sin, mask=mask)
         return self.lm_head(self.norm(h))
+
+
+def document_mask(tokens: torch.Tensor, end_id: int) -> torch.Tensor:
+    """(B, 1, T, T) causal mask that also keeps each packed document to itself; a document's end token
+    belongs to it. RoPE is relative, so a document then sees exactly what it would see alone."""
+    end = tokens == end_id
+    doc = torch.cumsum(end, dim=1) - end.long()
+    t = torch.arange(tokens.shape[1], device=tokens.device)
+    return ((doc[:, :, None] == doc[:, None, :]) & (t[:, None] >= t[None, :]))[:, None]
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Llama:

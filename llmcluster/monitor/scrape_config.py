@@ -1,13 +1,12 @@
 """`llmcluster monitor config`: where Prometheus should scrape, for static nodes, Slurm and Kubernetes.
 
-Three sources of the node list, one output shape:
+The node list comes from the cluster spec (`nodes.hosts` of `--cluster FILE|NAME`, else $LLMCLUSTER_CLUSTER, else
+./cluster.yaml; ports from its `monitoring:` section), or from the command line:
   --nodes a,b,c            a plain list (hostnames or IPs)
   --slurm-nodelist EXPR    Slurm's compressed hostlist ("gpu[01-04,07]", e.g. from `sinfo -h -o %N`)
-  --cluster FILE           a cluster spec YAML: `nodes:` (or `hosts:`, also inside a `cluster:` section)
-                           as names, a Slurm hostlist, or mappings with name/host and gpus
-and `--format kubernetes` instead writes a DaemonSet for the exporter, PodMonitors for it and for the
-training pods, and a PrometheusRule carrying monitoring/alerts.yml and the recording rules (prometheus-
-operator CRDs, as kube-prometheus-stack installs them).
+and `--kubernetes` instead writes a DaemonSet for the exporter (on the cluster's GPU nodes: its node selector and
+tolerations), PodMonitors for it and for the training pods, and a PrometheusRule carrying monitoring/alerts.yml
+and the recording rules (prometheus-operator CRDs, as kube-prometheus-stack installs them).
 """
 
 from __future__ import annotations
@@ -18,84 +17,26 @@ from typing import Any
 
 import yaml
 
+from llmcluster.config.cluster import ClusterSpec
+from llmcluster.config.hostlist import expand_hostlist  # noqa: F401  (re-exported: monitor config --slurm-nodelist)
 from llmcluster.errors import UserError
-from llmcluster.paths import REPO_DIR
+from llmcluster.paths import MONITORING_DIR
 
-MONITORING_DIR = REPO_DIR / "monitoring"
 RULE_FILES = ("recording.yml", "alerts.yml")
 NODE_JOB = "llmcluster-node"
 TRAIN_JOB = "llmcluster-train"
-_HOSTLIST_PART = re.compile(r"([^,\[]+)(?:\[([^\]]*)\])?([^,\[]*)")
 
 
-def expand_hostlist(expr: str) -> list[str]:
-    """Slurm hostlist syntax -> names: 'gpu[01-03,07],login' -> gpu01 gpu02 gpu03 gpu07 login.
-
-    Zero padding follows the range's first bound, as Slurm does. One bracket per name, which is what
-    Slurm itself prints for one-dimensional clusters (the only kind GPU clusters use)."""
-    names: list[str] = []
-    pos = 0
-    expr = expr.strip()
-    while pos < len(expr):
-        m = _HOSTLIST_PART.match(expr, pos)
-        if not m or m.end() == pos:
-            raise UserError(f"cannot parse Slurm node list {expr!r} near {expr[pos:]!r}")
-        prefix, ranges, suffix = m.groups()
-        if ranges is None:
-            names.append(prefix + suffix)
-        else:
-            for item in ranges.split(","):
-                lo, _, hi = item.partition("-")
-                if not lo.isdigit() or (hi and not hi.isdigit()):
-                    raise UserError(f"bad range {item!r} in Slurm node list {expr!r}")
-                hi = hi or lo
-                if int(hi) < int(lo):
-                    raise UserError(f"descending range {item!r} in Slurm node list {expr!r}")
-                width = len(lo)
-                names.extend(f"{prefix}{n:0{width}d}{suffix}" for n in range(int(lo), int(hi) + 1))
-        pos = m.end()
-        if pos < len(expr):
-            if expr[pos] != ",":
-                raise UserError(f"cannot parse Slurm node list {expr!r} near {expr[pos:]!r}")
-            pos += 1
-    if not names:
-        raise UserError("empty Slurm node list")
-    return names
+def cluster_hosts(cluster: ClusterSpec, source: str) -> list[str]:
+    """The scrape targets' host names: the cluster's `nodes.hosts`."""
+    if not cluster.hosts:
+        raise UserError(f"{source}: the cluster has {cluster.node_count} node(s) but no host names: add nodes.hosts "
+                        f"(a list or a Slurm hostlist like gpu[01-{cluster.node_count:02d}]) or use --nodes / "
+                        "--slurm-nodelist")
+    return cluster.hosts
 
 
-def read_cluster_nodes(path: str | Path) -> list[dict[str, Any]]:
-    """[{'name': ..., 'gpus': int|None}] from a cluster spec's `nodes:` (names or name/host + gpus)."""
-    from llmcluster.config.load import read_yaml
-
-    data = read_yaml(path, what="cluster spec")
-    if isinstance(data.get("cluster"), dict):  # a plan file's `cluster:` section, or a spec nested like it
-        data = data["cluster"]
-    raw = data.get("hosts", data.get("nodes"))
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        raise UserError(f"{path}: the cluster has {raw} node(s) but no host names: add `hosts:` (a list or a "
-                        f"Slurm hostlist like gpu[01-{raw:02d}]) or use --nodes / --slurm-nodelist")
-    if isinstance(raw, str):
-        raw = expand_hostlist(raw)
-    if not isinstance(raw, list) or not raw:
-        raise UserError(f"{path}: cluster spec needs a non-empty 'nodes:' (or 'hosts:') list or Slurm hostlist")
-    default_gpus = data.get("gpus_per_node")
-    nodes = []
-    for i, n in enumerate(raw):
-        if isinstance(n, str):
-            nodes.append({"name": n, "gpus": default_gpus})
-        elif isinstance(n, dict) and isinstance(n.get("host", n.get("name")), str):
-            gpus = n.get("gpus", default_gpus)
-            if gpus is not None and (not isinstance(gpus, int) or gpus < 0):
-                raise UserError(f"{path}: nodes[{i}].gpus must be a non-negative integer (got {gpus!r})")
-            name = n.get("host", n.get("name"))
-            names = expand_hostlist(name) if "[" in name else [name]
-            nodes.extend({"name": nm, "gpus": gpus} for nm in names)
-        else:
-            raise UserError(f"{path}: nodes[{i}] must be a host name or a mapping with 'name' (got {n!r})")
-    return nodes
-
-
-def prometheus_config(nodes: list[str], port: int, train_port: int | None, train_ports_per_node: int,
+def prometheus_config(nodes: list[str], port: int, train_port: int | None, train_ports_per_node: int | dict[str, int],
                       scrape_interval: str = "15s", rules_dir: Path | None = MONITORING_DIR) -> dict:
     """A complete prometheus.yml: the node exporters, the training ports, and our rule files."""
     cfg: dict[str, Any] = {
@@ -108,7 +49,8 @@ def prometheus_config(nodes: list[str], port: int, train_port: int | None, train
         # Every node may run ranks of a job; a port with no trainer behind it is just `up == 0` for this
         # job, which no alert looks at (a run that ends is not an outage). Stalls are caught by the
         # trainer's own last-step timestamp while it is alive.
-        targets = [f"{n}:{train_port + i}" for n in nodes for i in range(train_ports_per_node)]
+        per = train_ports_per_node   # one number, or per host (a node with fewer GPUs runs fewer ranks)
+        targets = [f"{n}:{train_port + i}" for n in nodes for i in range(per[n] if isinstance(per, dict) else per)]
         jobs.append({"job_name": TRAIN_JOB, "static_configs": [{"targets": targets}]})
     cfg["scrape_configs"] = jobs
     return cfg
@@ -120,7 +62,8 @@ def _job_label(job: str) -> dict:
 
 
 def kubernetes_manifests(namespace: str, image: str, port: int, train_port_name: str, expected_gpus: int | None,
-                         storage_path: str, rules_dir: Path = MONITORING_DIR) -> list[dict]:
+                         storage_path: str, rules_dir: Path = MONITORING_DIR, node_selector: dict | None = None,
+                         tolerations: list[dict] | None = None) -> list[dict]:
     labels = {"app.kubernetes.io/name": "llmcluster-monitor", "app.kubernetes.io/part-of": "llmcluster"}
     args = ["monitor", "serve", "--bind", "0.0.0.0", "--port", str(port), "--root", "/storage"]
     if expected_gpus is not None:
@@ -134,8 +77,9 @@ def kubernetes_manifests(namespace: str, image: str, port: int, train_port_name:
                 "metadata": {"labels": labels},
                 "spec": {
                     # Only on GPU nodes; tolerate the taint GPU node pools usually carry.
-                    "nodeSelector": {"nvidia.com/gpu.present": "true"},
-                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "nodeSelector": node_selector or {"nvidia.com/gpu.present": "true"},
+                    "tolerations": tolerations or [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                                    "effect": "NoSchedule"}],
                     "priorityClassName": "system-node-critical",
                     "containers": [{
                         "name": "exporter", "image": image, "command": ["llmcluster"], "args": args,
@@ -195,7 +139,7 @@ def dump(docs: dict | list[dict]) -> str:
     return yaml.dump_all(docs, Dumper=_PlainDumper, sort_keys=False)
 
 
-_DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
+_DURATION = re.compile(r"(\d+(ms|s|m|h|d|w|y))+")
 
 
 def _check_port(name: str, port: int) -> int:
@@ -204,36 +148,24 @@ def _check_port(name: str, port: int) -> int:
     return port
 
 
-def write_config(args) -> int:
-    """The `monitor config` action: validate the flags, render, print or write."""
-    _check_port("--port", args.port)
-    if not _DURATION.match(args.scrape_interval):
-        raise UserError(f"--scrape-interval {args.scrape_interval!r} is not a Prometheus duration (e.g. 15s, 1m)")
-    if args.train_ports_per_node < 1:
-        raise UserError(f"--train-ports-per-node must be >= 1 (got {args.train_ports_per_node})")
-    train_port = None if args.train_port == -1 else _check_port("--train-port", args.train_port)
-    if train_port is not None and train_port + args.train_ports_per_node - 1 > 65535:
-        raise UserError("--train-port + --train-ports-per-node runs past port 65535")
+def check_scrape_flags(port: int, train_port: int | None, train_ports_per_node: int, scrape_interval: str) -> None:
+    _check_port("--port", port)
+    if not _DURATION.fullmatch(scrape_interval):
+        raise UserError(f"--scrape-interval {scrape_interval!r} is not a Prometheus duration (e.g. 15s, 1m)")
+    if train_ports_per_node < 1:
+        raise UserError(f"--train-ports-per-node must be >= 1 (got {train_ports_per_node})")
+    if train_port is not None:
+        _check_port("--train-port", train_port)
+        if train_port + train_ports_per_node - 1 > 65535:
+            raise UserError("--train-port + --train-ports-per-node runs past port 65535")
 
-    if args.kubernetes:
-        text = dump(kubernetes_manifests(args.namespace, args.image, args.port, args.train_port_name,
-                                         args.expected_gpus, args.storage_path))
-    else:
-        if args.nodes is not None:
-            nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
-            if not nodes:
-                raise UserError("--nodes is empty")
-        elif args.slurm_nodelist is not None:
-            nodes = expand_hostlist(args.slurm_nodelist)
-        else:
-            nodes = [n["name"] for n in read_cluster_nodes(args.cluster)]
-        text = dump(prometheus_config(nodes, args.port, train_port, args.train_ports_per_node,
-                                      args.scrape_interval))
-    if args.out:
+
+def write_text(text: str, out: str | None) -> None:
+    """Print, or write the file `out`."""
+    if out:
         try:
-            Path(args.out).write_text(text)
+            Path(out).write_text(text)
         except OSError as e:
-            raise UserError(f"cannot write {args.out}: {e.strerror or e}") from None
+            raise UserError(f"cannot write {out}: {e.strerror or e}") from None
     else:
         print(text, end="")
-    return 0

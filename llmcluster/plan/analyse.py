@@ -23,6 +23,24 @@ def efficiency(plan: PlanSpec, bench: list[CalRow] | None = None) -> tuple[float
     return pick_efficiency(plan, foundry_rows())
 
 
+def job_overrides(plan: PlanSpec) -> list[str]:
+    """The `--set` overrides (dotted job-config keys) that make `llmcluster train` run this layout."""
+    p = plan.parallel
+    r, s = plan.dp_degrees
+    out = [f"parallel.dp_replicate={r}", f"parallel.dp_shard={s}", f"parallel.tp={p.tp}", f"parallel.pp={p.pp}"]
+    if p.pp > 1:
+        out.append(f"parallel.pp_schedule={p.pp_schedule}")
+        if p.pp_schedule == "interleaved_1F1B":
+            out.append(f"parallel.pp_virtual_stages={p.virtual_stages}")
+    out.append(f"parallel.activation_checkpoint={p.activation_checkpoint}")
+    if p.activation_checkpoint == "selective":
+        out.append(f"parallel.ac_every={p.ac_every}")
+    if s > 1:
+        out.append(f"parallel.fsdp_reshard_after_forward={str(p.fsdp_reshard_after_forward).lower()}")
+    out += [f"train.micro_batch={p.micro_batch}", f"train.grad_accum={plan.micro_batches}"]
+    return out
+
+
 def analyse(plan: PlanSpec, bench: list[CalRow] | None = None) -> dict[str, Any]:
     m, c, p = plan.model, plan.cluster, plan.parallel
     n = params(m)
@@ -43,10 +61,16 @@ def analyse(plan: PlanSpec, bench: list[CalRow] | None = None) -> dict[str, Any]
         "model": {"name": m.name, "params": n, "flops_per_token": flops_per_token(m),
                   "n_layers": m.n_layers, "d_model": m.d_model, "seq_len": m.seq_len,
                   "params_from_dims": count_params(m).total},
-        "parallel": {"tp": p.tp, "pp": p.pp, "dp": plan.dp, "zero": p.zero, "world": plan.world,
-                     "micro_batch": p.micro_batch, "global_batch": plan.global_batch,
-                     "grad_accum": plan.micro_batches, "recompute": p.recompute,
-                     "sequence_parallel": p.sequence_parallel, "memory_convention": p.memory_convention},
+        "cluster": {"name": c.name, "gpu": c.gpu, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
+                    "fabric": c.fabric, "nics_per_node": c.nics},
+        "parallel": {"dp_replicate": plan.dp_degrees[0], "dp_shard": plan.dp_degrees[1], "tp": p.tp,
+                     "pp": p.pp, "pp_schedule": p.pp_schedule, "pp_virtual_stages": p.virtual_stages,
+                     "stage_layers": plan.stage_layer_counts, "dp": plan.dp, "zero": plan.zero_stage,
+                     "world": plan.world, "micro_batch": p.micro_batch, "global_batch": plan.global_batch,
+                     "grad_accum": plan.micro_batches, "activation_checkpoint": p.activation_checkpoint,
+                     "ac_every": p.ac_every, "fsdp_reshard_after_forward": p.fsdp_reshard_after_forward,
+                     "memory_convention": p.memory_convention, "trainer_gaps": plan.trainer_gaps(),
+                     "set": job_overrides(plan)},
         "memory": {"per_gpu_bytes": {"weights": mem.weights, "gradients": mem.gradients,
                                      "optimizer": mem.optimizer, "activations": mem.activations,
                                      "buffers": mem.buffers, "total": mem.total},

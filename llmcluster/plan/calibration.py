@@ -18,7 +18,7 @@ from pathlib import Path
 from llmcluster.config.gpus import match_device_name
 from llmcluster.errors import UserError
 from llmcluster.plan.compute import efficiency_for_mfu, step_time
-from llmcluster.plan.spec import ClusterSpec, ModelSpec, ParallelSpec, PlanSpec
+from llmcluster.plan.spec import PlanCluster, ModelSpec, ParallelSpec, PlanSpec
 from llmcluster.plan.tables import calibration
 
 # Where a GPU without rows of its own borrows them: same compute die, or the other memory size.
@@ -46,9 +46,9 @@ def foundry_plan(row: list) -> PlanSpec:
     return PlanSpec(
         model=ModelSpec(name=f"mpt-{model}", **shape, ffn_hidden=4 * shape["d_model"], ffn_type="gelu",
                         vocab_size=50368, seq_len=seq, tie_embeddings=True, params=n_params),
-        cluster=ClusterSpec(gpu=gpu, nodes=max(1, gpus // 8), gpus_per_node=min(8, gpus),
+        cluster=PlanCluster(gpu=gpu, nodes=max(1, gpus // 8), gpus_per_node=min(8, gpus),
                             fabric=cal["fabric"][gpu]),
-        parallel=ParallelSpec(zero=3, recompute="full" if ckpt else "none", micro_batch=micro,
+        parallel=ParallelSpec(dp_shard=-1, activation_checkpoint="full" if ckpt else "none", micro_batch=micro,
                               global_batch=micro * accum * gpus, memory_convention="fsdp2"))
 
 
@@ -59,7 +59,7 @@ def foundry_rows() -> tuple[CalRow, ...]:
         model, seq, gpus, gpu, mfu = row[:5]
         plan = foundry_plan(row)
         rows.append(CalRow(f"MPT-{model} seq {seq}, {gpus}x {gpu}", gpu, row[10], seq, gpus, mfu / 100,
-                           efficiency_for_mfu(plan, mfu / 100), "llm-foundry", plan.parallel.recompute))
+                           efficiency_for_mfu(plan, mfu / 100), "llm-foundry", plan.parallel.activation_checkpoint))
     return tuple(rows)
 
 
@@ -68,7 +68,8 @@ _BENCH_KEYS = ("model_params", "tokens_per_s_per_device", "mfu", "device_name", 
 
 def bench_rows(paths: list[str]) -> list[CalRow]:
     """`llmcluster bench` records: their MFU, raised to hardware FLOPs when activations were
-    recomputed, is taken as the efficiency (a one-node bench leaves little communication exposed)."""
+    recomputed and divided by the busy share of a pipelined step (the step-time model adds the bubble
+    itself), is taken as the efficiency (a one-node bench leaves little communication exposed)."""
     rows = []
     for path in paths:
         try:
@@ -81,8 +82,11 @@ def bench_rows(paths: list[str]) -> list[CalRow]:
         spec = match_device_name(str(rec["device_name"]))
         if spec is None:
             raise UserError(f"--calibrate {path}: unknown device '{rec['device_name']}'")
-        ckpt = str((rec.get("parallel") or {}).get("activation_checkpoint", "none"))
-        eff = float(rec["mfu"]) * (4 / 3 if ckpt == "full" else 1.0)
+        par = rec.get("parallel") or {}
+        ckpt = str(par.get("activation_checkpoint", "none"))
+        share = {"none": 0.0, "full": 1.0}.get(ckpt, 1 / float(par.get("ac_every") or 2))
+        bubble = float(rec.get("pipeline_bubble") or 0.0)
+        eff = float(rec["mfu"]) * (1 + share / 3) / (1.0 - bubble)
         rows.append(CalRow(f"bench {Path(path).name}", spec.name, float(rec["model_params"]),
                            int(rec["seq_len"]), int(rec["world_size"]), float(rec["mfu"]), min(eff, 1.0),
                            f"bench {path}", ckpt))
@@ -109,7 +113,7 @@ def pick_efficiency(plan: PlanSpec, rows: list[CalRow] | tuple[CalRow, ...]) -> 
         same = [r for r in rows if r.gpu == candidate]
         if same:
             best = min(same, key=lambda r: _distance(r, params(plan.model), plan.model.seq_len, plan.world,
-                                                        plan.parallel.recompute))
+                                                        plan.parallel.activation_checkpoint))
             borrowed = "" if candidate == gpu else f" (borrowed from {candidate})"
             return best.efficiency, f"{best.source}: {best.label}, MFU {best.mfu:.1%}{borrowed}"
     return (efficiency_for_mfu(plan, EPOCH_MEDIAN_MFU),

@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 
 from llmcluster.plan.spec import PlanSpec
-from llmcluster.plan.tables import hardware
 
 BUS_FACTORS = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -54,14 +53,15 @@ class Links:
 
 
 def plan_links(plan: PlanSpec) -> Links:
-    c, p, hw = plan.cluster, plan.parallel, hardware()
+    from llmcluster.config.gpus import FABRICS, PCIE_ALLREDUCE_BUSBW_GBPS
+
+    c, p = plan.cluster, plan.parallel
     kind = c.intra_node or ("nvlink" if c.spec.nvlink_gbps else "pcie")
-    intra = c.intra_node_busbw_GBps or (
-        hw["intra_node_busbw_GBps"][c.gpu] if kind == "nvlink" else hw["pcie_busbw_GBps"])
-    if c.fabric not in hw["fabrics"]:
+    intra = c.intra_node_busbw_GBps or (c.spec.allreduce_busbw_GBps if kind == "nvlink" else PCIE_ALLREDUCE_BUSBW_GBPS)
+    if c.fabric not in FABRICS:
         from llmcluster.errors import UserError
-        raise UserError(f"cluster.fabric: unknown fabric '{c.fabric}': expected one of {', '.join(hw['fabrics'])}")
-    nic = c.nic_GBps or hw["fabrics"][c.fabric]["achieved_GBps"]
+        raise UserError(f"cluster.fabric: unknown fabric '{c.fabric}': expected one of {', '.join(FABRICS)}")
+    nic = c.nic_GBps or FABRICS[c.fabric].achieved_GBps
     node_nic = c.nics * nic
     intra_link = Link(intra, c.intra_latency_us * 1e-6, False)
     g = c.gpus_per_node

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmcluster.model.flops import matmul_params, train_flops_per_token
 from llmcluster.plan.comm import collective_time, plan_links
 from llmcluster.plan.memory import count_params, stage_params
 from llmcluster.plan.spec import ModelSpec, PlanSpec
@@ -21,19 +22,16 @@ def params(m: ModelSpec) -> int:
 
 
 def flops_per_token(m: ModelSpec) -> float:
-    """6N + 12·L·H·Q·T (PaLM appendix B): 6N for the matmuls, 12·L·(H·Q)·T for attention scores and values."""
-    return 6 * params(m) + 12 * m.n_layers * m.attn_dim * m.seq_len
+    """The package's one convention (model/flops.py, as bench and the trainer count): 6N + 12·L·H·Q·T with N the
+    matmul parameters (no input embedding), so `plan --calibrate` compares like with like."""
+    n = matmul_params(params(m), m.vocab_size * m.d_model, m.tie_embeddings)
+    return train_flops_per_token(n, m.n_layers, m.attn_dim, m.seq_len)
 
 
-def hardware_flops_per_token(m: ModelSpec, recompute: str, flash: bool) -> float:
-    """What the GPU actually executes: full recompute repeats the forward (2N + 4·L·d·T); selective
-    recompute repeats only the attention scores (4·L·d·T), which flash attention recomputes anyway."""
-    f = flops_per_token(m)
-    if recompute == "full":
-        return f * 4 / 3
-    if recompute == "selective" and not flash:
-        return f + 4 * m.n_layers * m.attn_dim * m.seq_len
-    return f
+def hardware_flops_per_token(m: ModelSpec, recomputed_share: float) -> float:
+    """What the GPU actually executes: each block recomputed in backward repeats its forward (a third of
+    its training FLOPs); full activation checkpointing is share 1, selective every k-th block 1/k."""
+    return flops_per_token(m) * (1 + recomputed_share / 3)
 
 
 def mfu(flops_per_token_: float, tokens_per_s: float, gpus: int, peak_tflops: float) -> float:
@@ -60,31 +58,34 @@ def step_time(plan: PlanSpec, efficiency: float) -> StepTime:
     world, dp, n_micro = plan.world, plan.dp, plan.micro_batches
     tokens_step = plan.global_batch * m.seq_len
     peak = c.spec.peak_tflops(p.precision) * 1e12
-    compute = hardware_flops_per_token(m, p.recompute, p.flash_attention) * tokens_step / world / (peak * efficiency)
+    compute = hardware_flops_per_token(m, p.recomputed_share) * tokens_step / world / (peak * efficiency)
+    # The slowest pipeline rank sets the pace (uneven stages: the one with the most blocks).
+    layers = max(plan.stage_layer_counts)
+    compute *= layers / (m.n_layers / p.pp)
     per_micro = compute / n_micro
-    layers = m.n_layers / p.pp
     act_bytes = 2 * m.seq_len * p.micro_batch * m.d_model  # one layer's input/output, 16-bit
 
     # TP: two all-reduces forward, two backward per layer (the same volume as SP's all-gather +
     # reduce-scatter); full recompute repeats the forward's two. On the critical path: not overlapped.
     tp = 0.0
     if p.tp > 1:
-        per_layer = 4 + (2 if p.recompute == "full" else 0)
+        per_layer = 4 + 2 * p.recomputed_share
         tp = n_micro * layers * per_layer * collective_time("all_reduce", p.tp, act_bytes, links.tp.busbw_GBps,
                                                             links.tp.latency_s)
 
     # DP / ZeRO over the dp group, on the 16-bit gradients and parameters of this GPU's shard.
-    grad_bytes = (4 if p.precision == "fp32" else 2) * stage_params(count_params(m), p.tp, p.pp, first=True)
+    grad_bytes = (4 if p.precision == "fp32" else 2) * stage_params(count_params(m), p.tp, p.pp, True, layers)
     t = lambda kind: collective_time(kind, dp, grad_bytes, links.dp.busbw_GBps, links.dp.latency_s)  # noqa: E731
     backward = per_micro * 2 / 3  # gradients are reduced in buckets while backward runs
-    if p.zero == 3:
+    zero = plan.zero_stage
+    if zero == 3:
         # FSDP: all-gather before forward and before backward, reduce-scatter after, every micro-batch,
         # prefetched one block ahead: only what exceeds the compute, plus the first block, is exposed.
         per_micro_comm = 2 * t("all_gather") + t("reduce_scatter")
         dp_s = n_micro * max(0.0, per_micro_comm - per_micro) + per_micro_comm / layers
-    elif p.zero == 2:
+    elif zero == 2:
         dp_s = n_micro * max(0.0, t("reduce_scatter") - backward) + t("all_gather")
-    elif p.zero == 1:
+    elif zero == 1:
         dp_s = max(0.0, t("reduce_scatter") - backward) + t("all_gather")
     else:
         dp_s = max(0.0, t("all_reduce") - backward)
@@ -93,9 +94,9 @@ def step_time(plan: PlanSpec, efficiency: float) -> StepTime:
     # boundary twice (activation forward, gradient backward).
     bubble = p2p = 0.0
     if p.pp > 1:
-        v = p.virtual_stages if p.pp_schedule == "interleaved" else 1
+        v = p.virtual_stages
         bubble = (p.pp - 1) / (v * n_micro) * (compute + tp)
-        sent = act_bytes / (p.tp if p.sequence_parallel else 1)
+        sent = act_bytes / p.tp  # sequence parallelism: each TP rank sends its slice
         p2p = 2 * n_micro * v * (sent / (links.pp.busbw_GBps * 1e9) + links.pp.latency_s)
 
     step = compute + tp + dp_s + bubble + p2p

@@ -2,27 +2,25 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
 from llmcluster.config.load import apply_overrides, read_yaml, validate
 from llmcluster.errors import UserError
-from llmcluster.paths import preset_path
-from llmcluster.plan.spec import ModelSpec, PlanSpec
-
-# Job-config model keys that only matter to the trainer (numerics, init), not to the plan.
-_TRAINER_ONLY = {"rope_theta", "norm_eps", "init_std", "max_seq_len"}
-
+from llmcluster.paths import locate_shipped, preset_path
+from llmcluster.plan.spec import PlanCluster, PlanSpec
 
 def preset_model(name: str) -> dict[str, Any]:
-    """The `model:` section of configs/<name>.yaml as plan dims (Llama-style: SwiGLU, no dropout)."""
+    """The `model:` section of configs/<name>.yaml as it stands (ModelSpec extends ModelConfig), plus the
+    sequence length the preset trains at."""
     path = preset_path(name)
     if path is None:
         raise UserError(f"model: '{name}' is not a preset in configs/ (give the dims instead: "
                         f"n_layers, d_model, n_heads, ffn_hidden, vocab_size)")
     cfg = read_yaml(path, "preset")
     section = cfg.get("model") or {}
-    dims = {k: v for k, v in section.items() if k in ModelSpec.model_fields and k not in _TRAINER_ONLY}
+    dims = dict(section)
     seq = (cfg.get("data") or {}).get("seq_len") or section.get("max_seq_len")
     if seq:
         dims["seq_len"] = seq
@@ -41,12 +39,90 @@ def resolve_model(data: dict[str, Any]) -> None:
         data["model"] = {**preset_model(str(model["preset"])), **extra}
 
 
-def load_plan(path: str | Path, overrides: list[str] | None = None) -> PlanSpec:
+def locate_plan(name_or_path: str | Path) -> Path:
+    """A plan file, or the name of a plan shipped with the package (seed-a100-7b, ...)."""
+    return locate_shipped("plans", name_or_path, "plan")
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`extra` over `base`, section by section; `nodes` is replaced whole (hosts and count exclude each other)."""
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "nodes":
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def plan_cluster_data(section: Any, plan_path: Path, cluster_ref: str | None) -> tuple[dict[str, Any], str]:
+    """The cluster mapping a plan is made on, and where it came from: `--cluster FILE|NAME`; else the plan's
+    `cluster:` (a name or path, `{base: NAME, ...changes}`, or an inline spec); else $LLMCLUSTER_CLUSTER or
+    ./cluster.yaml."""
+    from llmcluster.config.cluster_load import find_cluster, read_cluster_file
+
+    def named(ref: str) -> tuple[dict[str, Any], str]:
+        rel = plan_path.parent / ref
+        path, data = read_cluster_file(rel if rel.is_file() else ref)
+        return data, str(path)
+
+    if cluster_ref:
+        return named(cluster_ref)
+    if isinstance(section, str):
+        return named(section)
+    if isinstance(section, dict):
+        if "base" in section:
+            data, src = named(str(section["base"]))
+            return _merge(data, {k: v for k, v in section.items() if k != "base"}), f"{src} + {plan_path}"
+        return section, str(plan_path)
+    if section is not None:
+        raise UserError(f"{plan_path}: cluster must be a cluster file or name, or a cluster spec mapping")
+    path, how = find_cluster(None)
+    if path is None:
+        raise UserError(f"{plan_path}: no cluster: give --cluster FILE|NAME, a `cluster:` section, "
+                        f"$LLMCLUSTER_CLUSTER or ./cluster.yaml")
+    return read_cluster_file(path)[1], str(path)
+
+
+def _check_cluster_keys(overrides: list[str]) -> None:
+    """`--set cluster.X=...` keys checked against the cluster spec, so the error names the key as typed."""
+    from pydantic import BaseModel
+
+    from llmcluster.config.cluster import ClusterSpec
+
+    class Keys(BaseModel):
+        cluster: ClusterSpec
+
+    apply_overrides({}, overrides, Keys)
+
+
+def load_plan(path: str | Path, overrides: list[str] | None = None, cluster: str | None = None) -> PlanSpec:
+    """The validated plan: its model, the cluster it is made on (`cluster`, i.e. `--cluster`, wins over the plan's
+    own `cluster:`), and `--set` overrides (`cluster.X` reaches the cluster spec)."""
+    from llmcluster.config.cluster_load import cluster_from_data
+
+    path = locate_plan(path)
     data = read_yaml(path, "plan")
+    if "cost" in data:
+        raise UserError(f"{path}: 'cost' belongs to the cluster spec now: use cluster.cost (see docs/cluster.md)")
     overrides = list(overrides or [])
+    on_cluster = [o.split("=", 1)[0].strip() for o in overrides]
+    cluster_sets = [o.split(".", 1)[1] for o, k in zip(overrides, on_cluster) if k.startswith("cluster.")]
+    rest = [o for o, k in zip(overrides, on_cluster) if not k.startswith("cluster.")]
+    for o in rest:
+        key = o.split("=", 1)[0].strip()
+        if key == "cluster":
+            raise UserError("--set cluster=...: name the cluster with --cluster FILE|NAME")
+        if key.split(".")[0] == "cost":
+            raise UserError(f"--set {key}: cost belongs to the cluster spec now: use --set cluster.{key}")
+    _check_cluster_keys([o for o, k in zip(overrides, on_cluster) if k.startswith("cluster.")])
+    cluster_data, source = plan_cluster_data(data.pop("cluster", None), path, cluster)
+    spec = cluster_from_data(copy.deepcopy(cluster_data), source, cluster_sets)
     # `--set model=llm_70b` (or model={...dims}) swaps the whole model: apply it before resolving presets.
-    whole = [o for o in overrides if o.split("=", 1)[0].strip() == "model"]
+    whole = [o for o in rest if o.split("=", 1)[0].strip() == "model"]
     apply_overrides(data, whole, PlanSpec)
     resolve_model(data)
-    apply_overrides(data, [o for o in overrides if o not in whole], PlanSpec)
+    apply_overrides(data, [o for o in rest if o not in whole], PlanSpec)
+    data["cluster"] = PlanCluster.from_cluster(spec).model_dump()
+    data["cost"] = spec.cost.model_dump()
     return validate(data, PlanSpec, str(path))

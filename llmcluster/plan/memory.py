@@ -55,13 +55,14 @@ def count_params(m: ModelSpec) -> ParamCount:
                       per_layer=attn + mlp + 2 * d, n_layers=m.n_layers, final_norm=d)
 
 
-def stage_params(pc: ParamCount, tp: int, pp: int, first: bool) -> float:
-    """Parameters held by one GPU of the first (embedding) or last (output head) pipeline stage.
+def stage_params(pc: ParamCount, tp: int, pp: int, first: bool, blocks: int | None = None) -> float:
+    """Parameters held by one GPU of the first (embedding) or last (output head) pipeline rank, which
+    holds `blocks` transformer blocks (default: an even share).
 
     TP shards every matrix (vocab-parallel embedding and head); the tiny norm weights are counted as
     sharded too. A tied head still needs its own copy on the last stage when pp > 1.
     """
-    layers = pc.per_layer * pc.n_layers / pp
+    layers = pc.per_layer * (pc.n_layers / pp if blocks is None else blocks)
     if pp == 1:
         return (layers + pc.embedding + pc.output + pc.final_norm) / tp
     if first:
@@ -89,6 +90,10 @@ def model_states(psi: float, dp: int, zero: int, convention: str = "zero-paper",
         optim /= dp
     if zero >= 2 and convention != "deepspeed":  # DeepSpeed's estimator keeps 2Ψ of fp16 grads here
         grads /= dp
+    if zero == 2 and convention == "fsdp2":
+        # FSDP2 without resharding after forward: fp32 shards, plus every block's bf16 copy gathered from
+        # its forward until its backward (the ZeRO-2-like layout); gradients reduce-scattered per block.
+        weights, grads = w * psi / dp + 2 * psi, g * psi / dp + 2 * unit_params
     if zero == 3:
         weights, grads = w * psi / dp, g * psi / dp
         if convention == "fsdp2":
@@ -98,6 +103,25 @@ def model_states(psi: float, dp: int, zero: int, convention: str = "zero-paper",
             weights += 2 * unit_params
             grads = 2 * unit_params
     return weights, grads, optim
+
+
+def lora_params(m: ModelSpec, rank: int, targets: tuple[str, ...] | list[str]) -> int:
+    """Trainable parameters of LoRA adapters (train.lora): rank x (in + out) per targeted projection per
+    layer, the shapes llmcluster/train/lora.py gives A (rank x in) and B (out x rank)."""
+    d, kv = m.d_model, m.kv_heads * (m.attn_dim // m.n_heads)
+    shapes = {"q_proj": (d, m.attn_dim), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (m.attn_dim, d),
+              "gate_proj": (d, m.ffn_hidden), "up_proj": (d, m.ffn_hidden), "down_proj": (m.ffn_hidden, d)}
+    return m.n_layers * sum(rank * sum(shapes[t]) for t in targets)
+
+
+def lora_model_states(psi_base: float, psi_lora: float, dp: int, zero: int,
+                      convention: str = "zero-paper") -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per GPU under LoRA: the frozen base holds weights only (sharded
+    at stage 3); gradients and optimizer states exist for the adapters alone."""
+    w, _, _ = CONVENTIONS[convention]
+    base = w * psi_base / (dp if zero == 3 else 1)
+    aw, ag, ao = model_states(psi_lora, dp, zero, convention)
+    return base + aw, ag, ao
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -175,22 +199,32 @@ class MemoryReport:
         return self.total <= self.capacity
 
 
+def checkpointed_layer_bytes(m: ModelSpec, seq: int, micro_batch: int, tp: int, share: float,
+                             flash: bool) -> float:
+    """Per-layer activations when a `share` of the blocks is recomputed whole (the trainer's AC: full is
+    share 1, selective every k-th block 1/k); sequence parallelism whenever tp > 1, as the trainer does."""
+    sp = tp > 1
+    kept = layer_activation_bytes(m, seq, micro_batch, tp, sp, "none", flash)
+    return share * layer_activation_bytes(m, seq, micro_batch, tp, sp, "full", flash) + (1 - share) * kept
+
+
 def plan_memory(plan: PlanSpec) -> MemoryReport:
     m, c, p = plan.model, plan.cluster, plan.parallel
     pc = count_params(m)
-    dp = plan.dp
-    per_layer = layer_activation_bytes(m, m.seq_len, p.micro_batch, p.tp, p.sequence_parallel,
-                                       p.recompute, p.flash_attention)
-    layers_per_stage = m.n_layers / p.pp
+    per_layer = checkpointed_layer_bytes(m, m.seq_len, p.micro_batch, p.tp, p.recomputed_share,
+                                         p.flash_attention)
+    blocks = plan.stage_layer_counts  # per pp rank: uneven splits allowed
     unit = pc.largest_layer / p.tp if p.memory_convention == "deepspeed" else pc.per_layer / p.tp
+    schedule = "interleaved" if p.pp_schedule == "interleaved_1F1B" else "1f1b"
 
     def stage(first: bool) -> tuple[float, float, float, float]:
-        w, g, o = model_states(stage_params(pc, p.tp, p.pp, first), dp, p.zero, p.memory_convention, unit)
+        layers = blocks[0] if first else blocks[-1]
+        w, g, o = model_states(stage_params(pc, p.tp, p.pp, first, layers), plan.shard_degree,
+                               plan.zero_stage, p.memory_convention, unit)
         if first:
-            acts = per_layer * layers_per_stage * pipeline_factor(
-                p.pp, plan.micro_batches, p.pp_schedule, p.virtual_stages)
+            acts = per_layer * layers * pipeline_factor(p.pp, plan.micro_batches, schedule, p.virtual_stages)
         else:
-            acts = per_layer * layers_per_stage
+            acts = per_layer * layers
         if not first or p.pp == 1:
             acts += logits_bytes(m, m.seq_len, p.micro_batch, p.tp)
         return w, g, o, acts

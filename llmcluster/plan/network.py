@@ -14,9 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from llmcluster.config.gpus import FABRICS
 from llmcluster.errors import UserError
-from llmcluster.plan.spec import ClusterSpec
-from llmcluster.plan.tables import hardware
+from llmcluster.plan.spec import PlanCluster
+from llmcluster.config.gpus import FABRICS
 
 
 @dataclass
@@ -36,10 +37,10 @@ class FatTree:
         return self.leaf + self.spine + self.core
 
 
-def fat_tree(cluster: ClusterSpec) -> FatTree:
+def fat_tree(cluster: PlanCluster) -> FatTree:
     k, rails, nodes = cluster.switch_radix, cluster.nics, cluster.nodes
     endpoints = rails * nodes
-    line = hardware()["fabrics"][cluster.fabric]["line_gbit"]
+    line = FABRICS[cluster.fabric].line_gbit
     bisection = endpoints / 2 * line
     if endpoints <= k:  # one switch takes every rail
         return FatTree(rails, endpoints, 1, 1, 0, 0, endpoints, 2 * endpoints, bisection)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from llmcluster.plan.spec import ClusterSpec
+from llmcluster.plan.spec import PlanCluster
 from llmcluster.plan.tables import hardware
 
 BTU_PER_H_PER_W = 3.412
@@ -24,15 +24,13 @@ class Power:
     liquid_cooling: bool
 
 
-def node_kw(cluster: ClusterSpec) -> float:
+def node_kw(cluster: PlanCluster) -> float:
     if cluster.node_power_kw:
         return cluster.node_power_kw
-    factors = hardware()["server_power_factor"]
-    factor = factors.get(cluster.gpu, factors["default"])
-    return factor * cluster.gpus_per_node * cluster.spec.power_w / 1000
+    return cluster.spec.server_power_factor * cluster.gpus_per_node * cluster.spec.power_w / 1000
 
 
-def power(cluster: ClusterSpec, pue: float) -> Power:
+def power(cluster: PlanCluster, pue: float) -> Power:
     nk = node_kw(cluster)
     it = nk * cluster.nodes
     per_rack = max(1, int(cluster.rack_kw // nk))  # a node denser than the rack budget gets a rack alone

@@ -47,9 +47,16 @@ def render(r: dict[str, Any], console: Console | None = None) -> None:
     per = me["per_gpu_bytes"]
     con.print(f"[bold]{mo['name'] or 'model'}[/]: {mo['params'] / 1e9:,.2f}B params, "
               f"{mo['flops_per_token'] / 1e9:,.1f} GFLOP/token, seq {mo['seq_len']} | "
-              f"{pa['world']} GPUs: tp {pa['tp']} x pp {pa['pp']} x dp {pa['dp']}, ZeRO-{pa['zero']}, "
+              f"{pa['world']} GPUs{_on(r.get('cluster'))}: tp {pa['tp']} x pp {pa['pp']} x dp {pa['dp']} "
+              f"(dp_replicate {pa['dp_replicate']} x dp_shard {pa['dp_shard']}), ZeRO-{pa['zero']}, "
               f"micro-batch {pa['micro_batch']} x {pa['grad_accum']} accum = {pa['global_batch']} seqs, "
-              f"recompute {pa['recompute']}")
+              f"AC {pa['activation_checkpoint']}"
+              + (f", {pa['pp_schedule']} stages of {'/'.join(map(str, sorted(set(pa['stage_layers']))))} "
+                 "blocks per rank" if pa["pp"] > 1 else ""))
+    if pa["trainer_gaps"]:
+        con.print(f"llmcluster train cannot run this layout: {'; '.join(pa['trainer_gaps'])}")
+    else:
+        con.print("train it: " + " ".join(f"--set {o}" for o in pa["set"]))
     fit = "[green]fits[/]" if me["fits"] else "[red]DOES NOT FIT[/]"
     con.print(_table(f"Memory per GPU ({pa['memory_convention']} convention, {me['peak_stage']} stage)", [
         ("weights", _gib(per["weights"])), ("gradients", _gib(per["gradients"])),
@@ -103,10 +110,23 @@ def render(r: dict[str, Any], console: Console | None = None) -> None:
 
 def render_search(results: list[dict], console: Console | None = None) -> None:
     t = Table(title="Best configurations that fit, by predicted tokens/s per GPU", title_justify="left")
-    for col in ("tp", "pp", "dp", "ZeRO", "recompute", "micro", "global", "mem/GPU", "tok/s/GPU", "MFU", "step"):
+    for col in ("#", "tp", "pp", "dp_rep", "dp_shard", "ZeRO", "AC", "micro", "accum", "mem/GPU", "tok/s/GPU",
+                "MFU", "step"):
         t.add_column(col, justify="right")
-    for r in results:
-        t.add_row(str(r["tp"]), str(r["pp"]), str(r["dp"]), str(r["zero"]), r["recompute"],
-                  str(r["micro_batch"]), str(r["global_batch"]), _gib(r["memory_bytes"]),
-                  f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu']:.1%}", f"{r['step_time_s']:.2f} s")
-    (console or _console()).print(t)
+    for i, r in enumerate(results, 1):
+        pp = f"{r['pp']}" + (f" i{r['pp_virtual_stages']}" if r["pp_schedule"] == "interleaved_1F1B" else "")
+        t.add_row(str(i), str(r["tp"]), pp, str(r["dp_replicate"]), str(r["dp_shard"]), str(r["zero"]),
+                  r["activation_checkpoint"], str(r["micro_batch"]), str(r["grad_accum"]),
+                  _gib(r["memory_bytes"]), f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu']:.1%}",
+                  f"{r['step_time_s']:.2f} s")
+    con = console or _console()
+    con.print(t)
+    for i, r in enumerate(results, 1):  # copyable: `llmcluster train --config ... <this line>`
+        con.print(f"{i}: " + " ".join(f"--set {o}" for o in r["set"]), soft_wrap=True, highlight=False)
+
+
+def _on(c: dict | None) -> str:
+    """' on seed (8 x 4 A100-80GB)': which cluster the plan was made on."""
+    if not c:
+        return ""
+    return f" on {c['name'] or 'the cluster'} ({c['nodes']} x {c['gpus_per_node']} {c['gpu']})"

@@ -1,9 +1,14 @@
-"""`--search`: every tp/pp/zero/recompute/micro-batch for the plan's model and cluster, best first.
+"""`--search`: the layouts `llmcluster train` can run for the plan's model and cluster, best first.
 
-TP stays inside a node (its all-reduces are on the critical path) and divides the heads; PP divides the
-layers; dp is the rest of the cluster. The global batch is kept (it is a training hyper-parameter, not a
-systems knob), so a candidate must also divide it. Each candidate is costed with the same memory and
-step-time model as a single plan; the efficiency is looked up once (it depends on model, GPU, recompute).
+Every candidate is a job-config layout (parallel.dp_replicate / dp_shard / tp / pp / pp_schedule /
+activation_checkpoint / fsdp_reshard_after_forward, train.micro_batch / grad_accum) and carries `set`, the
+`--set` overrides that make the trainer run it. TP stays inside a node (its all-reduces are on the critical
+path) and divides the kv heads (the trainer shards K and V by head); PP needs no divisibility (stages are
+split by layer count, config/stages.py) but at most one stage per block; data parallelism is DDP (without
+TP or PP), FSDP (resharding after forward or not: ZeRO-3 or ZeRO-2-like) or HSDP (sharded inside a node,
+replicated across). The global batch is kept (a training hyper-parameter, not a systems knob). Each
+candidate is costed with the trainer's byte convention (`fsdp2`) and the same memory and step-time model as
+a single plan; the efficiency is looked up once per activation-checkpointing mode.
 """
 
 from __future__ import annotations
@@ -13,18 +18,37 @@ from itertools import product
 from pydantic import ValidationError
 
 from llmcluster.errors import UserError
-from llmcluster.plan.analyse import efficiency
+from llmcluster.plan.analyse import efficiency, job_overrides
 from llmcluster.plan.calibration import CalRow
 from llmcluster.plan.compute import step_time
 from llmcluster.plan.memory import plan_memory
 from llmcluster.plan.spec import PlanSpec
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
-RECOMPUTE = ("none", "selective", "full")
+CHECKPOINTING = ("none", "selective", "full")
 
 
 def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def _data_parallel(dp: int, tp: int, pp: int, gpus_per_node: int) -> list[tuple[int, int, bool]]:
+    """(dp_replicate, dp_shard, reshard_after_forward) layouts the trainer runs for `dp` ranks."""
+    if dp == 1:
+        return [(1, 1, True)]
+    out = [(1, dp, True), (1, dp, False)]
+    if tp == 1 and pp == 1:
+        out.append((dp, 1, True))  # DDP
+    inside = gpus_per_node // tp  # HSDP: shard over the data-parallel ranks of one node
+    if 1 < inside < dp and dp % inside == 0:
+        out += [(dp // inside, inside, True), (dp // inside, inside, False)]
+    return out
+
+
+def _schedules(pp: int, n_layers: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1F1B", 1)]
+    return [("1F1B", 1)] + ([("interleaved_1F1B", 2)] if 2 * pp <= n_layers else [])
 
 
 def search(plan: PlanSpec, bench: list[CalRow] | None = None, top: int = 10) -> list[dict]:
@@ -32,38 +56,44 @@ def search(plan: PlanSpec, bench: list[CalRow] | None = None, top: int = 10) -> 
     world = c.total_gpus
     global_batch = plan.parallel.global_batch
     base = plan.model_dump()
-    tps = [t for t in _divisors(m.n_heads, c.gpus_per_node) if m.kv_heads % t == 0 or t % m.kv_heads == 0]
-    pps = [q for q in _divisors(m.n_layers, world) if q <= 64]
+    tps = [t for t in _divisors(m.n_heads, c.gpus_per_node) if m.kv_heads % t == 0]
+    pps = [q for q in range(1, min(64, m.n_layers) + 1) if world % q == 0]
     eff_cache: dict[str, float] = {}
     results = []
-    for tp, pp, zero, recompute, micro in product(tps, pps, (0, 1, 2, 3), RECOMPUTE, MICRO_BATCHES):
+    for tp, pp in product(tps, pps):
         if world % (tp * pp):
             continue
         dp = world // (tp * pp)
-        if zero and dp == 1:
-            continue  # sharding over one rank is stage 0
-        gb = global_batch or micro * dp * max(1, pp)  # enough micro-batches to fill a pipeline
-        if gb % (micro * dp):
-            continue
-        par = {**base["parallel"], "tp": tp, "pp": pp, "dp": None, "zero": zero, "recompute": recompute,
-               "micro_batch": micro, "global_batch": gb, "sequence_parallel": tp > 1,
-               "pp_schedule": "1f1b", "virtual_stages": 1}
-        try:
-            cand = PlanSpec.model_validate({**base, "parallel": par})
-        except ValidationError:
-            continue
-        mem = plan_memory(cand)
-        if not mem.fits:
-            continue
-        if recompute not in eff_cache:
-            eff_cache[recompute] = efficiency(cand, bench)[0]
-        st = step_time(cand, eff_cache[recompute])
-        results.append({"tp": tp, "pp": pp, "dp": dp, "zero": zero, "recompute": recompute,
-                        "micro_batch": micro, "global_batch": gb, "memory_bytes": mem.total,
-                        "tokens_per_s_per_gpu": st.tokens_per_s_per_gpu, "mfu": st.mfu,
-                        "step_time_s": st.step_s})
+        for (r, s, reshard), (sched, v), ac, micro in product(
+                _data_parallel(dp, tp, pp, c.gpus_per_node), _schedules(pp, m.n_layers), CHECKPOINTING,
+                MICRO_BATCHES):
+            gb = global_batch or micro * dp * max(1, pp)  # enough micro-batches to fill a pipeline
+            if gb % (micro * dp):
+                continue
+            accum = gb // (micro * dp)
+            par = {**base["parallel"], "dp_replicate": r, "dp_shard": s, "tp": tp, "pp": pp, "pp_schedule": sched,
+                   "pp_virtual_stages": v if sched == "interleaved_1F1B" else None, "activation_checkpoint": ac,
+                   "ac_every": 2, "fsdp_reshard_after_forward": reshard, "micro_batch": micro,
+                   "grad_accum": accum, "global_batch": gb, "zero": None, "memory_convention": "fsdp2"}
+            try:
+                cand = PlanSpec.model_validate({**base, "parallel": par})
+            except ValidationError:
+                continue
+            if cand.trainer_gaps():
+                continue
+            mem = plan_memory(cand)
+            if not mem.fits:
+                continue
+            if ac not in eff_cache:
+                eff_cache[ac] = efficiency(cand, bench)[0]
+            st = step_time(cand, eff_cache[ac])
+            results.append({"dp_replicate": r, "dp_shard": s, "tp": tp, "pp": pp, "pp_schedule": sched,
+                            "pp_virtual_stages": v, "dp": dp, "zero": cand.zero_stage,
+                            "activation_checkpoint": ac, "fsdp_reshard_after_forward": reshard,
+                            "micro_batch": micro, "grad_accum": accum, "global_batch": gb,
+                            "memory_bytes": mem.total, "tokens_per_s_per_gpu": st.tokens_per_s_per_gpu,
+                            "mfu": st.mfu, "step_time_s": st.step_s, "set": job_overrides(cand)})
     if not results:
-        raise UserError(f"no tp/pp/zero/recompute/micro-batch combination fits {m.name or 'the model'} "
-                        f"in {world} x {c.gpu}")
+        raise UserError(f"no layout the trainer can run fits {m.name or 'the model'} in {world} x {c.gpu}")
     results.sort(key=lambda r: (-r["tokens_per_s_per_gpu"], r["memory_bytes"]))
     return results[:top]

@@ -18,15 +18,17 @@ from llmcluster.errors import UserError
 
 AREAS = ("datasets", "checkpoints", "logs", "models", "scratch")
 DATASET_KINDS = ("code", "text", "multimodal")
-STEP_DIR_RE = re.compile(r"^step_(\d+)$")
+STEP_DIR_RE = re.compile(r"step_(\d+)")
 COMPLETE_MARKER = "COMPLETE.json"   # written last: {"step", "files": {relpath: sha256}, ...}
-TMP_PREFIX = ".tmp-"                # checkpoints are written under .tmp-step_N-* and renamed
+TMP_PREFIX = ".tmp-"                # checkpoints are written under .tmp-step_N-<attempt> and renamed
+OWNER_LOCK = ".owner.json"          # the run's one writer (llmcluster/train/ownership.py)
+ABANDONED_PREFIX = ".abandoned-"    # steps set aside by a roll-back or a rewrite: never resumed, never pruned
 
 
 def check_run_name(name: str) -> str:
     from llmcluster.config.schema import RUN_NAME_RE
 
-    if not isinstance(name, str) or not RUN_NAME_RE.match(name) or ".." in name:
+    if not isinstance(name, str) or not RUN_NAME_RE.fullmatch(name) or ".." in name:
         raise UserError(f"invalid run name {name!r}: use letters, digits, '.', '_' and '-' "
                         "(no '/', '..', spaces or shell metacharacters)")
     return name
@@ -90,7 +92,7 @@ class Storage:
         out = []
         if base.is_dir():
             for d in base.iterdir():
-                m = STEP_DIR_RE.match(d.name)
+                m = STEP_DIR_RE.fullmatch(d.name)
                 if m and d.is_dir():
                     out.append((int(m.group(1)), d, (d / COMPLETE_MARKER).is_file()))
         return sorted(out)
@@ -119,6 +121,14 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 def read_marker(step_dir: Path) -> dict | None:
     try:
         return json.loads((step_dir / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_owner(run_dir: Path) -> dict | None:
+    """The owner lock's record ({run, job, host, pid, start, attempt}), or None."""
+    try:
+        return json.loads((run_dir / OWNER_LOCK).read_text())
     except (OSError, ValueError):
         return None
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmcluster.storage.layout import AREAS, Storage, disk_usage, free_bytes, read_marker
+from llmcluster.storage.layout import (ABANDONED_PREFIX, AREAS, TMP_PREFIX, Storage, disk_usage, free_bytes,
+                                      read_marker, read_owner)
 
 
 def human_bytes(n: float) -> str:
@@ -44,8 +45,18 @@ def status_dict(root: Path) -> dict:
                      "incomplete": [s for s, _, ok in steps if not ok],
                      "latest_complete_step": latest,
                      "latest_bytes": (marker or {}).get("bytes"),
-                     "exported": (st.model_dir(run) / "config.json").is_file()}
+                     "exported": (st.model_dir(run) / "config.json").is_file(),
+                     # the one writer's lock (or a dead one's, until the next writer takes it over)
+                     "owner": read_owner(st.run_checkpoints(run)),
+                     # what interrupted attempts left (removed by the next writer, under its lock)
+                     "leftovers": _dot_dirs(st.run_checkpoints(run), TMP_PREFIX),
+                     # steps set aside by a roll-back or a rewrite: never resumed or pruned; the operator's
+                     "abandoned": _dot_dirs(st.run_checkpoints(run), ABANDONED_PREFIX)}
     return {"root": str(root), "areas": areas, "runs": runs}
+
+
+def _dot_dirs(run_dir: Path, prefix: str) -> list[str]:
+    return sorted(d.name for d in run_dir.glob(f"{prefix}*") if d.is_dir()) if run_dir.is_dir() else []
 
 
 def status(root: Path, as_json: bool = False) -> int:
@@ -71,12 +82,16 @@ def status(root: Path, as_json: bool = False) -> int:
     c.print(t)
     if info["runs"]:
         r = Table(title="runs")
-        for col in ("run", "checkpoints", "latest complete step", "incomplete", "exported"):
+        for col in ("run", "checkpoints", "latest complete step", "incomplete", "writer", "leftovers",
+                    "exported"):
             r.add_column(col)
         for name, v in info["runs"].items():
+            owner = v["owner"]
             r.add_row(name, str(v["checkpoints"]),
                       "-" if v["latest_complete_step"] is None else str(v["latest_complete_step"]),
                       ", ".join(f"step_{s}" for s in v["incomplete"]) or "-",
+                      f"pid {owner.get('pid')} on {owner.get('host')}" if owner else "-",
+                      ", ".join(v["leftovers"] + v["abandoned"]) or "-",
                       "yes" if v["exported"] else "no")
         c.print(r)
     return 0

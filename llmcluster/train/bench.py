@@ -6,8 +6,10 @@ that are not timed (compile, allocator, first all-gathers), then timed steps. Th
 median over the timed steps of the slowest rank.
 
 MFU follows PaLM (6N + 12·L·H·Q·T FLOPs per token, recompute not counted) divided by the peak for the
-precision actually used: the datasheet figure on a known GPU, a measured matmul peak on CPU. The record
-under <root>/logs/bench/ is what `llmcluster plan --calibrate` reads.
+precision actually used: the datasheet figure on a known GPU, a measured matmul peak on CPU. With pipeline
+parallelism the measured MFU includes the bubble (idle stages are lost time); the record also carries the
+schedule's bubble fraction (p-1)/(v·m+p-1) so that `plan --calibrate`, whose step-time model adds the
+bubble itself, divides it back out. The record under <root>/logs/bench/ is what `plan --calibrate` reads.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from llmcluster.storage.layout import Storage
 from llmcluster.train import distributed as D
 from llmcluster.train.metrics import device_peak_flops
 from llmcluster.train.optimizer import build_optimizer
-from llmcluster.train.parallelize import build_parallel_model
+from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm
+from llmcluster.train.pipeline import bubble_fraction, build_pipeline
 
 
 def autocast(cfg: JobConfig, dims: D.ParallelDims, device: torch.device):
@@ -55,7 +58,7 @@ def run_bench(cfg: JobConfig, root: Path, steps: int, warmup: int) -> dict:
         raise UserError(f"--steps must be >= 1 and --warmup >= 0 (got {steps} and {warmup})")
     world = int(os.environ.get("WORLD_SIZE", 1))
     dims = D.ParallelDims.from_config(cfg, world)
-    env = D.init_distributed(cfg, need_group=dims.fsdp or dims.tp > 1)
+    env = D.init_distributed(cfg, need_group=dims.needs_group)
     D.resolve_precision(cfg, env)
     t = cfg.train
     dp = dims.dp
@@ -65,8 +68,12 @@ def run_bench(cfg: JobConfig, root: Path, steps: int, warmup: int) -> dict:
         raise UserError(f"data.seq_len ({seq}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
     out_dir = Storage(root).require_writable(root / "logs" / "bench")
 
+    def ce(logits, y):
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
     torch.manual_seed(cfg.run.seed)
-    model, _ = build_parallel_model(cfg, dims, env, cfg.run.seed)
+    pipe = build_pipeline(cfg, dims, env, cfg.run.seed, ce) if dims.pp > 1 else None
+    model = pipe.model if pipe else build_parallel_model(cfg, dims, env, cfg.run.seed)[0]
     optimizer = build_optimizer(model, t, env.device)
     # Random tokens, different per data-parallel rank, identical across a TP group (TP ranks share input).
     gen = torch.Generator().manual_seed(cfg.run.seed + dims.dp_rank(env.rank))
@@ -79,17 +86,23 @@ def run_bench(cfg: JobConfig, root: Path, steps: int, warmup: int) -> dict:
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
-        for i in range(t.grad_accum):
+        for i in range(t.grad_accum if pipe is None else 0):
             x, y = batch()
             sync = model.no_sync() if ddp and i < t.grad_accum - 1 else contextlib.nullcontext()
             with sync:
                 with autocast(cfg, dims, env.device):
                     logits = model(x)
-                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+                loss = ce(logits, y)
                 (loss / t.grad_accum).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
+        if pipe is not None:  # the rank's grad_accum micro-batches as one batch through the schedule
+            xs, ys = zip(*(batch() for _ in range(t.grad_accum)))
+            with autocast(cfg, dims, env.device):
+                losses = pipe.step(torch.cat(xs), torch.cat(ys))
+            loss = losses[-1] if losses else torch.zeros(())
+        norm = clip_grad_norm(model.parameters(), t.grad_clip or float("inf"), pipe.pp_group if pipe else None)
         optimizer.step()
-        return float(loss.detach())  # a host sync: the step's work has finished when this returns
+        # a host sync: the step's work has finished when this returns (the norm is reduced over pp ranks)
+        return float(norm) if pipe is not None else float(loss.detach())
 
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
@@ -108,6 +121,7 @@ def run_bench(cfg: JobConfig, root: Path, steps: int, warmup: int) -> dict:
     peak, source = device_peak_flops(env.device, t.precision)
     fpt = flops_per_token(cfg.model, seq)
     tps = global_batch * seq / step_time
+    bubble = bubble_fraction(dims.pp, dims.virtual_stages, t.grad_accum)
     record = {
         "model_params": param_count(cfg.model), "flops_per_token": fpt,
         "tokens_per_s": tps, "tokens_per_s_per_device": tps / world, "step_time_s": step_time,
@@ -116,8 +130,11 @@ def run_bench(cfg: JobConfig, root: Path, steps: int, warmup: int) -> dict:
         "world_size": world, "seq_len": seq, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
         "global_batch": global_batch,
         "parallel": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
+                     "pp": dims.pp, "pp_schedule": dims.pp_schedule, "pp_virtual_stages": dims.virtual_stages,
                      "fsdp": dims.fsdp, "activation_checkpoint": cfg.parallel.activation_checkpoint,
+                     "ac_every": cfg.parallel.ac_every,
                      "compile": t.compile, "describe": dims.describe()},
+        "pipeline_bubble": bubble,
         "peak_memory_bytes": peak_mem, "steps": steps, "warmup": warmup, "run": cfg.run.name,
         "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -155,6 +172,8 @@ def report(r: dict) -> str:
         f"  step time     {r['step_time_s'] * 1e3:,.1f} ms (median of {r['steps']} after {r['warmup']} warm-up)",
         f"  tokens/s      {r['tokens_per_s']:,.0f} total, {r['tokens_per_s_per_device']:,.0f} per device",
         f"  MFU           {mfu}  (vs {peak})",
+        *([f"  PP bubble     {100 * r['pipeline_bubble']:.1f}% of the step idle per stage ((p-1)/(v·m+p-1)), "
+           f"counted in the MFU"] if r.get("pipeline_bubble") else []),
         f"  peak memory   {r['peak_memory_bytes'] / 2**30:.2f} GiB per rank",
         f"  record        {r.get('path', '-')}",
     ])

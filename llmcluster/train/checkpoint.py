@@ -1,30 +1,32 @@
-"""Checkpoints: checkpoints/<run>/step_<N>/ written with torch.distributed.checkpoint (DCP), atomically.
+"""Checkpoints: checkpoints/<run>/step_<N>/ written with torch.distributed.checkpoint (DCP), atomically,
+by the run's one writer (train/ownership.py), and loaded as data only (train/safe_load.py).
 
-Protocol (every rank takes part; rank 0 does the renames):
- 1. write into checkpoints/<run>/.tmp-step_<N>/: DCP shards (model + optimizer, resharding-friendly),
-    train_state.json (step, sampler, scheduler, config) and rng/rank_<r>.json;
- 2. every rank hashes the files it wrote; rank 0 renames the directory to step_<N>;
- 3. rank 0 writes COMPLETE.json (sha256 of every file) last, through a temp file + rename + fsync.
-A directory without the marker, or whose files no longer match it, is never loaded. Loading never unpickles
-arbitrary objects: tensors come through `torch.load(weights_only=True)` inside DCP, and DCP's pickled
-metadata through an unpickler that accepts only DCP's own metadata classes.
+Protocol (every rank takes part; rank 0 does the renames; an error on any rank is agreed on by all, which
+then stop with the same one line):
+ 1. write into checkpoints/<run>/.tmp-step_<N>-<attempt>/ (unique per attempt): DCP shards (model +
+    optimizer, resharding-friendly), train_state.json (step, sampler, scheduler, config, dataset digest) and
+    rng/rank_<r>.json;
+ 2. every rank hashes the files it wrote; rank 0 checks it still owns the run, moves an existing step_<N>
+    aside (.abandoned-<time>/) and renames the directory to step_<N>;
+ 3. rank 0 writes COMPLETE.json (sha256 of every file) last, through a temp file + rename + fsync, then
+    prunes: only steps up to the one just written count, and that one is never deleted.
+A directory without the marker, or whose files no longer match it, is never loaded. The marker proves a
+complete write, not a trusted writer (whoever can write the checkpoint can rewrite it), so loading reads
+data only: DCP's metadata through an exact allow-list of its classes, non-tensor entries and tensors through
+`torch.load(weights_only=True)`; a checkpoint that asks for more is refused like a corrupt one.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
 import json
 import os
-import pickle
-import random
 import shutil
 import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -33,73 +35,22 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from llmcluster.errors import UserError
-from llmcluster.storage.layout import COMPLETE_MARKER, TMP_PREFIX, Storage, read_marker, sha256_file
+from llmcluster.storage.layout import (ABANDONED_PREFIX, COMPLETE_MARKER, TMP_PREFIX, Storage, read_marker,
+                                       sha256_file)
+from llmcluster.testing import test_hook
+from llmcluster.train import compat
+from llmcluster.train.distributed import control_group
+from llmcluster.train.ownership import RunLock
+from llmcluster.train.rng import rng_state, set_rng_state
+from llmcluster.train.safe_load import (TRAIN_STATE, UnsafeCheckpoint, check_data_only, load_state,
+                                        marker_problem)
 
-TRAIN_STATE = "train_state.json"
+IO_ERROR_HOOK = "LLMCLUSTER_INJECT_IO_ERROR"  # test hook: rank:step[,...] fails that rank's part of that save
 
-
-# -- safe DCP metadata ---------------------------------------------------------------------------
-_ALLOWED = {
-    "torch.distributed.checkpoint.metadata": None,  # None: any name of that module
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        allowed = _ALLOWED.get(module, set())
-        ok = allowed is None or name in allowed
-        if module == "torch":
-            ok = name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                           torch.memory_format))
-        if not ok:
-            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}: refused")
-        return super().find_class(module, name)
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        path = Path(self.path) / ".metadata"
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+__all__ = ["TRAIN_STATE", "Checkpointer", "verify_checkpoint", "newest_verified_checkpoint", "load_model_weights"]
 
 
 # -- helpers -------------------------------------------------------------------------------------
-def _rng_state() -> dict:
-    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-             "numpy": _jsonable(np.random.get_state()), "python": _jsonable(random.getstate())}
-    if torch.cuda.is_available():
-        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
-    return state
-
-
-def _jsonable(x):
-    if isinstance(x, np.ndarray):
-        return {"__nd__": x.tolist(), "dtype": str(x.dtype)}
-    if isinstance(x, (tuple, list)):
-        return [_jsonable(v) for v in x]
-    return x
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()))
-    n = state["numpy"]
-    np.random.set_state((n[0], np.array(n[1]["__nd__"], dtype=n[1]["dtype"]), n[2], n[3], n[4]))
-    p = state["python"]
-    random.setstate((p[0], tuple(p[1]), p[2]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(state["cuda"]),
-                                                                dtype=np.uint8).copy()))
-
-
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -121,18 +72,43 @@ def _write_json_atomic(path: Path, obj) -> None:
     _fsync_dir(path.parent)
 
 
-def verify_checkpoint(step_dir: Path) -> str | None:
-    """None if the marker exists and every file matches its checksum, else what is wrong."""
+def owner_rank(rel: str, world: int) -> int:
+    """Which rank hashes a checkpoint file: the rank that wrote it (DCP's __<rank>_<n>.distcp, rng/rank_<r>)
+    modulo the world, rank 0 the shared ones. Save and resume verification use the same rule."""
+    try:
+        if rel.startswith("__") and rel.endswith(".distcp"):
+            return int(rel[2:].split("_")[0]) % world
+        if rel.startswith("rng/rank_") and rel.endswith(".json"):
+            return int(rel[len("rng/rank_"):-5]) % world
+    except ValueError:
+        pass
+    return 0
+
+
+def verify_share(step_dir: Path, rank: int = 0, world: int = 1) -> str | None:
+    """This rank's part of verifying a checkpoint: None if its files match the marker, else what is wrong.
+    Every rank checks the marker's file list; rank 0 also reads the metadata and non-tensor entries as data."""
     marker = read_marker(step_dir)
     if marker is None:
         return "no completion marker (interrupted write)"
-    for rel, digest in marker.get("files", {}).items():
+    problem = marker_problem(step_dir, marker)
+    if problem:
+        return problem
+    for rel, digest in marker["files"].items():
+        if owner_rank(rel, world) != rank:
+            continue
         f = step_dir / rel
         if not f.is_file():
             return f"{rel} is missing"
         if sha256_file(f) != digest:
             return f"{rel} does not match its checksum"
-    return None
+    return check_data_only(step_dir, marker) if rank == 0 else None
+
+
+def verify_checkpoint(step_dir: Path) -> str | None:
+    """None if the marker exists, lists only files inside the step, every file matches its checksum and the
+    metadata and non-tensor entries are plain data; else what is wrong. One process."""
+    return verify_share(step_dir, 0, 1)
 
 
 def _state_bytes(state) -> int:
@@ -147,19 +123,19 @@ def _state_bytes(state) -> int:
     return 0
 
 
-def _os_error(e: BaseException) -> OSError | None:
-    """The OSError behind a failed save: DCP wraps each rank's exception in a CheckpointException."""
-    if isinstance(e, OSError):
+def _find_exc(e: BaseException, cls):
+    """The exception of type `cls` behind a failed save/load: DCP wraps each rank's in a CheckpointException."""
+    if isinstance(e, cls):
         return e
     if isinstance(e, CheckpointException):
         for failure in e.failures.values():
             inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", failure)
             if isinstance(inner, BaseException):
-                found = _os_error(inner)
+                found = _find_exc(inner, cls)
                 if found is not None:
                     return found
     if e.__cause__ is not None:
-        return _os_error(e.__cause__)
+        return _find_exc(e.__cause__, cls)
     return None
 
 
@@ -167,7 +143,7 @@ def _any_rank(flag: bool) -> bool:
     if not dist.is_initialized():
         return flag
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group())
     return bool(t.item())
 
 
@@ -184,9 +160,23 @@ def _broadcast_obj(obj, src: int = 0):
     return box[0]
 
 
+def _gather_obj(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj, group=control_group())   # CPU objects: the gloo side group under NCCL
+    return parts
+
+
+def _first_error(error: str | None) -> str | None:
+    """Collective: the first rank's error, the same on every rank (None if no rank had one). An error seen
+    by one rank alone would otherwise leave the others blocked in the next collective for dist.timeout_s."""
+    return next((e for e in _gather_obj(error) if e), None)
+
+
 class Checkpointer:
     def __init__(self, storage: Storage, run: str, rank: int, world_size: int, keep_last: int = 3,
-                 keep_every: int | None = None, log=print):
+                 keep_every: int | None = None, log=print, lock_stale_s: float = 600.0):
         self.storage, self.run, self.rank, self.world = storage, run, rank, world_size
         self.keep_last, self.keep_every, self.log = keep_last, keep_every, log
         self.dir = storage.run_checkpoints(run)
@@ -195,6 +185,69 @@ class Checkpointer:
         self.last_bytes: int | None = None
         self.pending = None                     # an async save in flight: (step, tmp dir, t0, future)
         self._group = None
+        self.lock = RunLock(self.dir, run, lock_stale_s, log)
+        self.attempt = self.lock.attempt        # rank 0's, once claim() has run
+
+    # -- ownership ---------------------------------------------------------------------------------
+    def claim(self) -> None:
+        """Collective: rank 0 takes the run's owner lock (or every rank refuses with its one line), then
+        removes what dead attempts left behind (their .tmp-* directories) under it."""
+        error = None
+        if self.rank == 0:
+            try:
+                self.lock.acquire()
+                for d in sorted(self.dir.glob(f"{TMP_PREFIX}*")):
+                    if d.is_dir():
+                        shutil.rmtree(d, ignore_errors=True)
+                        self.log(f"removed {d.name}: left by an attempt that did not finish")
+            except UserError as e:
+                error = str(e)
+            except OSError as e:
+                error = f"run {self.run}: cannot take the owner lock in {self.dir}: {e.strerror or e}"
+        error, self.attempt = _broadcast_obj((error, self.lock.attempt))
+        if error:
+            raise UserError(error)
+
+    def heartbeat(self) -> bool:
+        """At a step boundary (rank 0; no collective): refresh the lock. True if it is no longer ours: the
+        trainer folds that into its per-step agreement and every rank raises `lost_error()`."""
+        return self.rank == 0 and self.lock.heartbeat() is not None
+
+    def lost_error(self) -> UserError:
+        return UserError(self.lock.lost_message())
+
+    def close(self) -> None:
+        if self.rank == 0:
+            self.lock.release()
+
+    def _abandoned_dir(self) -> Path:
+        return self.dir / f"{ABANDONED_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{self.attempt[-6:]}"
+
+    def prepare_start(self, resume: str, path: Path | None, start: int) -> None:
+        """Collective, after find_resume: complete checkpoints above the start step belong to another
+        trajectory. `--resume never`: refused; `--resume PATH`: set aside where neither resume nor retention
+        looks; `auto` starts from the newest verified one, so anything above it failed verification and is
+        replaced (set aside) when that step is written again."""
+        error = None
+        if self.rank == 0 and resume != "auto":
+            higher = [(s, d) for s, d, ok in self.storage.checkpoint_steps(self.run) if ok and s > start]
+            if higher and resume == "never":
+                error = (f"run {self.run} already has checkpoints up to step {higher[-1][0]}: choose another "
+                         "run.name or --resume auto")
+            elif higher:
+                aside = self._abandoned_dir()
+                try:
+                    aside.mkdir(parents=True)
+                    for _s, d in higher:
+                        os.rename(d, aside / d.name)
+                    _fsync_dir(self.dir)
+                    self.log(f"rolled back to step {start}: moved {', '.join(d.name for _s, d in higher)} "
+                             f"to {aside}")
+                except OSError as e:
+                    error = f"cannot set aside the checkpoints above step {start} in {self.dir}: {e.strerror or e}"
+        error = _broadcast_obj(error)
+        if error:
+            raise UserError(error)
 
     # -- save --------------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, train_state: dict, deadline: float | None = None,
@@ -205,20 +258,31 @@ class Checkpointer:
         None; `poll()` at later step boundaries finalizes it once every rank's write has completed."""
         self.wait_pending()
         t0 = time.time()
-        tmp = self.dir / f"{TMP_PREFIX}step_{step}"
+        tmp = self.dir / f"{TMP_PREFIX}step_{step}-{self.attempt}"
+        error = None
         if self.rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        _barrier()
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                error = self._message(e, step)
+        self._agree(error, tmp)
+        error = None
         try:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
             self._estimate = _state_bytes(state)
             (tmp / "rng").mkdir(exist_ok=True)
-            _write_json_atomic(tmp / "rng" / f"rank_{self.rank}.json", _rng_state())
+            _write_json_atomic(tmp / "rng" / f"rank_{self.rank}.json", rng_state())
+            if f"{self.rank}:{step}" in test_hook(IO_ERROR_HOOK).split(","):
+                raise OSError(errno.EIO, "Input/output error (injected)")
             if self.rank == 0:
                 _write_json_atomic(tmp / TRAIN_STATE, {**train_state, "step": step, "world_size": self.world})
+        except OSError as e:
+            error = self._message(e, step)
+        self._agree(error, tmp)
+        try:
             if async_:
                 # A process group of its own: the writer thread's collectives must not interleave with
                 # the training loop's on the default group.
@@ -230,8 +294,8 @@ class Checkpointer:
                 return None
             with _single_process_is_intended():
                 dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
-        except (OSError, CheckpointException) as e:
-            self._fail(tmp, e, step)
+        except (OSError, CheckpointException) as e:  # DCP has gathered every rank's outcome: all see it
+            self._agree(self._message(e, step), tmp)
         path = self._finalize(step, tmp, t0, deadline)
         self.last_save_s = self.last_write_s
         return path
@@ -243,7 +307,7 @@ class Checkpointer:
         done = self.pending[3].done()
         if dist.is_initialized():
             flag = torch.tensor([1 if done else 0], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control_group())
             done = bool(flag.item())
         return self.wait_pending() if done else None
 
@@ -253,10 +317,12 @@ class Checkpointer:
             return None
         step, tmp, t0, future = self.pending
         self.pending = None
+        error = None
         try:
             future.result()
         except (OSError, CheckpointException) as e:
-            self._fail(tmp, e, step)
+            error = self._message(e, step)
+        self._agree(error, tmp)
         return self._finalize(step, tmp, t0, None)
 
     def _finalize(self, step: int, tmp: Path, t0: float, deadline: float | None) -> Path | None:
@@ -269,37 +335,38 @@ class Checkpointer:
                      "discarded; the previous checkpoint is intact")
             return None
         final = self.dir / f"step_{step}"
-        # Each rank hashes its own DCP files (in parallel); rank 0 the shared ones.
-        mine = {}
-        for f in sorted(tmp.rglob("*")):
-            rel = str(f.relative_to(tmp))
-            owner = 0
-            if rel.startswith("__") and rel.endswith(".distcp"):
-                owner = int(rel[2:].split("_")[0]) % self.world
-            elif rel.startswith("rng/rank_"):
-                owner = int(rel[len("rng/rank_"):-5]) % self.world
-            if f.is_file() and owner == self.rank:
-                mine[rel] = sha256_file(f)
-        parts = [None] * self.world if dist.is_initialized() else [mine]
-        if dist.is_initialized():
-            dist.all_gather_object(parts, mine)
-        files = {k: v for part in parts for k, v in part.items()}
+        # Each rank hashes the files it wrote (in parallel); rank 0 the shared ones.
+        mine, error = {}, None
+        try:
+            for f in sorted(tmp.rglob("*")):
+                rel = str(f.relative_to(tmp))
+                if f.is_file() and owner_rank(rel, self.world) == self.rank:
+                    mine[rel] = sha256_file(f)
+        except OSError as e:
+            error = self._message(e, step)
+        self._agree(error, tmp)
+        files = {k: v for part in _gather_obj(mine) for k, v in part.items()}
         if self.rank == 0:
             try:
-                if final.exists():  # an earlier, incomplete attempt at this step
-                    shutil.rmtree(final)
-                os.rename(tmp, final)
-                _fsync_dir(self.dir)
-                size = sum((final / rel).stat().st_size for rel in files)
-                _write_json_atomic(final / COMPLETE_MARKER, {
-                    "step": step, "files": files, "bytes": size, "world_size": self.world,
-                    "written_s": round(time.time() - t0, 3), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                  time.gmtime())})
-                self.last_bytes = size
+                error = self.lock.heartbeat(force=True)  # a writer presumed dead must not seal a step
+                if error is None:
+                    if final.exists():  # an earlier write of this step (e.g. one that failed verification)
+                        aside = self._abandoned_dir()
+                        aside.mkdir(parents=True, exist_ok=True)
+                        os.rename(final, aside / final.name)
+                        self.log(f"moved the earlier {final.name} to {aside}")
+                    os.rename(tmp, final)
+                    _fsync_dir(self.dir)
+                    size = sum((final / rel).stat().st_size for rel in files)
+                    _write_json_atomic(final / COMPLETE_MARKER, {
+                        "step": step, "files": files, "bytes": size, "world_size": self.world,
+                        "attempt": self.attempt, "written_s": round(time.time() - t0, 3),
+                        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                    self.last_bytes = size
+                    self.prune(step)
             except OSError as e:
-                self._fail(final, e, step)
-            self.prune()
-        _barrier()
+                error = self._message(e, step)
+        self._agree(_broadcast_obj(error), tmp if not final.exists() else None, agreed=True)
         self.last_write_s = time.time() - t0
         return final
 
@@ -308,87 +375,107 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
-    def _fail(self, path: Path, e: BaseException, step: int):
-        shutil.rmtree(path, ignore_errors=True)
-        os_err = _os_error(e)
+    def _agree(self, error: str | None, tmp: Path | None, agreed: bool = False) -> None:
+        """Collective: if any rank failed, every rank raises the same one line; the shared temporary
+        directory is removed by rank 0 only after every rank has stopped writing into it."""
+        if not agreed:
+            error = _first_error(error)
+        if error is None:
+            return
+        _barrier()
+        if self.rank == 0 and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(error)
+
+    def _message(self, e: BaseException, step: int) -> str:
+        os_err = _find_exc(e, OSError)
         if os_err is not None and os_err.errno in (errno.ENOSPC, errno.EDQUOT):
             free = shutil.disk_usage(self.dir).free
             need = self.last_bytes or getattr(self, "_estimate", 0)
-            raise UserError(f"disk full writing checkpoint step_{step} to {self.dir}: it needs about "
-                            f"{max(need, 1) / 1e6:.1f} MB, {free / 1e6:.1f} MB free; the previous checkpoint "
-                            "is intact (free space or lower checkpoint.keep_last)") from None
+            return (f"disk full writing checkpoint step_{step} to {self.dir}: it needs about "
+                    f"{max(need, 1) / 1e6:.1f} MB, {free / 1e6:.1f} MB free; the previous checkpoint "
+                    "is intact (free space or lower checkpoint.keep_last)")
         if os_err is None:
             raise e
-        raise UserError(f"cannot write checkpoint step_{step} to {self.dir}: {os_err.strerror or os_err}") \
-            from None
+        return f"cannot write checkpoint step_{step} to {self.dir}: {os_err.strerror or os_err}"
 
-    def prune(self) -> None:
-        """Keep the newest `keep_last` complete checkpoints plus milestones; drop older incomplete ones."""
+    def prune(self, written: int | None = None) -> None:
+        """Retention after writing step `written` (default: the newest complete one): among complete steps
+        up to it keep the newest `keep_last` plus milestones; drop incomplete ones below it. It and anything
+        above it are never touched (a higher step is another trajectory's, or one that failed verification)."""
         steps = self.storage.checkpoint_steps(self.run)
-        complete = [s for s, _, ok in steps if ok]
-        if not complete:
-            return
-        keep = set(complete[-self.keep_last:])
+        if written is None:
+            complete = [s for s, _, ok in steps if ok]
+            if not complete:
+                return
+            written = complete[-1]
+        complete = [s for s, _, ok in steps if ok and s <= written]
+        keep = set(complete[-self.keep_last:]) | {written}
         if self.keep_every:
             keep |= {s for s in complete if s % self.keep_every == 0}
-        newest = complete[-1]
-        for s, d, ok in steps:
-            if s in keep or (not ok and s > newest):
-                continue
-            shutil.rmtree(d, ignore_errors=True)
+        for s, d, _ok in steps:
+            if s < written and s not in keep:
+                shutil.rmtree(d, ignore_errors=True)
 
     # -- load --------------------------------------------------------------------------------------
     def find_resume(self, resume: str) -> Path | None:
-        """'never' -> None; 'auto' -> newest step_<N> that verifies; else that directory."""
+        """'never' -> None; 'auto' -> newest step_<N> that verifies; else that directory (refused if it does
+        not verify). Collective: each rank verifies its own share of the files."""
         if resume == "never":
             return None
         if resume != "auto":
             p = Path(resume)
             if not p.is_dir():
                 raise UserError(f"--resume {resume}: no such checkpoint directory")
-            problem = verify_checkpoint(p) if self.rank == 0 else None
-            problem = _broadcast_obj(problem)
+            problem = _first_error(verify_share(p, self.rank, self.world))
             if problem:
                 raise UserError(f"--resume {resume}: {problem}")
             return p
-        choice = None
-        if self.rank == 0:
-            newest = newest_verified_checkpoint(self.storage, self.run, self.log)
-            choice = str(newest) if newest else None
-        choice = _broadcast_obj(choice)
-        return Path(choice) if choice else None
+        return newest_verified_checkpoint(self.storage, self.run, self.log, self.rank, self.world)
 
     def load(self, path: Path, model, optimizer) -> dict:
         """Load model + optimizer (resharded to this run's layout) and return train_state.json."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        with _single_process_is_intended():
-            dcp.load(state, storage_reader=SafeFileSystemReader(path))
+        _load_or_refuse(state, path, no_dist=False)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         train_state = json.loads((path / TRAIN_STATE).read_text())
         rng = path / "rng" / f"rank_{self.rank}.json"
         if train_state.get("world_size") == self.world and rng.is_file():
-            _set_rng_state(json.loads(rng.read_text()))
+            set_rng_state(json.loads(rng.read_text()))
         return train_state
 
 
-def newest_verified_checkpoint(storage: Storage, run: str, log) -> Path | None:
-    """The newest step_<N> of a run whose marker and checksums verify; each newer one is skipped with a
-    warning through `log` (an interrupted or corrupted write costs the steps since the previous one, no more)."""
+def newest_verified_checkpoint(storage: Storage, run: str, log, rank: int = 0, world: int = 1) -> Path | None:
+    """The newest step_<N> of a run that verifies; each newer one is skipped with a warning through `log`
+    (an interrupted, corrupted or tampered write costs the steps since the previous one, no more).
+    Collective when world > 1: each rank hashes its share (owner_rank), one all-gather of the verdicts per
+    candidate, newest first; every rank returns the same answer."""
     for _step, d, _complete in reversed(storage.checkpoint_steps(run)):
-        problem = verify_checkpoint(d)
+        problem = verify_share(d, rank, world) if world == 1 else _first_error(verify_share(d, rank, world))
         if problem is None:
             return d
-        log(f"warning: skipping checkpoint {d}: {problem}")
+        if rank == 0:
+            log(f"warning: skipping checkpoint {d}: {problem}")
     return None
+
+
+def _load_or_refuse(state: dict, path: Path, no_dist: bool) -> None:
+    try:
+        with _single_process_is_intended():
+            load_state(state, path, no_dist=no_dist)
+    except Exception as e:  # the files changed since they were verified
+        unsafe = _find_exc(e, UnsafeCheckpoint)
+        if unsafe is None:
+            raise
+        raise UserError(f"refusing checkpoint {path}: {unsafe}") from None
 
 
 def load_model_weights(path: Path, model) -> None:
     """Model weights only, in one process without a process group (export, generate)."""
     sd = get_model_state_dict(model, options=StateDictOptions())
     state = {"model": sd}
-    with _single_process_is_intended():
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    _load_or_refuse(state, path, no_dist=True)
     model.load_state_dict(state["model"])
 
 

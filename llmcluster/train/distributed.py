@@ -1,8 +1,9 @@
 """Process-group setup from the torchrun (or Slurm) environment, and the one mesh of the run.
 
-`ParallelDims` holds the degrees (dp_replicate × dp_shard × tp = world size), resolves the one -1, and
-builds the device mesh, like torchtitan's. Data-parallel rank/size follow from the mesh order
-(dp_replicate, dp_shard, tp): consecutive ranks share a TP group, which keeps TP traffic inside a node.
+`ParallelDims` holds the degrees (pp × dp_replicate × dp_shard × tp = world size), resolves the one -1,
+and builds the device mesh, like torchtitan's. Ranks follow the mesh order (pp, dp_replicate, dp_shard, tp):
+consecutive ranks share a TP group, which keeps TP traffic inside a node; pp is outermost, so a stage's
+point-to-point sends are the only traffic that crosses the widest distance (they are the smallest).
 """
 
 from __future__ import annotations
@@ -43,29 +44,43 @@ class ParallelDims:
     tp: int
     world_size: int
     fsdp_requested: bool  # dp_shard was not 1 in the config: shard even at degree 1 (FSDP on one GPU)
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    virtual_stages: int = 1
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
         p = cfg.parallel
-        r, s, t = p.dp_replicate, p.dp_shard, p.tp
-        known = (r if r > 0 else 1) * (s if s > 0 else 1) * t
+        r, s, t, q = p.dp_replicate, p.dp_shard, p.tp, p.pp
+        known = (r if r > 0 else 1) * (s if s > 0 else 1) * t * q
+        names = f"parallel.pp={q} × " if q > 1 else ""
+        names += f"parallel.dp_replicate={r} × parallel.dp_shard={s} × parallel.tp={t}"
         if world_size % known:
-            raise UserError(
-                f"parallel.dp_replicate={r} × parallel.dp_shard={s} × parallel.tp={t} does not divide "
-                f"the world size {world_size}")
+            raise UserError(f"{names} does not divide the world size {world_size}")
         rest = world_size // known
         if r == -1:
             r = rest
         elif s == -1:
             s = rest
         elif rest != 1:
-            raise UserError(
-                f"parallel.dp_replicate={r} × parallel.dp_shard={s} × parallel.tp={t} = {known} "
-                f"but the world size is {world_size} (set one of them to -1 to take the rest)")
+            raise UserError(f"{names} = {known} but the world size is {world_size} "
+                            "(set one of them to -1 to take the rest)")
         if t > 1 and r > 1 and s == 1:
             raise UserError("parallel.tp > 1 with plain replication is not supported: "
                             "use parallel.dp_shard for the data-parallel degree (FSDP × TP)")
-        return cls(r, s, t, world_size, fsdp_requested=p.dp_shard != 1)
+        if q > 1 and r > 1 and s == 1 and t == 1:
+            raise UserError("parallel.pp > 1 with plain replication (DDP) is not supported: "
+                            "use parallel.dp_shard for the data-parallel degree (FSDP × PP)")
+        if q > 1:
+            m, v = cfg.train.grad_accum, p.virtual_stages
+            if p.pp_schedule == "1F1B" and m < q:
+                raise UserError(f"train.grad_accum ({m}) must be >= parallel.pp ({q}): 1F1B needs at least "
+                                "one micro-batch per stage in flight")
+            if p.pp_schedule == "interleaved_1F1B" and m % max(1, m // q):
+                raise UserError(f"train.grad_accum ({m}) must be a multiple of grad_accum // parallel.pp "
+                                f"({m // q}) for interleaved 1F1B (rounds of pp micro-batches)")
+        return cls(r, s, t, world_size, fsdp_requested=p.dp_shard != 1, pp=q, pp_schedule=p.pp_schedule,
+                   virtual_stages=p.virtual_stages if q > 1 else 1)
 
     @property
     def dp(self) -> int:
@@ -80,20 +95,33 @@ class ParallelDims:
         return not self.fsdp and self.dp_replicate > 1 and self.tp == 1
 
     def dp_rank(self, rank: int) -> int:
-        return rank // self.tp
+        return (rank // self.tp) % self.dp
+
+    def pp_rank(self, rank: int) -> int:
+        return rank // (self.dp * self.tp)
 
     def build_mesh(self, device_type: str):
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+
+    @property
+    def needs_group(self) -> bool:
+        """A process group even at world size 1 (DTensor meshes need one)."""
+        return self.fsdp or self.tp > 1 or self.pp > 1
 
     def describe(self) -> str:
         kind = "FSDP" if self.fsdp else ("DDP" if self.ddp else "single")
         if self.fsdp and self.dp_replicate > 1:
             kind = "HSDP"
         tp = f" × TP {self.tp}" if self.tp > 1 else ""
-        return f"{kind} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}{tp} (world {self.world_size})"
+        pp = ""
+        if self.pp > 1:
+            pp = f" × PP {self.pp} {self.pp_schedule}"
+            pp += f" ({self.virtual_stages} stages per rank)" if self.virtual_stages > 1 else ""
+        return (f"{kind} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}{tp}{pp} "
+                f"(world {self.world_size})")
 
 
 def pick_device(cfg: JobConfig, local_rank: int) -> torch.device:
@@ -131,6 +159,7 @@ def init_distributed(cfg: JobConfig, need_group: bool = False) -> DistEnv:
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
+        _make_control_group()
     return DistEnv(rank, world, local_rank, local_world, device)
 
 
@@ -140,27 +169,53 @@ def _attempt_store(timeout: timedelta):
     env = os.environ
     if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
         return None
-    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # The prefix must be the same on every rank. TORCHELASTIC_RESTART_COUNT is not: when one rank dies
+    # only its agent counts a restart, the others restart on the membership change without counting, and
+    # ranks with different prefixes wait for each other forever. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    # (launch sets it) each round's store is new (rank 0 hosts it), so no prefix is needed at all.
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "0"
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]),
                           is_master=env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and env["RANK"] == "0",
                           timeout=timeout)
     return dist.PrefixStore(f"llmcluster/attempt_{attempt}", store)
 
 
+_control: list = [None]  # the gloo group of the control collectives, when the default group has no CPU backend
+
+
+def _make_control_group() -> None:
+    """The small control collectives (stop flags, timings, verdicts) all-reduce CPU tensors. With
+    `dist.backend: nccl` the default group has no CPU backend and they would fail after step 1, so they get a
+    gloo side group of their own (every rank calls this: new_group is collective). A default group that
+    already has a CPU backend (gloo, "cuda:nccl,cpu:gloo") serves them itself."""
+    _control[0] = None
+    if "cpu:" not in dist.get_backend_config():
+        _control[0] = dist.new_group(backend="gloo")
+
+
+def control_group():
+    """The group for CPU-tensor collectives (None: the default group)."""
+    return _control[0] if dist.is_available() and dist.is_initialized() else None
+
+
 def shutdown() -> None:
-    """barrier + destroy: without the barrier gloo aborts at exit in ~1 of 3 runs (torch-cpu-notes)."""
+    """barrier + destroy: without the barrier gloo aborts at exit in ~1 of 3 runs (torch-cpu-notes), and on
+    torch 2.6 a bare destroy hung one rank in ~1 of 5 runs (the barrier makes it rare, not impossible).
+    The barrier runs on the control group, which takes CPU work whatever `dist.backend` is."""
     if dist.is_available() and dist.is_initialized():
         try:
-            dist.barrier()
+            dist.barrier(group=control_group())
         finally:
             dist.destroy_process_group()
+            _control[0] = None
 
 
 def all_reduce_max(value: float, env: DistEnv) -> float:
     if not env.distributed:
         return value
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group())
     return float(t.item())
 
 
@@ -170,7 +225,7 @@ def gather_floats(value: float, env: DistEnv) -> list[float]:
         return [value]
     t = torch.zeros(env.world_size, dtype=torch.float64)
     t[env.rank] = value
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=control_group())
     return t.tolist()
 
 
@@ -186,6 +241,19 @@ def native_low_precision(device: torch.device, precision: str) -> bool:
     if precision == "bf16":
         return "avx512_bf16" in flags or "amx_bf16" in flags
     return "avx512_fp16" in flags or "amx_fp16" in flags
+
+
+def precision_note(device: torch.device, precision: str) -> str:
+    """Which precision a run on `device` computes in, and why (the demo says it before training)."""
+    if device.type == "cuda" or precision == "fp32":
+        return f"{precision}: as configured"
+    kind = "bf16" if precision == "bf16" else "fp16"
+    flags = f"avx512_{kind} or amx_{kind}"
+    if native_low_precision(device, precision):
+        return (f"{precision}: this CPU has native {kind} ({flags}): autocast runs the matmuls in {kind}, "
+                "while weights, optimizer state and the loss stay fp32")
+    return (f"fp32: this CPU has no {flags}, so {precision} would be emulated (about 50x slower than fp32); "
+            "computing in fp32")
 
 
 def resolve_precision(cfg: JobConfig, env: DistEnv) -> str:

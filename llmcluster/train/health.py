@@ -7,13 +7,18 @@ Non-finite steps are skipped in `Trainer.train_step`; this module holds what wat
 - `slow_ranks`: ranks whose compute time (step start to the last forward: no collective waits under DDP) exceeds the median by `log.straggler_factor`.
 - `CollectiveFailure`: a collective that timed out (`dist.timeout_s`) or lost its peer, reported as one
   line naming the step and the rank, instead of a hang or a C++ traceback.
+- `young_daly_steps`: the checkpoint interval that minimises lost work, sqrt(2 · save time · MTBF).
 - `SampleLog`: opt-in (`log.sample_log: true`) per-rank record of the global sample ids of every step, so
   a test can prove that interrupted and resumed runs neither repeat nor skip a sample.
-- Fault injection (test hooks, read from the environment; never set them in production):
+- Fault injection (test hooks, read from the environment; they act only with LLMCLUSTER_TESTING=1, see
+  llmcluster/testing.py):
     LLMCLUSTER_INJECT_NAN_AT_STEP=5,7-9        the loss (hence the gradients) of those steps becomes NaN
     LLMCLUSTER_INJECT_SPIKE_AT_STEP=12         the loss of those steps is multiplied by 10
     LLMCLUSTER_INJECT_SLEEP=1:0.3:1-4,1:20:6   rank:seconds[:steps] sleep before those steps' forward
                                                (steps: N, A-B, or N;M)
+    LLMCLUSTER_INJECT_BUSY=0:0.1:1-6,1:1:1-6   rank:seconds[:steps] the straggler clock: the compute time
+                                               that rank reports for those steps (a test decides who is
+                                               slow without racing the machine's load)
 """
 
 from __future__ import annotations
@@ -26,9 +31,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-from llmcluster.errors import UserError
-
-EXIT_RUNTIME = 1   # a failure of the run's environment (hung or dead peer), not of its input
+from llmcluster.errors import EXIT_FAILURE as EXIT_RUNTIME, RunFailure
+from llmcluster.testing import test_hook
 
 
 class LossSpikeDetector:
@@ -67,7 +71,7 @@ def slow_ranks(times: list[float], factor: float) -> tuple[float, list[int]]:
     return med, [r for r, v in enumerate(times) if med > 0 and v > med * factor]
 
 
-class CollectiveFailure(UserError):
+class CollectiveFailure(RunFailure):
     """One line instead of a hang: which step, which rank, what to look at."""
 
     def __init__(self, step: int, rank: int, timeout_s: float, error: BaseException):
@@ -130,17 +134,13 @@ def _steps(spec: str) -> set[int]:
 
 
 class FaultInjector:
-    """Reads the LLMCLUSTER_INJECT_* hooks once; a no-op when none is set."""
+    """Reads the LLMCLUSTER_INJECT_* hooks once; a no-op when none is set or LLMCLUSTER_TESTING is not 1."""
 
     def __init__(self, rank: int, environ=os.environ):
-        self.nan_steps = _steps(environ.get("LLMCLUSTER_INJECT_NAN_AT_STEP", ""))
-        self.spike_steps = _steps(environ.get("LLMCLUSTER_INJECT_SPIKE_AT_STEP", ""))
-        self.sleeps: list[tuple[float, set[int] | None]] = []
-        for item in filter(None, environ.get("LLMCLUSTER_INJECT_SLEEP", "").split(",")):
-            fields = item.split(":")
-            if int(fields[0]) == rank:
-                self.sleeps.append((float(fields[1]), _steps(fields[2].replace(";", ",")) if len(fields) > 2
-                                    else None))
+        self.nan_steps = _steps(test_hook("LLMCLUSTER_INJECT_NAN_AT_STEP", environ))
+        self.spike_steps = _steps(test_hook("LLMCLUSTER_INJECT_SPIKE_AT_STEP", environ))
+        self.sleeps = _per_rank(test_hook("LLMCLUSTER_INJECT_SLEEP", environ), rank)
+        self.busy = _per_rank(test_hook("LLMCLUSTER_INJECT_BUSY", environ), rank)
 
     def loss_factor(self, step: int) -> float | None:
         """What to multiply this step's loss by, or None to leave it alone (bitwise)."""
@@ -152,3 +152,26 @@ class FaultInjector:
         for seconds, steps in self.sleeps:
             if steps is None or step in steps:
                 time.sleep(seconds)
+
+    def busy_time(self, step: int, measured: float) -> float:
+        """The compute time this rank reports for `step`: the measured one unless the test clock says."""
+        for seconds, steps in self.busy:
+            if steps is None or step in steps:
+                return seconds
+        return measured
+
+
+def _per_rank(spec: str, rank: int) -> list[tuple[float, set[int] | None]]:
+    """'rank:seconds[:steps],...' -> [(seconds, steps or None for every step)] of this rank."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        fields = item.split(":")
+        if int(fields[0]) == rank:
+            out.append((float(fields[1]), _steps(fields[2].replace(";", ",")) if len(fields) > 2 else None))
+    return out
+
+
+def young_daly_steps(save_s: float, mtbf_s: float, step_s: float) -> tuple[float, int]:
+    """(sqrt(2·C·M) seconds, that interval in whole steps of `step_s`, at least 1): Young/Daly's optimum."""
+    optimum_s = math.sqrt(2 * save_s * mtbf_s)
+    return optimum_s, max(1, round(optimum_s / max(step_s, 1e-9)))

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import warnings
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from llmcluster.config.schema import JobConfig
+from llmcluster.train import compat
 from llmcluster.train.distributed import DistEnv, ParallelDims
 
 
@@ -21,12 +23,14 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
-    parallelize_module(model, tp_mesh, {
+    top = {
         "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         # Replicated logits: the loss code stays the same as without TP.
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    })
+    }
+    # A pipeline stage's rank model lacks the ends it does not hold (train/pipeline.py).
+    parallelize_module(model, tp_mesh, {k: v for k, v in top.items() if getattr(model, k) is not None})
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "input_layernorm": SequenceParallel(),
@@ -45,23 +49,36 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
 
 
 def apply_ac(model: nn.Module, mode: str, every: int) -> None:
-    """full: recompute every block in backward; selective: every `every`-th block (memory ≈ 1/every)."""
+    """full: recompute every block in backward; selective: every `every`-th block of the whole model, by its
+    index (so a pipeline stage recomputes the same blocks as one process would)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    for i, (name, block) in enumerate(list(model.layers.items())):
-        if mode == "full" or (mode == "selective" and i % every == 0):
+    for name, block in list(model.layers.items()):
+        if mode == "full" or (mode == "selective" and int(name) % every == 0):
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
+def _compiler(env_var: str, names: tuple[str, ...]) -> str | None:
+    """The reason no compiler is found: $env_var if set (as the toolchains read it), else any of `names`."""
+    chosen = os.environ.get(env_var)
+    if shutil.which(chosen) if chosen else any(shutil.which(n) for n in names):
+        return None
+    return f"${env_var}={chosen} not found" if chosen else f"none of {', '.join(names)} on PATH"
+
+
 def compile_available(device: torch.device) -> str | None:
-    """None if torch.compile can work here, else the reason it cannot."""
-    if device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("gcc")):
-        return "no C++ compiler for inductor's CPU backend"
+    """None if torch.compile can work here, else the reason it cannot. Inductor builds C++ for the CPU
+    backend; on CUDA, Triton builds a C launcher for each kernel at run time with $CC, clang or gcc (a
+    `-runtime` container has none): without a compiler the first compiled forward would raise."""
+    if device.type == "cpu" and (why := _compiler("CXX", ("g++", "c++", "clang++"))):
+        return f"no C++ compiler for inductor's CPU backend ({why})"
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
         except ImportError:
             return "triton is not installed"
+        if why := _compiler("CC", ("clang", "gcc", "cc")):
+            return f"no C compiler for Triton to build its kernels ({why})"
     return None
 
 
@@ -77,8 +94,7 @@ def apply_compile(model: nn.Module, device: torch.device) -> bool:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, device: torch.device, precision: str, reshard: bool) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
+    fully_shard, MixedPrecisionPolicy = compat.fsdp2()
     mp = MixedPrecisionPolicy()
     if device.type == "cuda" and precision in ("bf16", "fp16"):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
@@ -92,24 +108,35 @@ def apply_fsdp(model: nn.Module, dp_mesh, device: torch.device, precision: str, 
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
 
 
-def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, env: DistEnv) -> nn.Module:
-    mesh = dims.build_mesh(env.device.type) if env.distributed else None
+def apply_tp_ac_compile(model: nn.Module, cfg: JobConfig, dims: ParallelDims, mesh, device) -> None:
+    """TP -> AC -> compile, in place and in this order (torchtitan's), before FSDP wraps the result."""
     if dims.tp > 1:
         apply_tp(model, mesh["tp"])
     if cfg.parallel.activation_checkpoint != "none":
         apply_ac(model, cfg.parallel.activation_checkpoint, cfg.parallel.ac_every)
     if cfg.train.compile:
-        apply_compile(model, env.device)
+        apply_compile(model, device)
+
+
+def fsdp_mesh(mesh, dims: ParallelDims):
+    """FSDP's mesh: HSDP (replicate x shard) when dp_replicate > 1, else the shard dimension alone."""
+    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, env: DistEnv) -> nn.Module:
+    mesh = dims.build_mesh(env.device.type) if env.distributed else None
+    apply_tp_ac_compile(model, cfg, dims, mesh, env.device)
     if dims.fsdp and mesh is not None:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, env.device, cfg.train.precision, cfg.parallel.fsdp_reshard_after_forward)
+        apply_fsdp(model, fsdp_mesh(mesh, dims), env.device, cfg.train.precision,
+                   cfg.parallel.fsdp_reshard_after_forward)
     elif dims.ddp and mesh is not None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         # The only buffers are the RoPE tables, computed identically on every rank: broadcasting them before
         # each forward is a wasted collective that also makes every rank wait for the slowest one mid-forward.
         model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                    process_group=mesh["dp_replicate"].get_group(), forward_sync_buffers=False)
+                    process_group=mesh["dp_replicate"].get_group(),
+                    **compat.ddp_kwargs_without_buffer_sync())
     return model
 
 
@@ -128,12 +155,17 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims, env: DistEnv,
     from llmcluster.model.llama import build_model
 
     raw = build_model(cfg.model, device="meta")
+    if cfg.train.lora is not None:  # adapters exist before sharding, so FSDP shards them with their block
+        from llmcluster.train.lora import apply_lora, init_lora
+        apply_lora(raw, cfg.train.lora)
     sharded = dims.fsdp or dims.tp > 1
     model = parallelize(raw, cfg, dims, env) if sharded else raw
     raw.to_empty(device=env.device)
     if cfg.model.tie_embeddings and raw.lm_head.weight is not raw.embed_tokens.weight:
         raw.lm_head.weight = raw.embed_tokens.weight  # to_empty allocates each module's parameters apart
     raw.init_weights(seed, fill=_fill_own_shard)
+    if cfg.train.lora is not None:
+        init_lora(raw, seed, fill=_fill_own_shard)
     if not sharded:  # DDP broadcasts rank 0's weights when it wraps: they must be real by then
         model = parallelize(raw, cfg, dims, env)
     return model, raw
@@ -142,8 +174,25 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims, env: DistEnv,
 @torch.no_grad()
 def _fill_own_shard(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy a whole weight into `param`; a DTensor keeps only its own slice (no communication)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     if isinstance(param, DTensor):
-        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        full = compat.distribute_local(full, param.device_mesh, param.placements)
     param.copy_(full)
+
+
+def clip_grad_norm(params, max_norm: float, pp_group=None) -> torch.Tensor:
+    """`clip_grad_norm_` over the whole model: a DTensor norm (FSDP/TP) made whole over its mesh, and with
+    PP the squares summed over the pp ranks, which hold different parameters (as torchtitan does)."""
+    import torch.distributed as dist
+
+    params = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    if pp_group is not None:
+        norm = norm ** 2
+        dist.all_reduce(norm, group=pp_group)
+        norm = norm ** 0.5
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm

@@ -1,13 +1,16 @@
-"""Preemption: SIGTERM (scheduler kill, torchrun forwarding) and SIGUSR2 (Slurm's pre-time-limit signal;
-not SIGUSR1, which NCCL uses) set a flag. The flag is acted on only at a step boundary, after all ranks agree
-on it (an all-reduce MAX), because a rank that stops alone leaves the others blocked in a collective."""
+"""Preemption: SIGTERM (scheduler kill, torchrun forwarding), SIGUSR2 (Slurm's pre-time-limit signal; not
+SIGUSR1, which NCCL uses), SIGHUP (a closed terminal or ssh session) and Ctrl-C (SIGINT) set a flag. The flag
+is acted on only at a step boundary, after all ranks agree on it (an all-reduce MAX), because a rank that
+stops alone leaves the others blocked in a collective: the run checkpoints and exits 75. A second Ctrl-C
+aborts at once (KeyboardInterrupt), without a checkpoint."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT)
 
 
 class PreemptionFlag:
@@ -24,6 +27,11 @@ class PreemptionFlag:
     def _handle(self, signum, _frame) -> None:
         if self.signal is None:
             self.signal, self.at = signum, time.time()
+            if signum == signal.SIGINT and os.environ.get("RANK", "0") == "0":
+                print("Ctrl-C: checkpointing at the next step boundary, then exiting 75 (Ctrl-C again aborts "
+                      "without a checkpoint)", flush=True)
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
 
     @property
     def set(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import math
 import os
 import statistics
@@ -20,20 +21,23 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from llmcluster.config.load import config_to_dict, load_job_config
+from llmcluster.config.load import load_job_config, saved_config_dict
 from llmcluster.config.schema import JobConfig
-from llmcluster.data.dataset import Sampler, eval_batches, open_dataset
+from llmcluster.data.dataset import META, data_sources, eval_batches, open_training_data
 from llmcluster.errors import EXIT_PREEMPTED, UserError
-from llmcluster.model import flops_per_token
+from llmcluster.model import flops_per_token, param_count
 from llmcluster.paths import resolve_storage_root
-from llmcluster.storage.layout import Storage
+from llmcluster.storage.layout import Storage, sha256_file
 from llmcluster.train import distributed as D
 from llmcluster.train.checkpoint import Checkpointer
+from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
 from llmcluster.train.health import (CollectiveFailure, FaultInjector, LossSpikeDetector, SampleLog,
-                                     is_collective_error, slow_ranks)
+                                     is_collective_error, slow_ranks, young_daly_steps)
 from llmcluster.train.metrics import MetricsLog, device_peak_flops
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
-from llmcluster.train.parallelize import build_parallel_model
+from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm
+from llmcluster.train.pipeline import bubble_fraction, build_pipeline
+from llmcluster.train import exit_reason
 from llmcluster.train.signals import PreemptionFlag
 
 
@@ -43,12 +47,13 @@ class BadStepLimit(UserError):
 
 class Trainer:
     def __init__(self, cfg: JobConfig, root: Path, resume: str = "auto"):
+        resolve_model_config(cfg, root)  # train.init_from's config.json; vocab_size from the tokenizer
         self.cfg = cfg
         self.storage = Storage(root)
         self.dims: D.ParallelDims | None = None
         world = int(os.environ.get("WORLD_SIZE", 1))
         self.dims = D.ParallelDims.from_config(cfg, world)
-        self.env = D.init_distributed(cfg, need_group=self.dims.fsdp or self.dims.tp > 1)
+        self.env = D.init_distributed(cfg, need_group=self.dims.needs_group)
         env, dims = self.env, self.dims
         self.notes: list[str] = []  # said once the run starts (after every input check passed)
         if not D.native_low_precision(env.device, cfg.train.precision):
@@ -68,18 +73,39 @@ class Trainer:
         # Storage and data first: bad input fails before any expensive work.
         self.storage.require_writable(self.storage.run_logs(cfg.run.name))
         self.storage.require_writable(self.storage.run_checkpoints(cfg.run.name))
-        self.dataset = open_dataset(root, cfg.data.dataset, cfg.data.kind, verify=env.is_main,
-                                    max_vocab=cfg.model.vocab_size)
-        self.sampler = Sampler(self.dataset, cfg.data.seq_len, cfg.run.seed)
+        # One writer per run, decided before anything expensive: a second one is refused within seconds.
+        self.ckpt = Checkpointer(self.storage, cfg.run.name, env.rank, env.world_size,
+                                 cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, log=self.log,
+                                 lock_stale_s=cfg.checkpoint.lock_stale_s)
+        self.ckpt.claim()
+        try:
+            self._build(resume)
+        except BaseException:
+            self.ckpt.close()
+            raise
+
+    def _build(self, resume: str) -> None:
+        cfg, env, dims, root, t = self.cfg, self.env, self.dims, self.storage.root, self.cfg.train
+        self.dataset, self.sampler = open_training_data(root, cfg.data, cfg.run.seed, verify=env.is_main,
+                                                        max_vocab=cfg.model.vocab_size)
+        # What the run trains on, so that a resume over a rebuilt dataset is refused: meta.json's digest (for a
+        # mixture, the digest of every source's, in order).
+        digests = [sha256_file(d / META) for _, d, _ in data_sources(root, cfg.data)]
+        self.dataset_digest = (digests[0] if len(digests) == 1
+                               else hashlib.sha256(" ".join(digests).encode()).hexdigest())
 
         # Same seed on every rank: identical initial weights without a broadcast, whatever the mesh.
         torch.manual_seed(cfg.run.seed)
-        self.model, self.raw_model = build_parallel_model(cfg, dims, env, cfg.run.seed)
+        self.pipe = None
+        self._pp_scale = 1.0  # fp16 loss scale applied inside the pipeline's loss function (training only)
+        if dims.pp > 1:
+            self.pipe = build_pipeline(cfg, dims, env, cfg.run.seed, self._pp_loss)
+            self.model = self.raw_model = self.pipe.model  # this rank's part, with the full model's names
+        else:
+            self.model, self.raw_model = build_parallel_model(cfg, dims, env, cfg.run.seed)
         self.optimizer = build_optimizer(self.model, t, env.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=t.precision == "fp16")
-        self.ckpt = Checkpointer(self.storage, cfg.run.name, env.rank, env.world_size,
-                                 cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, log=self.log)
         self.step = 0
         self.bad_in_row = 0
         self.bad_total = 0
@@ -89,8 +115,11 @@ class Trainer:
         self.ckpt_every = cfg.checkpoint.interval_steps  # interval=auto retunes it after each checkpoint
         self.sample_log = SampleLog(self.storage.run_logs(cfg.run.name), env.rank) if cfg.log.sample_log else None
         path = self.ckpt.find_resume(resume)
+        if path is None and t.init_from:  # a checkpoint, when there is one, supersedes the starting weights
+            load_hf_weights(self.raw_model, Path(t.init_from))
         if path is not None:
             state = self.ckpt.load(path, self.model, self.optimizer)
+            self._check_dataset(path, state.get("dataset_digest"))
             self.step = int(state["step"])
             self.sampler.load_state_dict(state["sampler"])
             self.scheduler.load_state_dict(state["scheduler"])
@@ -99,6 +128,7 @@ class Trainer:
             self.bad_total = int(state.get("bad_steps", 0))
             self.spikes.load_state_dict(state.get("loss_window"))
             self.resumed_from = path
+        self.ckpt.prepare_start(resume, path, self.step)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops, self.peak_source = device_peak_flops(env.device, t.precision)
         self.preempt = PreemptionFlag().install()
@@ -107,8 +137,10 @@ class Trainer:
             self.metrics = MetricsLog(self.storage.run_logs(cfg.run.name), t.steps, self.step,
                                       cfg.log.tensorboard, cfg.log.progress)
         self.prom = None
-        if cfg.log.metrics_port is not None:
-            self.prom = _train_metrics(cfg.run.name, env.rank, cfg.log.metrics_port if env.is_main else None)
+        if cfg.log.metrics is not None:    # HOST:PORT; rank r serves PORT + its local rank (0: rank 0, any)
+            host, port = cfg.log.metrics
+            serve = port + env.local_rank if port else (0 if env.is_main else None)
+            self.prom = _train_metrics(cfg.run.name, env.rank, serve, host)
 
     # -- helpers -----------------------------------------------------------------------------------
     def log(self, text: str) -> None:
@@ -118,6 +150,15 @@ class Trainer:
             else:
                 print(text, flush=True)
 
+    def _check_dataset(self, path: Path, digest: str | None) -> None:
+        """Resuming over a dataset rebuilt under the same name would continue the sampler's position in
+        different data: refused unless asked for."""
+        if digest is None or digest == self.dataset_digest or self.cfg.checkpoint.allow_dataset_change:
+            return
+        raise UserError(f"dataset {self.cfg.data.dataset} changed since {path} was written ({META} sha256 "
+                        f"{digest[:12]} then, {self.dataset_digest[:12]} now): resume with the dataset it was "
+                        "trained on, or set checkpoint.allow_dataset_change=true")
+
     def autocast(self):
         p = self.cfg.train.precision
         if p == "fp32" or (self.dims.fsdp and self.env.device.type == "cuda"):
@@ -125,15 +166,29 @@ class Trainer:
         return torch.autocast(self.env.device.type, dtype=torch.bfloat16 if p == "bf16" else torch.float16)
 
     def _mean_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """Mean over the ranks that computed a loss: all of them, or with PP those of the last stage (the
+        others contribute zeros)."""
         if self.env.distributed:
             dist.all_reduce(t)
-            t /= self.env.world_size
+            t /= self.env.world_size // self.dims.pp
         return t
+
+    def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # Mean over trained targets (chat data marks the rest -100); a micro-batch with none gives 0.
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1),
+                               reduction="sum") / (y != -100).sum().clamp(min=1)
+        if self.inject.loss_factor(self.step + 1) is not None:  # test hook (health.py)
+            loss = loss * self.inject.loss_factor(self.step + 1)
+        return loss
+
+    def _pp_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self._loss(logits, y) * self._pp_scale
 
     def train_state(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-                "bad_steps": self.bad_total, "loss_window": self.spikes.state_dict(), "config": config_to_dict(self.cfg),
+                "bad_steps": self.bad_total, "loss_window": self.spikes.state_dict(),
+                "config": saved_config_dict(self.cfg), "dataset_digest": self.dataset_digest,  # job.env redacted
                 "parallel": self.dims.describe()}
 
     # -- one optimizer step ------------------------------------------------------------------------
@@ -146,8 +201,11 @@ class Trainer:
         t0 = time.perf_counter()
         self.inject.maybe_sleep(self.step + 1)
         sample_ids: list[int] = []
-        for i, (ids, x, y) in enumerate(self.sampler.micro_batches(self.global_batch, self.dp_rank,
-                                                                      self.dp_size, cfg.train.micro_batch)):
+        batches = self.sampler.micro_batches(self.global_batch, self.dp_rank, self.dp_size, cfg.train.micro_batch)
+        if self.pipe is not None:  # the schedule runs all micro-batches (forward, backward, reductions)
+            loss_sum, sample_ids = self._pipeline_step(list(batches), t0)
+            batches = []
+        for i, (ids, x, y) in enumerate(batches):
             x, y = x.to(self.env.device, non_blocking=True), y.to(self.env.device, non_blocking=True)
             last = i == accum - 1
             # DDP: all-reduce gradients once per optimizer step, not per micro-batch.
@@ -156,10 +214,8 @@ class Trainer:
                 with self.autocast():
                     logits = model(x)
                 if last:  # this rank's own work up to its first gradient all-reduce (DDP): straggler signal
-                    self.busy_s = time.perf_counter() - t0
-                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
-                if self.inject.loss_factor(self.step + 1) is not None:  # test hook (health.py)
-                    loss = loss * self.inject.loss_factor(self.step + 1)
+                    self.busy_s = self.inject.busy_time(self.step + 1, time.perf_counter() - t0)
+                loss = self._loss(logits, y)
                 self.scaler.scale(loss / accum).backward()
             loss_sum += loss.detach()
             sample_ids += ids.tolist()
@@ -168,9 +224,7 @@ class Trainer:
         loss = self._mean_over_ranks(loss_sum / accum)
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
+        norm = clip_grad_norm(model.parameters(), max_norm, self.pipe.pp_group if self.pipe else None)
         loss_v, norm_v = float(loss), float(norm)
         self.lr_used = self.optimizer.param_groups[0]["lr"]
         finite = math.isfinite(loss_v) and (math.isfinite(norm_v) or self.scaler.is_enabled())
@@ -188,22 +242,68 @@ class Trainer:
         self.scheduler.step()
         return loss_v, norm_v, finite
 
+    def _pipeline_step(self, batches: list, t0: float) -> tuple[torch.Tensor, list[int]]:
+        """The rank's grad_accum micro-batches as one batch through the schedule: forward, backward and the
+        gradient reduce-scatters of every stage. Returns (sum of micro-batch losses, sample ids); the loss
+        is 0 on ranks without the last stage (`_mean_over_ranks` divides accordingly)."""
+        ids = [i for b in batches for i in b[0].tolist()]
+        x = torch.cat([b[1] for b in batches]).to(self.env.device)
+        y = torch.cat([b[2] for b in batches]).to(self.env.device)
+        self._pp_scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
+        with self.autocast():
+            losses = self.pipe.step(x, y)
+        # forward + backward of all micro-batches (incl. the bubble)
+        self.busy_s = self.inject.busy_time(self.step + 1, time.perf_counter() - t0)
+        total = torch.zeros((), device=self.env.device, dtype=torch.float32)
+        for loss in losses:
+            total += loss.detach().float() / self._pp_scale
+        return total, ids
+
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
-        for x, y in eval_batches(self.dataset, self.cfg.data.seq_len, self.cfg.log.eval_batches,
-                                 self.cfg.train.micro_batch, self.dp_rank, self.dp_size):
+        batches = eval_batches(self.dataset, self.cfg.data.seq_len, self.cfg.log.eval_batches,
+                               self.cfg.train.micro_batch, self.dp_rank, self.dp_size)
+        if self.pipe is not None:
+            total += self._pipeline_eval(list(batches))
+            batches = []
+        for x, y in batches:
             x, y = x.to(self.env.device), y.to(self.env.device)
             with self.autocast():
                 logits = self.model(x)
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
-            total += torch.stack([loss.double(), torch.tensor(y.numel(), dtype=torch.float64,
-                                                              device=self.env.device)])
+            total += torch.stack([loss.double(), (y != -100).sum().double()])  # -100: chat data's untrained
         if self.env.distributed:
             dist.all_reduce(total)
         self.model.train()
         return float(total[0] / total[1].clamp(min=1))
+
+    def _pipeline_eval(self, batches: list) -> torch.Tensor:
+        """[loss sum, tokens] of the validation batches, run grad_accum at a time through the schedule's
+        forward-only pass; a short last group is padded with copies whose losses are dropped."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
+        m = self.pipe.n_microbatches
+        self._pp_scale = 1.0
+        for g in range(0, len(batches), m):
+            group = batches[g:g + m]
+            real = len(group)
+            group = group + [group[-1]] * (m - real)
+            x = torch.cat([b[0] for b in group]).to(self.env.device)
+            y = torch.cat([b[1] for b in group]).to(self.env.device)
+            with self.autocast():
+                losses = self.pipe.step(x, y, train=False)
+            for (_, yb), loss in zip(group[:real], losses[:real]):
+                total += torch.stack([loss.double() * yb.numel(),
+                                      torch.tensor(yb.numel(), dtype=torch.float64, device=self.env.device)])
+        return total
+
+    def _bubble_note(self) -> str:
+        d = self.dims
+        if d.pp == 1:
+            return ""
+        b = bubble_fraction(d.pp, d.virtual_stages, self.cfg.train.grad_accum)
+        return f" (includes the pipeline bubble: {100 * b:.1f}% of each step idle per stage)"
 
     # -- the loop ----------------------------------------------------------------------------------
     def fit(self) -> int:
@@ -226,8 +326,9 @@ class Trainer:
         if self.resumed_from:
             self.log(f"resumed from {self.resumed_from} (step {self.step})")
         self.log(f"run {cfg.run.name}: {self.dims.describe()}, device {env.device}, {t.precision}, "
-                 f"{sum(p.numel() for p in self.raw_model.parameters()) / 1e6:.2f}M params, "
-                 f"global batch {self.global_batch} × {cfg.data.seq_len} tokens; MFU vs {self.peak_source}")
+                 f"{param_count(cfg.model) / 1e6:.2f}M params, "
+                 f"global batch {self.global_batch} × {cfg.data.seq_len} tokens; MFU vs {self.peak_source}"
+                 f"{self._bubble_note()}")
         if self.step == 0:  # the baseline the validation curve is read against
             self.log(f"step 0 val {self.evaluate():.4f} (untrained; a uniform guess over the vocabulary "
                      f"scores {math.log(cfg.model.vocab_size):.4f})")
@@ -257,6 +358,7 @@ class Trainer:
                 record = {"step": self.step, "loss": loss, "lr": self.lr_used,
                           "grad_norm": norm, "tokens_per_s": tps, "mfu": mfu, "step_time_s": dt,
                           "tokens_seen": self.sampler.consumed * cfg.data.seq_len,
+                          "tokens_by_source": self.sampler.tokens_by_source(),
                           "rank_step_time_s": times, "rank_busy_s": busy_times, "bad_steps": self.bad_total}
                 if do_eval:
                     record["val_loss"] = self.evaluate()
@@ -274,7 +376,11 @@ class Trainer:
                     self._auto_interval(statistics.median(recent_dt))
             elif self.ckpt.pending:
                 self._log_saved(self.ckpt.poll())
-            if D.all_reduce_max(1.0 if self.preempt.set else 0.0, env) > 0:
+            # One agreement per step: 2 = rank 0 lost the owner lock (stop, write nothing), 1 = a stop signal.
+            stop = D.all_reduce_max(2.0 if self.ckpt.heartbeat() else 1.0 if self.preempt.set else 0.0, env)
+            if stop >= 2:
+                raise self.ckpt.lost_error()
+            if stop > 0:
                 return self._preempted(saved)
         self.log(f"run {cfg.run.name}: finished step {self.step}; checkpoints in "
                  f"{self.storage.run_checkpoints(cfg.run.name)}")
@@ -312,8 +418,7 @@ class Trainer:
         """Young/Daly: checkpoint every sqrt(2·C·M) seconds, C the measured save time, M the job's MTBF.
         Rank 0 decides (ranks measure slightly different times; they must agree on the steps)."""
         c, m = self.ckpt.last_save_s or 0.0, self.cfg.checkpoint.mtbf_hours * 3600
-        optimum_s = math.sqrt(2 * c * m)
-        steps = max(1, round(optimum_s / max(step_s, 1e-9)))
+        optimum_s, steps = young_daly_steps(c, m, step_s)
         steps = int(D.all_reduce_max(float(steps) if self.env.is_main else 0.0, self.env))
         if steps != self.ckpt_every:
             self.log(f"checkpoint interval auto: sqrt(2 × C {c:.3f} s × MTBF {m:.4g} s) = {optimum_s:.3f} s "
@@ -346,6 +451,7 @@ class Trainer:
 
     def close(self) -> None:
         self.preempt.uninstall()
+        self.ckpt.close()
         if self.sample_log:
             self.sample_log.close()
         if self.metrics:
@@ -354,13 +460,13 @@ class Trainer:
             self.prom.close()
 
 
-def _train_metrics(run: str, rank: int, port: int | None):
+def _train_metrics(run: str, rank: int, port: int | None, host: str):
     try:
         from llmcluster.monitor.train_metrics import TrainMetrics
     except ImportError:
-        print("warning: log.metrics_port is set but the monitor package is unavailable", file=sys.stderr)
+        print("warning: log.metrics_bind is set but the monitor package is unavailable", file=sys.stderr)
         return None
-    return TrainMetrics(run, rank, port)
+    return TrainMetrics(run, rank, port, bind=host)
 
 
 def train_cli(args) -> int:
@@ -372,7 +478,17 @@ def train_cli(args) -> int:
         trainer = Trainer(cfg, root, resume=args.resume)
         code = trainer.fit()
         ok = True
+        exit_reason.write("preempted" if code == EXIT_PREEMPTED else "completed")
         return code
+    except CollectiveFailure as e:   # a peer died: a restart (or a requeue onto other nodes) may cure it
+        exit_reason.write("failed", f"{type(e).__name__}: {e}")
+        raise
+    except UserError as e:      # bad config, the non-finite-step limit: a requeue would repeat it
+        exit_reason.write("fatal", str(e))
+        raise
+    except BaseException as e:  # NCCL timeout, a lost peer, ...: the launcher may requeue
+        exit_reason.write("failed", f"{type(e).__name__}: {e}")
+        raise
     finally:
         if trainer is not None:
             trainer.close()

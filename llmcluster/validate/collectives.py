@@ -16,15 +16,16 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from llmcluster.testing import test_hook
+from llmcluster.train import compat
 from llmcluster.validate.nccl_semantics import (
     OPS, PATTERN_PERIOD, PLACEMENTS, bandwidths, element_count)
 from llmcluster.validate.result import FAIL, PASS, SKIP, CheckResult, fmt_bytes
 
 CORRUPT_ENV = "LLMCLUSTER_VALIDATE_CORRUPT"   # test hook: the last rank damages its reduction results
 
-# torch 2.13 renamed the tensor collectives (the old names warn); older torch only has the old ones.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = compat.all_gather_single
+_reduce_scatter = compat.reduce_scatter_single
 
 
 SLICE = 1 << 26   # elements per slice when filling/checking: a multi-GB buffer needs no full-size temporary
@@ -96,7 +97,7 @@ class Buffers:
 
     def count_wrong(self) -> int:
         got = self.recv
-        if os.environ.get(CORRUPT_ENV) == "1" and self.op in ("all_reduce", "reduce_scatter") \
+        if test_hook(CORRUPT_ENV) == "1" and self.op in ("all_reduce", "reduce_scatter") \
                 and self.rank == self.n - 1:
             got = got.clone()
             got[::1000] += 1.0    # the test hook: a reduction that came back wrong
@@ -114,6 +115,11 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+# The host clock of the CPU path; a module attribute so that a test can feed recorded timings instead of
+# racing the machine (tests/test_validate_units.py).
+clock = time.perf_counter
+
+
 def time_collective(bufs: Buffers, warmup: int, iters: int, group=None) -> float:
     """Seconds per call on this rank (warm-up, barrier, `iters` back-to-back calls)."""
     for _ in range(warmup):
@@ -128,10 +134,10 @@ def time_collective(bufs: Buffers, warmup: int, iters: int, group=None) -> float
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / iters
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(iters):
         bufs.run(group)
-    return (time.perf_counter() - t0) / iters
+    return (clock() - t0) / iters
 
 
 def mean_over_ranks(x: float, device, group=None) -> float:

@@ -19,7 +19,7 @@ import time
 import torch
 
 from llmcluster.validate.result import PASS, SKIP, CheckResult, fmt_bytes, fmt_rate, grade
-from llmcluster.validate.spec import PCIE_ACHIEVED_GBPS, ValidateSpec
+from llmcluster.validate.spec import ValidateSpec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32, "fp32": torch.float32}
 
@@ -176,7 +176,7 @@ def check_pcie(device, spec: ValidateSpec, quick: bool) -> CheckResult:
         return r
     name = device_name(device)
     gpu = spec.gpu_model(name)
-    expect = spec.pcie_GBps or (PCIE_ACHIEVED_GBPS.get(gpu.name) if gpu else None)
+    expect = spec.pcie_GBps or (gpu.pcie_h2d_GBps if gpu else None)
     nbytes = (256 if quick else 1024) << 20
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     for memory in ("pinned", "pageable"):

@@ -71,11 +71,13 @@ def first_host(nodelist: str) -> str:
                 return out[0]
         except (OSError, subprocess.SubprocessError):
             pass
-    head = nodelist.split(",")[0]
-    if "[" in head:
-        prefix, rest = head.split("[", 1)
-        return prefix + rest.split(",")[0].split("-")[0].rstrip("]")
-    return head
+    from llmcluster.config.hostlist import expand_hostlist
+    from llmcluster.errors import UserError
+
+    try:
+        return expand_hostlist(nodelist)[0]
+    except UserError:
+        return nodelist.split(",")[0]
 
 
 def init_process_group():

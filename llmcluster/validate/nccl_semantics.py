@@ -50,12 +50,12 @@ def element_count(nbytes: int, nranks: int) -> int:
     return max(nranks, count - count % nranks)
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
     """'8', '64K', '64M', '1G', '256MiB' -> bytes (K/M/G are powers of 1024, as in nccl-tests)."""
-    m = _SIZE_RE.match(str(text))
+    m = _SIZE_RE.fullmatch(str(text))
     if not m:
         raise UserError(f"bad size {text!r}: use a byte count with an optional K, M, G suffix (e.g. 64M)")
     mult = 1024 ** " KMGT".index(m.group(2).upper() or " ")

@@ -8,11 +8,11 @@ then does what a DeepOps-style prolog does: `scontrol update nodename=X state=dr
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 import subprocess
 
+from llmcluster.testing import test_hook
 from llmcluster.validate.result import FAIL, PASS, WARN, CheckResult
 
 SLOW_RANK_ENV = "LLMCLUSTER_VALIDATE_SLOW_RANK"   # test hook: this rank reports a fifth of its figures
@@ -113,7 +113,7 @@ def drain(nodes: dict[str, str], run=subprocess.run) -> CheckResult:
 
 def inject_slowness(results: list[CheckResult], rank: int) -> None:
     """Test hook: if $LLMCLUSTER_VALIDATE_SLOW_RANK is this rank, scale its compared figures by SLOW_FACTOR."""
-    if os.environ.get(SLOW_RANK_ENV) != str(rank):
+    if test_hook(SLOW_RANK_ENV) != str(rank):
         return
     for r in results:
         d = r.data

@@ -34,13 +34,19 @@ def environment() -> dict:
     return env
 
 
-def write_json(path: Path, results: list[CheckResult], extra: dict | None = None) -> None:
+def report_doc(results: list[CheckResult], extra: dict | None = None) -> dict:
+    """The JSON report: `--json` prints it, `--report FILE` writes it."""
     doc = {"status": worst(r.status for r in results), "environment": environment(),
            "checks": [r.to_dict() for r in results]}
     coll = next((r for r in results if r.check == "collectives"), None)
     if coll is not None:   # the nccl-tests-shaped list at top level, as tools and the issue expect it
         doc["results"] = coll.data.get("results", [])
     doc.update(extra or {})
+    return doc
+
+
+def write_json(path: Path, results: list[CheckResult], extra: dict | None = None) -> None:
+    doc = report_doc(results, extra)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2, default=str))

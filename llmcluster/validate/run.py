@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,8 @@ CHILD_ENV = "LLMCLUSTER_VALIDATE_CHILD"   # set on the ranks we spawn: rank 0 wr
 class Options:
     checks: list[str]
     root: Path
-    json: Path | None = None
+    report: Path | None = None        # --report FILE: the JSON report
+    json: bool = False                # --json: the report on stdout instead of the tables
     plot: Path | None = None
     quick: bool = False
     nproc: int | None = None
@@ -41,6 +43,7 @@ class Options:
     ops: list[str] = field(default_factory=lambda: list(OPS))
     tune: bool = False
     drain: bool = False
+    max_drain: int | None = None        # at most this many nodes drained (default: 10% of the nodes, >= 1)
     spec_path: str | None = None
     seconds: float | None = None        # thermal load per GPU
     storage_size: int | None = None
@@ -55,7 +58,7 @@ class Options:
         return (self.begin or b, self.end or e, self.factor or f, self.iters or n, self.warmup or w)
 
     def child_argv(self, json_path: Path) -> list[str]:
-        argv = ["validate", "collectives", "--json", str(json_path), "--ops", ",".join(self.ops)]
+        argv = ["validate", "collectives", "--report", str(json_path), "--ops", ",".join(self.ops)]
         for flag, v in (("-b", self.begin), ("-e", self.end), ("-f", self.factor), ("-n", self.iters),
                         ("-w", self.warmup), ("--cluster", self.spec_path)):
             if v is not None:
@@ -95,7 +98,7 @@ def run(opts: Options) -> int:
                     results.append(r)
     if "storage" in opts.checks:
         from llmcluster.validate.storage import check_storage
-        r = check_storage(opts.root, spec, opts.quick, opts.storage_size)
+        r = check_storage(opts.root, spec, opts.quick, opts.storage_size, nodes_writing())
         r.node = place.host
         results.append(r)
     return finish(results, opts, spec)
@@ -160,7 +163,7 @@ def run_rank(opts: Options, spec: ValidateSpec, place: Place) -> int:
             local[-1].node = place.label
         if "storage" in opts.checks and place.local_rank == 0:
             from llmcluster.validate.storage import check_storage
-            local.append(check_storage(opts.root, spec, opts.quick, opts.storage_size))
+            local.append(check_storage(opts.root, spec, opts.quick, opts.storage_size, nodes_writing()))
             local[-1].node = place.host
         inject_slowness(local, place.rank)
         # objects travel over gloo even in an NCCL job: no GPU copies of pickled bytes
@@ -210,13 +213,60 @@ def finish(results: list[CheckResult], opts: Options, spec: ValidateSpec) -> int
     if comparison.items:
         results.append(comparison)
     if opts.drain:
-        results.append(nodes.drain(nodes.nodes_to_drain(results, comparison)))
+        results.append(drain_capped(results, comparison, opts.max_drain))
     child = os.environ.get(CHILD_ENV)
-    if not child:
+    if not child and opts.json:          # --json: stdout is the report, and only that
+        print(json.dumps(report.report_doc(results), default=str))
+    elif not child:
+        print(spec.describe())
         report.print_summary(results)
-    if opts.json:
-        report.write_json(opts.json, results)
+    if opts.report:
+        report.write_json(opts.report, results)
     if opts.plot and not child:
         for p in report.write_plots(opts.plot, results):
-            print(f"plot: {p}")
+            print(f"plot: {p}", file=sys.stderr if opts.json else sys.stdout)
     return 1 if any(r.status == FAIL for r in results) else 0
+
+
+def drain_capped(results: list[CheckResult], comparison: CheckResult, max_drain: int | None, run=None) -> CheckResult:
+    """Drain the bad nodes, but not for a shared cause, and never many at once.
+
+    A check that FAILs on every node (a slow shared filesystem, a wrong driver everywhere) is the cluster's
+    problem, not a node's: draining would take the whole partition down, so it drains nothing. More
+    flagged nodes than `max_drain` (default 10% of the nodes, at least 1) also points at a shared cause:
+    none is drained. Either way the scontrol commands are printed for an operator to run."""
+    import shlex
+    import subprocess
+
+    from llmcluster.validate import nodes
+    from llmcluster.validate.result import FAIL, WARN
+
+    hosts = {nodes.host_of(r.node) for r in results if r.node}
+    failing: dict[str, set[str]] = {}
+    for r in results:
+        if r.node and r.status == FAIL:
+            failing.setdefault(r.check, set()).add(nodes.host_of(r.node))
+    shared = sorted(c for c, on in failing.items() if len(hosts) > 1 and on == hosts)
+    kept = [r for r in results if not (r.node and r.check in shared)]
+    bad = nodes.nodes_to_drain(kept, comparison)
+    cap = max_drain if max_drain is not None else max(1, len(hosts) // 10)
+    for host, reason in sorted(bad.items()):
+        print("would drain: " if len(bad) > cap else "drain: ", shlex.join(nodes.drain_command(host, reason)))
+    if len(bad) > cap:
+        r = CheckResult("drain")
+        r.add("drain", WARN, f"{len(bad)} > {cap}", f"{len(bad)} of {len(hosts)} nodes flagged, more than "
+              f"--max-drain {cap}: a shared cause is likelier; drained none (the commands are above)")
+        r.data["commands"] = [nodes.drain_command(h, why) for h, why in sorted(bad.items())]
+    else:
+        r = nodes.drain(bad, run=run or subprocess.run)
+    for check in shared:
+        r.add(f"shared {check}", WARN, "not drained",
+              f"{check} FAILs on all {len(hosts)} nodes: a shared cause (filesystem, driver, network)")
+    return r
+
+
+def nodes_writing() -> int:
+    """How many nodes run the storage check at once (one rank per node does): torchrun's world size over
+    its local world size; 1 outside torchrun."""
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, world // max(local, 1))

@@ -19,16 +19,10 @@ import socket
 import subprocess
 from pathlib import Path
 
+from llmcluster.floor import CUDA_MIN_DRIVER, MINOR_COMPAT_FLOOR, torch_too_old
 from llmcluster.validate.result import FAIL, PASS, SKIP, WARN, CheckResult
 from llmcluster.validate.spec import ValidateSpec
 
-# Minimum Linux driver per CUDA toolkit (NVIDIA CUDA Toolkit release notes, "CUDA Toolkit and
-# Corresponding Driver Versions"), and the floor under which not even minor-version compatibility holds.
-CUDA_MIN_DRIVER = {"11.8": "520.61.05", "12.0": "525.60.13", "12.1": "530.30.02", "12.2": "535.54.03",
-                   "12.3": "545.23.06", "12.4": "550.54.14", "12.5": "555.42.02", "12.6": "560.28.03",
-                   "12.8": "570.26", "12.9": "575.51.03", "13.0": "580.65.06"}
-MINOR_COMPAT_FLOOR = {"11": "450.80.02", "12": "525.60.13", "13": "580.65.06"}
-MIN_TORCH = (2, 3)
 MAX_RETIRED_PAGES = 10           # GCM/Imbue gate (planning facts §2)
 EXPORTER_PORTS = {"dcgm-exporter": 9400, "node-exporter": 9100}
 
@@ -165,9 +159,9 @@ def check_stack(spec: ValidateSpec, storage_root: Path, nvml=None) -> CheckResul
     if torch_version is None:
         r.add("pytorch", FAIL, detail="torch is not installed")
     else:
-        ok = _ver(torch_version)[:2] >= MIN_TORCH
+        too_old = torch_too_old(torch_version)
         build = f"CUDA {torch_cuda}" if torch_cuda else "CPU-only"
-        r.add("pytorch", PASS if ok else FAIL, f"{torch_version} ({build})", "" if ok else "need torch >= 2.3")
+        r.add("pytorch", FAIL if too_old else PASS, f"{torch_version} ({build})", too_old or "")
         if driver and not torch_cuda:
             r.add("pytorch build", FAIL, build, "a GPU node with a CPU-only torch: install the CUDA wheel")
     # 7. monitoring exporters (loopback only: this node's own exporters)

@@ -112,30 +112,47 @@ def parse_fio(output: str, rw: str) -> float:
     return job[rw]["bw_bytes"] / 1e9
 
 
+MIB = 1 << 20
+FREE_SHARE = 0.05        # all nodes together write at most this share of an area's free space
+MIN_BYTES = 16 * MIB     # below this a sequential figure means little: skipped instead
+
+
+def file_size(free: int, nodes: int, quick: bool, size: int | None = None) -> int:
+    """Bytes each node writes per area: --storage-size or the default (2 GiB, quick 64 MiB), capped so
+    that `nodes` nodes writing at once into one shared filesystem (its free space is all of theirs) use
+    at most FREE_SHARE of it. A nearly full filesystem gets small files, or none (0: below MIN_BYTES)."""
+    want = size or ((64 * MIB) if quick else (2 << 30))
+    got = min(want, int(free * FREE_SHARE / max(nodes, 1))) // MIB * MIB
+    return got if got >= min(MIN_BYTES, want) else 0
+
+
 def areas(root: Path) -> list[tuple[str, Path]]:
     """The /storage areas that exist under root, or the root itself when it has none."""
     found = [(a, root / a) for a in AREAS if (root / a).is_dir()]
     return found or [("root", root)]
 
 
-def check_storage(root: Path, spec: ValidateSpec, quick: bool, size: int | None = None) -> CheckResult:
+def check_storage(root: Path, spec: ValidateSpec, quick: bool, size: int | None = None,
+                  nodes: int = 1) -> CheckResult:
     r = CheckResult("storage")
     if not root.is_dir():
         r.add(str(root), SKIP, detail="storage root does not exist (llmcluster storage init --root ...)")
         return r
-    nbytes = size or ((64 << 20) if quick else (2 << 30))
     nfiles = 200 if quick else 2000
     use_fio = shutil.which("fio") is not None
     for area, path in areas(root):
         kind = fs_type(path)
+        free = shutil.disk_usage(path).free
+        nbytes = file_size(free, nodes, quick, size)
         row = {"area": area, "path": str(path), "fs": kind, "bytes": nbytes, "tool": "fio" if use_fio else "builtin"}
         r.data.setdefault("areas", []).append(row)
         if not os.access(path, os.W_OK):
             note = "read-only (as workers should mount datasets)" if area == "datasets" else "not writable"
             r.add(f"{area} ({kind})", SKIP if area == "datasets" else FAIL, detail=note)
             continue
-        if shutil.disk_usage(path).free < 2 * nbytes:
-            r.add(f"{area} ({kind})", SKIP, detail=f"less than {fmt_bytes(2 * nbytes)} free")
+        if nbytes == 0:
+            r.add(f"{area} ({kind})", SKIP, detail=f"{fmt_bytes(free)} free: too little for {nodes} node(s) "
+                  f"to write {fmt_bytes(MIN_BYTES)} each within {FREE_SHARE:.0%} of it")
             continue
         work = path / f".llmcluster-validate-{socket.gethostname()}-{os.getpid()}"
         work.mkdir(exist_ok=True)

@@ -1,0 +1,76 @@
+"""Slurm hostlist syntax, in one place: 'gpu[01-03,07],login' <-> gpu01 gpu02 gpu03 gpu07 login.
+
+Read by the cluster spec (`nodes.hosts`), `monitor config --slurm-nodelist` and the validate ranks' rendezvous
+(the first host of $SLURM_JOB_NODELIST when `scontrol` is not on PATH).
+"""
+
+from __future__ import annotations
+
+import re
+
+from llmcluster.errors import UserError
+
+_PART = re.compile(r"([^,\[]+)(?:\[([^\]]*)\])?([^,\[]*)")
+
+
+def expand_hostlist(expr: str) -> list[str]:
+    """Slurm hostlist syntax -> names: 'gpu[01-03,07],login' -> gpu01 gpu02 gpu03 gpu07 login.
+
+    Zero padding follows the range's first bound, as Slurm does. One bracket per name, which is what
+    Slurm itself prints for one-dimensional clusters (the only kind GPU clusters use)."""
+    names: list[str] = []
+    pos = 0
+    expr = expr.strip()
+    while pos < len(expr):
+        m = _PART.match(expr, pos)
+        if not m or m.end() == pos:
+            raise UserError(f"cannot parse Slurm node list {expr!r} near {expr[pos:]!r}")
+        prefix, ranges, suffix = m.groups()
+        if ranges is None:
+            names.append(prefix + suffix)
+        else:
+            for item in ranges.split(","):
+                lo, _, hi = item.partition("-")
+                if not lo.isdigit() or (hi and not hi.isdigit()):
+                    raise UserError(f"bad range {item!r} in Slurm node list {expr!r}")
+                hi = hi or lo
+                if int(hi) < int(lo):
+                    raise UserError(f"descending range {item!r} in Slurm node list {expr!r}")
+                width = len(lo)
+                names.extend(f"{prefix}{n:0{width}d}{suffix}" for n in range(int(lo), int(hi) + 1))
+        pos = m.end()
+        if pos < len(expr):
+            if expr[pos] != ",":
+                raise UserError(f"cannot parse Slurm node list {expr!r} near {expr[pos:]!r}")
+            pos += 1
+    if not names:
+        raise UserError("empty Slurm node list")
+    return names
+
+
+def compress_hostlist(names: list[str]) -> str:
+    """The inverse, for `cluster init`: gpu01 gpu02 gpu03 gpu07 -> 'gpu[01-03,07]' (same prefix and width)."""
+    groups: dict[tuple[str, int], list[int]] = {}
+    plain: list[str] = []
+    for n in names:
+        m = re.fullmatch(r"(.*?)(\d+)", n)
+        if not m:
+            plain.append(n)
+            continue
+        groups.setdefault((m.group(1), len(m.group(2))), []).append(int(m.group(2)))
+    parts = []
+    for (prefix, width), nums in groups.items():
+        nums = sorted(set(nums))
+        if len(nums) == 1:
+            parts.append(f"{prefix}{nums[0]:0{width}d}")
+            continue
+        runs, start, prev = [], nums[0], nums[0]
+        for x in nums[1:] + [None]:
+            if x is not None and x == prev + 1:
+                prev = x
+                continue
+            runs.append(f"{start:0{width}d}" if start == prev else f"{start:0{width}d}-{prev:0{width}d}")
+            if x is not None:
+                start = prev = x
+        parts.append(f"{prefix}[{','.join(runs)}]")
+    return ",".join(parts + plain)

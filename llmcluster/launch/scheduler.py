@@ -1,0 +1,65 @@
+"""The `Scheduler` interface every backend implements, and the registry `launch`/`jobs` dispatch through.
+
+A backend renders a LaunchSpec (pure: what --dry-run prints is what is submitted), submits it, and answers
+state / logs / cancel from the run's job.json record. Records are files a user can edit, so `cancel`
+re-checks what it is about to stop (a pid's command line, a Slurm job's name, objects by label) rather
+than trusting the ids in them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmcluster.launch.spec import LaunchSpec
+
+# States in which a job may still produce output: Slurm's non-terminal job states (squeue(1) "JOB STATE
+# CODES": SIGNALING, STAGE_OUT and the REQUEUE_* forms are short-lived but real) plus the local and
+# Kubernetes ones. Anything else is an end state.
+ACTIVE_STATES = frozenset({
+    "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUED", "REQUEUE_FED",
+    "REQUEUE_HOLD", "RESV_DEL_HOLD", "SIGNALING", "SPECIAL_EXIT", "STAGE_OUT", "STOPPED",
+})
+
+
+class Scheduler:
+    name = ""
+    artifact = ""          # the file under logs/<run>/launches/<n>/ holding what was submitted
+    in_container = False   # the ranks see the storage at job.k8s.storage_path and run the image's python
+
+    def check(self, spec: LaunchSpec) -> None:
+        """Refuse (UserError) what this scheduler cannot run, before anything is rendered or written."""
+
+    def render(self, spec: LaunchSpec) -> str:
+        raise NotImplementedError
+
+    def submit(self, spec: LaunchSpec, artifact: Path, record: dict, write_record, **flags) -> int:
+        """Submit the rendered artifact; `write_record(dict)` saves job.json; returns the exit code."""
+        raise NotImplementedError
+
+    def state(self, logs: Path, rec: dict) -> dict:
+        raise NotImplementedError
+
+    def log_files(self, logs: Path, rec: dict) -> list[Path]:
+        return []
+
+    def logs(self, logs: Path, rec: dict, follow: bool) -> int | None:
+        """Print the job's output itself, or None: `jobs logs` then tails log_files()."""
+        return None
+
+    def cancel(self, logs: Path, rec: dict) -> None:
+        raise NotImplementedError
+
+
+# lazily imported: `jobs list` on a login node needs neither the kubernetes client nor the Slurm CLIs
+BACKENDS = {"local": ("llmcluster.launch.local", "Local"), "slurm": ("llmcluster.launch.slurm", "Slurm"),
+            "k8s": ("llmcluster.launch.k8s", "Kubernetes")}
+
+
+def get(name: str) -> Scheduler:
+    import importlib
+
+    if name not in BACKENDS:
+        from llmcluster.errors import UserError
+        raise UserError(f"unknown scheduler {name!r} (local, slurm or k8s)")
+    module, cls = BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)()

@@ -1,0 +1,54 @@
+"""`plan PLAN --emit-config FILE`: a search candidate written out as a job config `llmcluster train` reads.
+
+The model section is the plan's dims in the job config's names (`seq_len` becomes `data.seq_len` and
+`model.max_seq_len`); the layout is the candidate's `set`, so the file and the copyable `--set` line in
+the search table are one fact. A plan whose model is not a Llama shape has no candidate (search filters).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from llmcluster.config.schema import JobConfig
+from llmcluster.errors import UserError
+from llmcluster.plan.spec import PlanSpec
+
+
+def job_config(plan: PlanSpec, candidate: dict) -> dict:
+    m, c = plan.model, plan.cluster
+    cfg: dict = {
+        "run": {"name": (m.name or "planned").replace("/", "-")},
+        "model": {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads, "n_kv_heads": m.kv_heads,
+                  "ffn_hidden": m.ffn_hidden, "vocab_size": m.vocab_size, "max_seq_len": m.seq_len,
+                  "tie_embeddings": m.tie_embeddings},
+        "data": {"seq_len": m.seq_len},
+        "train": {"precision": plan.parallel.precision, "global_batch": candidate["global_batch"]},
+        "parallel": {},
+        "job": {"nodes": c.nodes, "gpus_per_node": c.gpus_per_node},
+    }
+    for item in candidate["set"]:
+        key, value = item.split("=", 1)
+        section, name = key.split(".", 1)
+        cfg[section][name] = yaml.safe_load(value)
+    try:
+        JobConfig.model_validate(cfg)  # what is written must load
+    except ValidationError as e:
+        raise UserError(f"--emit-config: the best candidate is not a valid job config: "
+                        f"{e.errors()[0]['msg']}") from None
+    return cfg
+
+
+def write_job_config(path: str | Path, plan: PlanSpec, candidate: dict) -> Path:
+    out = Path(path)
+    head = (f"# Written by `llmcluster plan --emit-config`: the best layout the planner found for "
+            f"{plan.model.name or 'this model'} on {plan.cluster.nodes} x {plan.cluster.gpus_per_node} "
+            f"{plan.cluster.gpu}\n# (predicted {candidate['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+            f"MFU {candidate['mfu']:.1%}, {candidate['memory_bytes'] / 2**30:.1f} GiB per GPU).\n")
+    try:
+        out.write_text(head + yaml.safe_dump(job_config(plan, candidate), sort_keys=False))
+    except OSError as e:
+        raise UserError(f"--emit-config {out}: cannot write: {e.strerror}") from None
+    return out

@@ -1,0 +1,87 @@
+"""Every torch call whose signature or home changed between the floor (`TORCH_FLOOR`) and today's torch.
+
+Each wrapper asks torch what it has (a signature, an attribute), never which version it is: a backport or a
+nightly then takes the path it can run. The table of which torch added what lives in docs/compat.md; the
+proof is `make test-compat`, which runs the distributed training tests on the floor torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from llmcluster.floor import TORCH_FLOOR  # noqa: F401  (re-exported: the one home is torch-free)
+
+
+@functools.cache
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
+def ddp_kwargs_without_buffer_sync() -> dict:
+    """DDP that does not broadcast buffers before each forward: `forward_sync_buffers=False` where it exists
+    (torch 2.13 deprecated the old name), else the older `broadcast_buffers=False` (same behaviour)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if _accepts(DDP.__init__, "forward_sync_buffers"):
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def distribute_local(full: torch.Tensor, mesh, placements):
+    """A DTensor of `full` in which each rank keeps its own slice of its own copy (no communication):
+    every rank drew the same seeded weight. Without `src_data_rank` (torch < 2.7) DTensor scatters rank 0's
+    copy instead: the same values, one collective more."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if _accepts(distribute_tensor, "src_data_rank"):
+        return distribute_tensor(full, mesh, placements, src_data_rank=None)
+    return distribute_tensor(full, mesh, placements)
+
+
+def dcp_load(state: dict, storage_reader, planner=None, no_dist: bool = False) -> None:
+    """`dcp.load`, told `no_dist` (load in one process without a process group) where it takes that
+    argument (torch >= 2.7); older DCP infers the same from whether a process group exists, so the argument
+    is dropped there. Every DCP load goes through here: a bare `no_dist=` is a TypeError on the floor."""
+    import torch.distributed.checkpoint as dcp
+
+    kwargs = {"storage_reader": storage_reader}
+    if planner is not None:
+        kwargs["planner"] = planner
+    if _accepts(dcp.load, "no_dist"):
+        kwargs["no_dist"] = no_dist
+    dcp.load(state, **kwargs)
+
+
+def fsdp2():
+    """(fully_shard, MixedPrecisionPolicy): public in torch.distributed.fsdp from 2.6; before that the
+    composable path (kept so an error names the floor instead of an ImportError)."""
+    _cpu_stream_events()
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    return fully_shard, MixedPrecisionPolicy
+
+
+def _cpu_stream_events() -> None:
+    """FSDP2 records and waits on events of the device's streams. torch.cpu.Stream gained no-op
+    `record_event`/`wait_event` in 2.7 (pytorch#145935: "now I can use FSDPv2 on CPU"); on 2.6 FSDP2 on CPU
+    dies with "'Stream' object has no attribute 'record_event'". CPU work is synchronous, so the same no-ops
+    are exact; added only where torch lacks them (CUDA streams are untouched)."""
+    stream = torch.cpu.Stream
+    if not hasattr(stream, "record_event"):
+        stream.record_event = lambda self, event=None: None
+    if not hasattr(stream, "wait_event"):
+        stream.wait_event = lambda self, event: None
+
+
+# torch 2.13 renamed the tensor collectives (the old names warn there); older torch has only the old ones.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

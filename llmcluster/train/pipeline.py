@@ -1,0 +1,161 @@
+"""Pipeline parallelism with `torch.distributed.pipelining`, as torchtitan lays it out.
+
+The pp dimension is the outermost of the mesh (pp, dp_replicate, dp_shard, tp). Each pp rank builds the
+Llama on the meta device and deletes what its stages do not hold (blocks not in its stages; the embedding
+unless it has stage 0; the final norm and head unless it has the last stage): what is left, the *rank
+model*, keeps the full model's parameter names, so a DCP checkpoint written at one pp degree loads at any
+other (and at pp=1). Each stage is a `_Stage` over modules of the rank model; with interleaved 1F1B a rank
+has `virtual_stages` of them (stage i on rank i mod pp, Megatron's looped placement). TP, activation
+checkpointing and compile apply to the rank model's blocks as without PP; FSDP wraps each block and then
+each stage (its own FSDP root, which is what `PipelineStage` expects).
+
+Weights: every rank still draws every weight, in the one seeded order of `Llama.init_weights`, and keeps
+only what it holds, so a run at pp=2 starts from the same weights as one process. The loss is the mean
+over micro-batches of the per-micro-batch mean (the schedule divides gradients by the micro-batch count),
+which is what gradient accumulation without PP computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmcluster.config.schema import JobConfig
+from llmcluster.config.stages import stage_layers
+from llmcluster.train.distributed import DistEnv, ParallelDims
+from llmcluster.train.parallelize import _fill_own_shard, apply_fsdp, apply_tp_ac_compile, fsdp_mesh
+
+
+class _Stage(nn.Module):
+    """One pipeline stage: [embedding] → its blocks → [norm → head]. Shares modules with the rank model."""
+
+    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool, seq_len: int):
+        super().__init__()
+        self.embed_tokens = model.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in blocks})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self._model = [model]  # not a submodule: the RoPE tables stay the rank model's (materialised there)
+        # Under TP + sequence parallelism the hidden states between stages are sharded on the sequence, so
+        # the RoPE length is the data's, not the input's.
+        self.seq_len = seq_len
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        m = self._model[0]
+        cos, sin = m.rope_cos[:self.seq_len], m.rope_sin[:self.seq_len]
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(h)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        if self.lm_head is not None:
+            h = self.lm_head(self.norm(h))
+        return h
+
+
+@dataclass
+class Pipeline:
+    schedule: object          # a torch.distributed.pipelining schedule
+    stages: list              # this rank's PipelineStage objects
+    model: nn.Module          # the rank model (optimizer, checkpoint, clip)
+    pp_group: object
+    has_first: bool
+    has_last: bool
+    n_microbatches: int
+
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, train: bool = True) -> list[torch.Tensor]:
+        """One pass over the rank's whole batch (n_microbatches × micro-batch). The per-micro-batch losses on
+        the rank with the last stage, [] elsewhere."""
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.has_first else ()
+        target = y if self.has_last else None
+        run = self.schedule.step if train else self.schedule.eval
+        run(*args, target=target, losses=losses if self.has_last else None)
+        return losses
+
+
+def stage_ids(dims: ParallelDims, pp_rank: int) -> list[int]:
+    """The global stage indices on one pp rank: pp_rank, pp_rank + pp, ... (looped placement)."""
+    return [pp_rank + v * dims.pp for v in range(dims.virtual_stages)]
+
+
+def build_pipeline(cfg: JobConfig, dims: ParallelDims, env: DistEnv, seed: int | None, loss_fn) -> Pipeline:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    from llmcluster.model.llama import build_model
+
+    mesh = dims.build_mesh(env.device.type)
+    n_stages = dims.pp * dims.virtual_stages
+    split = stage_layers(cfg.model.n_layers, n_stages)
+    mine = stage_ids(dims, dims.pp_rank(env.rank))
+    held = {str(i) for s in mine for i in split[s]}
+
+    model = build_model(cfg.model, device="meta")
+    # Set aside what this rank does not hold (still on meta): init_weights walks the whole model in order.
+    spare: dict[str, nn.Module] = {k: model.layers[k] for k in list(model.layers) if k not in held}
+    for k in spare:
+        del model.layers[k]
+    ends = {"embed_tokens": 0 in mine, "norm": n_stages - 1 in mine, "lm_head": n_stages - 1 in mine}
+    for name, keep in ends.items():
+        if not keep:
+            spare[name] = getattr(model, name)
+            setattr(model, name, None)
+
+    apply_tp_ac_compile(model, cfg, dims, mesh, env.device)
+    parts = [_Stage(model, split[s], s == 0, s == n_stages - 1, cfg.data.seq_len) for s in mine]
+    if dims.fsdp:
+        dp_mesh = fsdp_mesh(mesh, dims)
+        for part in parts:
+            apply_fsdp(part, dp_mesh, env.device, cfg.train.precision, cfg.parallel.fsdp_reshard_after_forward)
+
+    model.to_empty(device=env.device)
+    _init_held_weights(model, spare, seed)
+
+    pp_group = mesh["pp"].get_group()
+    stages = [PipelineStage(part, s, n_stages, env.device, group=pp_group) for part, s in zip(parts, mine)]
+    m = cfg.train.grad_accum
+    if dims.pp_schedule == "1F1B":
+        schedule = Schedule1F1B(stages[0], n_microbatches=m, loss_fn=loss_fn)
+    else:
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
+    return Pipeline(schedule, stages, model, pp_group, 0 in mine, n_stages - 1 in mine, m)
+
+
+def _init_held_weights(model: nn.Module, spare: dict[str, nn.Module], seed: int | None) -> None:
+    """Run the model's own seeded init over the whole (partly meta) model, keeping what this rank holds."""
+    for name, module in spare.items():
+        if name in ("embed_tokens", "norm", "lm_head"):
+            setattr(model, name, module)
+        else:
+            model.layers[name] = module
+    order = sorted(model.layers, key=int)
+    model.layers = nn.ModuleDict({k: model.layers[k] for k in order})  # init draws blocks in index order
+
+    def fill(param: torch.Tensor, full: torch.Tensor) -> None:
+        if not param.is_meta:
+            _fill_own_shard(param, full)
+
+    try:
+        model.init_weights(seed, fill=fill)
+    finally:
+        for name in spare:
+            if name in ("embed_tokens", "norm", "lm_head"):
+                setattr(model, name, None)
+            else:
+                del model.layers[name]
+
+
+def bubble_fraction(pp: int, virtual_stages: int, n_microbatches: int) -> float:
+    """Share of a pipelined step that a stage idles: (p-1) / (v·m + p-1) (Narayanan et al. 2021)."""
+    if pp <= 1:
+        return 0.0
+    return (pp - 1) / (virtual_stages * n_microbatches + pp - 1)
+
+
+def pp_all_reduce_(t: torch.Tensor, pipe: Pipeline | None) -> torch.Tensor:
+    """Sum over the pp ranks (each holds a different part of the model)."""
+    if pipe is not None:
+        dist.all_reduce(t, group=pipe.pp_group)
+    return t
