@@ -182,3 +182,29 @@ def test_the_demo_says_which_precision_it_computes_in_and_why(monkeypatch, nativ
     note = D.precision_note(torch.device("cpu"), "bf16")
     assert note.startswith("bf16: this CPU has native bf16" if native else "fp32: this CPU has no avx512_bf16")
     assert D.precision_note(torch.device("cpu"), "fp32") == "fp32: as configured"
+
+
+_TEARDOWN_WORKER = textwrap.dedent("""
+    import sys, time, torch.distributed as dist
+    from llmcluster.train import distributed as D
+    dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+    if sys.argv[2] == "hang":  # stands in for torch 2.6's rare hang in a gloo destructor (not reproducible at will)
+        dist.destroy_process_group = lambda: time.sleep(600)
+    D.shutdown(teardown_timeout_s=2)
+    print("returned", dist.is_initialized(), flush=True)
+""")
+
+
+@pytest.mark.parametrize("mode", ["clean", "hang"])
+def test_a_teardown_that_hangs_exits_instead_of_holding_the_nodes(tmp_path, mode):
+    import time
+
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _TEARDOWN_WORKER, str(tmp_path / "store"), mode], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    if mode == "clean":
+        assert (proc.returncode, proc.stdout) == (0, "returned False\n"), proc.stderr[-2000:]
+    else:  # the watchdog: status 1, the stack that hung on stderr, long before the job's time limit
+        assert proc.returncode == 1 and "returned" not in proc.stdout
+        assert "Timeout" in proc.stderr and "shutdown" in proc.stderr, proc.stderr[-2000:]
+        assert time.monotonic() - t0 < 60

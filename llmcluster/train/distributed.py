@@ -8,6 +8,7 @@ point-to-point sends are the only traffic that crosses the widest distance (they
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 from dataclasses import dataclass
@@ -199,15 +200,26 @@ def control_group():
     return _control[0] if dist.is_available() and dist.is_initialized() else None
 
 
-def shutdown() -> None:
+def shutdown(barrier: bool = True, teardown_timeout_s: float = 120.0) -> None:
     """barrier + destroy: without the barrier gloo aborts at exit in ~1 of 3 runs (torch-cpu-notes), and on
-    torch 2.6 a bare destroy hung one rank in ~1 of 5 runs (the barrier makes it rare, not impossible).
-    The barrier runs on the control group, which takes CPU work whatever `dist.backend` is."""
-    if dist.is_available() and dist.is_initialized():
-        try:
+    torch 2.6 a bare destroy hung one rank in ~1 of 5 runs. The barrier runs on the control group, which
+    takes CPU work whatever `dist.backend` is; `barrier=False` when a peer may be gone (it would hang).
+
+    The barrier makes the hang rare, not impossible (CI saw it once more after a DTensor test), and a rank
+    stuck in teardown holds its nodes until the job's time limit. So the destroy runs under a watchdog in C
+    (faulthandler: it needs no GIL, which a stuck C++ destructor may hold): after `teardown_timeout_s` the
+    process prints its stack and exits with status 1. A requeue of a finished run then exits at once."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if barrier:
             dist.barrier(group=control_group())
-        finally:
+    finally:
+        faulthandler.dump_traceback_later(teardown_timeout_s, exit=True)
+        try:
             dist.destroy_process_group()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
             _control[0] = None
 
 

@@ -492,7 +492,4 @@ def train_cli(args) -> int:
     finally:
         if trainer is not None:
             trainer.close()
-        if ok:
-            D.shutdown()
-        elif dist.is_initialized():  # a peer may be gone: no barrier, which could hang or raise
-            dist.destroy_process_group()
+        D.shutdown(barrier=ok)  # after a failure a peer may be gone: no barrier, which could hang or raise

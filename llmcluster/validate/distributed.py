@@ -99,12 +99,11 @@ def init_process_group():
 
 
 def shutdown() -> None:
-    """barrier then destroy: with gloo this avoids the random SIGABRT at exit (torch-cpu-notes)."""
-    import torch.distributed as dist
+    """The trainer's teardown (barrier, then a destroy under a watchdog): with gloo the barrier avoids the
+    random SIGABRT at exit (torch-cpu-notes), the watchdog torch 2.6's rare hang in destroy."""
+    from llmcluster.train.distributed import shutdown as train_shutdown
 
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    train_shutdown()
 
 
 def spawn_local(nproc: int, cli_args: list[str], env: dict | None = None,
