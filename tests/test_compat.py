@@ -208,3 +208,14 @@ def test_a_teardown_that_hangs_exits_instead_of_holding_the_nodes(tmp_path, mode
         assert proc.returncode == 1 and "returned" not in proc.stdout
         assert "Timeout" in proc.stderr and "shutdown" in proc.stderr, proc.stderr[-2000:]
         assert time.monotonic() - t0 < 60
+
+
+def test_teardown_in_process_under_a_captured_stderr(tmp_path, capsys):
+    """The watchdog needs a file descriptor; pytest's (or a notebook's) sys.stderr has none."""
+    import torch.distributed as dist
+
+    from llmcluster.train import distributed as D
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    D.shutdown()
+    assert not dist.is_initialized()

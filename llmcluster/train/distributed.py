@@ -215,12 +215,27 @@ def shutdown(barrier: bool = True, teardown_timeout_s: float = 120.0) -> None:
         if barrier:
             dist.barrier(group=control_group())
     finally:
-        faulthandler.dump_traceback_later(teardown_timeout_s, exit=True)
+        out = _real_stderr()
+        if out is not None:
+            faulthandler.dump_traceback_later(teardown_timeout_s, exit=True, file=out)
         try:
             dist.destroy_process_group()
         finally:
-            faulthandler.cancel_dump_traceback_later()
+            if out is not None:
+                faulthandler.cancel_dump_traceback_later()
             _control[0] = None
+
+
+def _real_stderr():
+    """A stderr with a file descriptor, which faulthandler writes to (a captured or redirected sys.stderr,
+    as under pytest or a notebook, has none): the process's own, else none (no watchdog then)."""
+    for f in (sys.stderr, sys.__stderr__):
+        try:
+            f.fileno()
+            return f
+        except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is both of the last two
+            continue
+    return None
 
 
 def all_reduce_max(value: float, env: DistEnv) -> float:
