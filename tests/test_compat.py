@@ -219,3 +219,29 @@ def test_teardown_in_process_under_a_captured_stderr(tmp_path, capsys):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     D.shutdown()
     assert not dist.is_initialized()
+
+
+_LEAVE_WORKER = textwrap.dedent("""
+    import atexit, sys, torch.distributed as dist
+    from llmcluster.cli import leave_past_distributed_teardown
+    from llmcluster.train import distributed as D
+    atexit.register(lambda: print("finalized"))
+    if sys.argv[2] == "group":
+        dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+        D.shutdown()
+    print("work done")  # block-buffered (a pipe): it must still come out
+    leave_past_distributed_teardown(3)
+    sys.exit(4)
+""")
+
+
+@pytest.mark.parametrize("mode", ["group", "none"])
+def test_a_process_that_ran_a_group_leaves_without_finalization(tmp_path, mode):
+    """Finalization after gloo can abort the process (SIGABRT at exit): such a process leaves with os._exit,
+    its output flushed and its exit code kept; a process without a group exits as usual."""
+    proc = subprocess.run([sys.executable, "-c", _LEAVE_WORKER, str(tmp_path / "store"), mode], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    if mode == "group":
+        assert (proc.returncode, proc.stdout) == (3, "work done\n"), proc.stderr[-2000:]
+    else:
+        assert (proc.returncode, proc.stdout) == (4, "work done\nfinalized\n"), proc.stderr[-2000:]

@@ -7,6 +7,7 @@ capability that does the work lazily, so `llmcluster plan` never pays for import
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from llmcluster import __version__
@@ -50,6 +51,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = run(argv)
+    if argv is None:  # a process of its own (the console script, `python -m llmcluster`), not a caller's call
+        leave_past_distributed_teardown(code)
+    return code
+
+
+def leave_past_distributed_teardown(code: int) -> None:
+    """A process whose work tore down a torch.distributed group ends here with os._exit once its streams are
+    flushed: see `train.distributed.torn_down` (its work, checkpoints and logs included, is done by then)."""
+    d = sys.modules.get("llmcluster.train.distributed")  # never imports torch itself
+    if d is not None and d.torn_down[0]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

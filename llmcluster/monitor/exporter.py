@@ -31,6 +31,11 @@ def serve(bind: str, port: int, storage_root: Path | None, expected_gpus: int | 
     if expected_gpus is not None and expected_gpus < 0:
         raise UserError(f"--expected-gpus must be >= 0 (got {expected_gpus})")
     registry, gpus, node = build_registry(storage_root, expected_gpus)
+    # The handlers go in before the "serving" line: whoever reads that line may signal at once.
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
     try:
         server, _thread = start_http_server(port, addr=bind, registry=registry)
     except OSError as e:
@@ -44,10 +49,6 @@ def serve(bind: str, port: int, storage_root: Path | None, expected_gpus: int | 
     print(f"llmcluster monitor: serving http://{bind}:{actual_port}/metrics; {gpu_note}; "
           f"storage areas: {areas}{f' under {storage_root}' if storage_root else ''}", flush=True)
 
-    stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
     try:
         stop.wait()
     finally:

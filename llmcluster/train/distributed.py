@@ -200,6 +200,13 @@ def control_group():
     return _control[0] if dist.is_available() and dist.is_initialized() else None
 
 
+# Whether this process tore a process group down: the CLI then leaves without interpreter finalization,
+# where gloo's worker threads can still release tensors that need the GIL and abort the process (SIGABRT,
+# "terminate called without an active exception": once in a 4-rank FSDP run under load, after barrier and
+# destroy; pytorch/pytorch#179291 describes the mechanism). A launcher counts that abort as a failure.
+torn_down = [False]
+
+
 def shutdown(barrier: bool = True, teardown_timeout_s: float = 120.0) -> None:
     """barrier + destroy: without the barrier gloo aborts at exit in ~1 of 3 runs (torch-cpu-notes), and on
     torch 2.6 a bare destroy hung one rank in ~1 of 5 runs. The barrier runs on the control group, which
@@ -211,6 +218,7 @@ def shutdown(barrier: bool = True, teardown_timeout_s: float = 120.0) -> None:
     process prints its stack and exits with status 1. A requeue of a finished run then exits at once."""
     if not (dist.is_available() and dist.is_initialized()):
         return
+    torn_down[0] = True
     try:
         if barrier:
             dist.barrier(group=control_group())
