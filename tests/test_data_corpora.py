@@ -132,6 +132,33 @@ def test_merge_refuses_missing_slice(capsys, tmp_path):
                           "1 of 3 missing", "1/3")
 
 
+def test_merging_one_kind_keeps_the_other_kinds_slices(capsys, tmp_path):
+    """scratch/data-<name>/ holds the slices of every kind of that name: merging `text` must not delete the
+    `code` slices (hours of tokenization), which stay mergeable."""
+    srcs = [_write("jsonl", tmp_path / f"p{i}", _records(6, 6 * i)) for i in range(2)]
+    root = tmp_path / "s"
+    for kind in ("text", "code"):
+        for i in range(2):
+            assert cli_inprocess(capsys, "data", "prepare", "--root", root, "--name", "m", "--kind", kind,
+                                 "--source", *srcs, "--tokenizer", "byte", "--val-fraction", "0",
+                                 "--shard", f"{i}/2").returncode == 0
+    scratch = root / "scratch" / "data-m"
+    code_slices = sorted(p.name for p in (scratch / "code").iterdir())
+    assert len(code_slices) == 2
+    proc = cli_inprocess(capsys, "data", "merge", "--root", root, "--name", "m", "--kind", "text")
+    assert proc.returncode == 0, proc.stderr
+    assert not (scratch / "text").exists()
+    assert sorted(p.name for p in (scratch / "code").iterdir()) == code_slices
+    proc = cli_inprocess(capsys, "data", "merge", "--root", root, "--name", "m", "--kind", "code")
+    assert proc.returncode == 0, proc.stderr
+    assert not scratch.exists()  # the last kind merged: the name's scratch directory goes too
+    for kind in ("text", "code"):
+        meta = json.loads((root / "datasets" / kind / "m" / "meta.json").read_text())
+        assert meta["documents"]["train"] == 12 and meta["merged_slices"] == 2
+        assert cli_inprocess(capsys, "data", "verify", "--root", root, "--name", "m", "--kind",
+                             kind).returncode == 0
+
+
 def test_directory_walk_reads_record_files_and_saved_datasets(capsys, tmp_path):
     d = tmp_path / "corpus"
     d.mkdir()

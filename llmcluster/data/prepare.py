@@ -348,7 +348,15 @@ def merge(root: Path, name: str, kind: str, n: int | None = None, force: bool = 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(base.parent)  # the slices are in the dataset now (verified on the way in)
+    # The slices are in the dataset now (verified on the way in). Only they go: scratch/data-<name>/ also
+    # holds the slices of the name's other kinds, and a slice still being written (.tmp-*) is not ours.
+    for d in dirs:
+        shutil.rmtree(d)
+    for d in (base, base.parent):
+        try:
+            d.rmdir()
+        except OSError:  # not empty: another kind's slices, or work in progress
+            break
     return final
 
 
