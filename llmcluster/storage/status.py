@@ -50,13 +50,22 @@ def status_dict(root: Path) -> dict:
                      "owner": read_owner(st.run_checkpoints(run)),
                      # what interrupted attempts left (removed by the next writer, under its lock)
                      "leftovers": _dot_dirs(st.run_checkpoints(run), TMP_PREFIX),
-                     # steps set aside by a roll-back or a rewrite: never resumed or pruned; the operator's
-                     "abandoned": _dot_dirs(st.run_checkpoints(run), ABANDONED_PREFIX)}
+                     # steps set aside by a roll-back, a rewrite or a failed verification: never resumed
+                     # or pruned; the operator's (listed as .abandoned-<time>/step_<N>)
+                     "abandoned": _abandoned(st.run_checkpoints(run))}
     return {"root": str(root), "areas": areas, "runs": runs}
 
 
 def _dot_dirs(run_dir: Path, prefix: str) -> list[str]:
     return sorted(d.name for d in run_dir.glob(f"{prefix}*") if d.is_dir()) if run_dir.is_dir() else []
+
+
+def _abandoned(run_dir: Path) -> list[str]:
+    out = []
+    for name in _dot_dirs(run_dir, ABANDONED_PREFIX):
+        steps = sorted(d.name for d in (run_dir / name).iterdir() if d.is_dir())
+        out += [f"{name}/{s}" for s in steps] or [name]
+    return out
 
 
 def status(root: Path, as_json: bool = False) -> int:

@@ -35,19 +35,21 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from llmcluster.errors import UserError
-from llmcluster.storage.layout import (ABANDONED_PREFIX, COMPLETE_MARKER, TMP_PREFIX, Storage, read_marker,
-                                       sha256_file)
+from llmcluster.storage.layout import ABANDONED_PREFIX, COMPLETE_MARKER, TMP_PREFIX, Storage, sha256_file
 from llmcluster.testing import test_hook
 from llmcluster.train import compat
 from llmcluster.train.distributed import control_group
 from llmcluster.train.ownership import RunLock
 from llmcluster.train.rng import rng_state, set_rng_state
-from llmcluster.train.safe_load import (TRAIN_STATE, UnsafeCheckpoint, check_data_only, load_state,
-                                        marker_problem)
+from llmcluster.train.checkpoint_verify import (first_error as _first_error, gather_obj as _gather_obj,
+                                                newest_verified_checkpoint, owner_rank, verify_checkpoint,
+                                                verify_share)
+from llmcluster.train.safe_load import TRAIN_STATE, UnsafeCheckpoint, load_state
 
 IO_ERROR_HOOK = "LLMCLUSTER_INJECT_IO_ERROR"  # test hook: rank:step[,...] fails that rank's part of that save
 
-__all__ = ["TRAIN_STATE", "Checkpointer", "verify_checkpoint", "newest_verified_checkpoint", "load_model_weights"]
+__all__ = ["TRAIN_STATE", "Checkpointer", "verify_checkpoint", "verify_share", "newest_verified_checkpoint",
+           "load_model_weights"]
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -70,45 +72,6 @@ def _write_json_atomic(path: Path, obj) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-
-
-def owner_rank(rel: str, world: int) -> int:
-    """Which rank hashes a checkpoint file: the rank that wrote it (DCP's __<rank>_<n>.distcp, rng/rank_<r>)
-    modulo the world, rank 0 the shared ones. Save and resume verification use the same rule."""
-    try:
-        if rel.startswith("__") and rel.endswith(".distcp"):
-            return int(rel[2:].split("_")[0]) % world
-        if rel.startswith("rng/rank_") and rel.endswith(".json"):
-            return int(rel[len("rng/rank_"):-5]) % world
-    except ValueError:
-        pass
-    return 0
-
-
-def verify_share(step_dir: Path, rank: int = 0, world: int = 1) -> str | None:
-    """This rank's part of verifying a checkpoint: None if its files match the marker, else what is wrong.
-    Every rank checks the marker's file list; rank 0 also reads the metadata and non-tensor entries as data."""
-    marker = read_marker(step_dir)
-    if marker is None:
-        return "no completion marker (interrupted write)"
-    problem = marker_problem(step_dir, marker)
-    if problem:
-        return problem
-    for rel, digest in marker["files"].items():
-        if owner_rank(rel, world) != rank:
-            continue
-        f = step_dir / rel
-        if not f.is_file():
-            return f"{rel} is missing"
-        if sha256_file(f) != digest:
-            return f"{rel} does not match its checksum"
-    return check_data_only(step_dir, marker) if rank == 0 else None
-
-
-def verify_checkpoint(step_dir: Path) -> str | None:
-    """None if the marker exists, lists only files inside the step, every file matches its checksum and the
-    metadata and non-tensor entries are plain data; else what is wrong. One process."""
-    return verify_share(step_dir, 0, 1)
 
 
 def _state_bytes(state) -> int:
@@ -158,20 +121,6 @@ def _broadcast_obj(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
-
-
-def _gather_obj(obj) -> list:
-    if not dist.is_initialized():
-        return [obj]
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, obj, group=control_group())   # CPU objects: the gloo side group under NCCL
-    return parts
-
-
-def _first_error(error: str | None) -> str | None:
-    """Collective: the first rank's error, the same on every rank (None if no rank had one). An error seen
-    by one rank alone would otherwise leave the others blocked in the next collective for dist.timeout_s."""
-    return next((e for e in _gather_obj(error) if e), None)
 
 
 class Checkpointer:
@@ -224,25 +173,29 @@ class Checkpointer:
         return self.dir / f"{ABANDONED_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{self.attempt[-6:]}"
 
     def prepare_start(self, resume: str, path: Path | None, start: int) -> None:
-        """Collective, after find_resume: complete checkpoints above the start step belong to another
-        trajectory. `--resume never`: refused; `--resume PATH`: set aside where neither resume nor retention
-        looks; `auto` starts from the newest verified one, so anything above it failed verification and is
-        replaced (set aside) when that step is written again."""
+        """Collective, after find_resume: step directories above the start step are not this trajectory's.
+        `--resume never`: complete ones are refused; `--resume PATH`: complete ones are set aside;
+        `auto` starts from the newest verified one, so every one above it was skipped (a mismatch, an I/O
+        error, no marker): set aside too, since retention counts only the steps it sees - left in place,
+        a corrupt step_6 would count among `keep_last` and get the verified step_4 deleted. Set aside
+        (`.abandoned-*`, never resumed or pruned) rather than deleted: the error may have been transient."""
         error = None
-        if self.rank == 0 and resume != "auto":
-            higher = [(s, d) for s, d, ok in self.storage.checkpoint_steps(self.run) if ok and s > start]
+        if self.rank == 0:
+            steps = self.storage.checkpoint_steps(self.run)
+            higher = [(s, d) for s, d, ok in steps if s > start and (ok or resume == "auto")]
             if higher and resume == "never":
                 error = (f"run {self.run} already has checkpoints up to step {higher[-1][0]}: choose another "
                          "run.name or --resume auto")
             elif higher:
                 aside = self._abandoned_dir()
+                names = ", ".join(d.name for _s, d in higher)
                 try:
                     aside.mkdir(parents=True)
                     for _s, d in higher:
                         os.rename(d, aside / d.name)
                     _fsync_dir(self.dir)
-                    self.log(f"rolled back to step {start}: moved {', '.join(d.name for _s, d in higher)} "
-                             f"to {aside}")
+                    self.log(f"set aside {names} (failed verification) in {aside}" if resume == "auto" else
+                             f"rolled back to step {start}: moved {names} to {aside}")
                 except OSError as e:
                     error = f"cannot set aside the checkpoints above step {start} in {self.dir}: {e.strerror or e}"
         error = _broadcast_obj(error)
@@ -444,20 +397,6 @@ class Checkpointer:
         if train_state.get("world_size") == self.world and rng.is_file():
             set_rng_state(json.loads(rng.read_text()))
         return train_state
-
-
-def newest_verified_checkpoint(storage: Storage, run: str, log, rank: int = 0, world: int = 1) -> Path | None:
-    """The newest step_<N> of a run that verifies; each newer one is skipped with a warning through `log`
-    (an interrupted, corrupted or tampered write costs the steps since the previous one, no more).
-    Collective when world > 1: each rank hashes its share (owner_rank), one all-gather of the verdicts per
-    candidate, newest first; every rank returns the same answer."""
-    for _step, d, _complete in reversed(storage.checkpoint_steps(run)):
-        problem = verify_share(d, rank, world) if world == 1 else _first_error(verify_share(d, rank, world))
-        if problem is None:
-            return d
-        if rank == 0:
-            log(f"warning: skipping checkpoint {d}: {problem}")
-    return None
 
 
 def _load_or_refuse(state: dict, path: Path, no_dist: bool) -> None:
