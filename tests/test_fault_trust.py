@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -270,20 +271,32 @@ def test_second_writer_is_refused_and_a_killed_owner_is_taken_over(capsys, root,
 
 
 def test_stale_heartbeat_from_another_host_is_taken_over(capsys, root):
-    # a lock from another host whose heartbeat is older than checkpoint.lock_stale_s
+    # a lock from another host: alive while its heartbeat moves, stale once it has not moved for
+    # checkpoint.lock_stale_s (two reads of the server's mtime, never compared with this host's clock)
     d = ckpts(root)
     d.mkdir(parents=True)
     (d / OWNER_LOCK).write_text(json.dumps({"run": "llm-tiny", "host": "elsewhere", "pid": 1, "start": "x",
                                             "attempt": "old"}))
-    past = time.time() - 100
+    past = time.time() + 3600   # a clock an hour ahead over there: it must not matter either way
     os.utime(d / OWNER_LOCK, (past, past))
-    code, out, err = train(capsys, root, train__steps=4, checkpoint__lock_stale_s=200)
+    stop = threading.Event()
+
+    def beat():  # the owner elsewhere, alive
+        while not stop.wait(0.05):
+            os.utime(d / OWNER_LOCK)
+    t = threading.Thread(target=beat)
+    t.start()
+    try:
+        code, out, err = train(capsys, root, train__steps=4, checkpoint__lock_stale_s=2)
+    finally:
+        stop.set()
+        t.join()
     one_line(code, err, "run llm-tiny already has a writer: pid 1 on elsewhere")
-    code, out, err = train(capsys, root, train__steps=4, checkpoint__lock_stale_s=50)
+    code, out, err = train(capsys, root, train__steps=4, checkpoint__lock_stale_s=0.5)
     assert code == 0, err
-    assert "taking over the owner lock from pid 1 on elsewhere" in out
-    age = re.search(r"heartbeat is (\d+) s old", out)   # planted 100 s ago, plus however long the test took
-    assert age and int(age.group(1)) >= 100, out
+    assert "watching its heartbeat for 0.5 s" in out
+    assert re.search(r"taking over the owner lock from pid 1 on elsewhere since x: its heartbeat did not change "
+                     r"in [\d.]+ s \(checkpoint.lock_stale_s=0.5\)", out), out
 
 
 def test_a_writer_whose_lock_was_taken_over_stops_without_writing(root):

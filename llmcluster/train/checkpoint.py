@@ -46,6 +46,7 @@ from llmcluster.train.checkpoint_verify import (first_error as _first_error, gat
                                                 verify_share)
 from llmcluster.train.safe_load import TRAIN_STATE, UnsafeCheckpoint, load_state
 
+CLAIM_POLL_S = 5.0  # rank 0 tells the other ranks this often how the owner lock's judgment stands
 IO_ERROR_HOOK = "LLMCLUSTER_INJECT_IO_ERROR"  # test hook: rank:step[,...] fails that rank's part of that save
 
 __all__ = ["TRAIN_STATE", "Checkpointer", "verify_checkpoint", "verify_share", "newest_verified_checkpoint",
@@ -125,7 +126,8 @@ def _broadcast_obj(obj, src: int = 0):
 
 class Checkpointer:
     def __init__(self, storage: Storage, run: str, rank: int, world_size: int, keep_last: int = 3,
-                 keep_every: int | None = None, log=print, lock_stale_s: float = 600.0):
+                 keep_every: int | None = None, log=print, lock_stale_s: float = 600.0,
+                 hang_s: float | None = None):
         self.storage, self.run, self.rank, self.world = storage, run, rank, world_size
         self.keep_last, self.keep_every, self.log = keep_last, keep_every, log
         self.dir = storage.run_checkpoints(run)
@@ -134,28 +136,32 @@ class Checkpointer:
         self.last_bytes: int | None = None
         self.pending = None                     # an async save in flight: (step, tmp dir, t0, future)
         self._group = None
-        self.lock = RunLock(self.dir, run, lock_stale_s, log)
+        self.lock = RunLock(self.dir, run, lock_stale_s, log, hang_s)
         self.attempt = self.lock.attempt        # rank 0's, once claim() has run
 
     # -- ownership ---------------------------------------------------------------------------------
     def claim(self) -> None:
         """Collective: rank 0 takes the run's owner lock (or every rank refuses with its one line), then
-        removes what dead attempts left behind (their .tmp-* directories) under it."""
-        error = None
-        if self.rank == 0:
-            try:
-                self.lock.acquire()
-                for d in sorted(self.dir.glob(f"{TMP_PREFIX}*")):
-                    if d.is_dir():
-                        shutil.rmtree(d, ignore_errors=True)
-                        self.log(f"removed {d.name}: left by an attempt that did not finish")
-            except UserError as e:
-                error = str(e)
-            except OSError as e:
-                error = f"run {self.run}: cannot take the owner lock in {self.dir}: {e.strerror or e}"
-        error, self.attempt = _broadcast_obj((error, self.lock.attempt))
-        if error:
-            raise UserError(error)
+        removes what dead attempts left behind (their .tmp-* directories) under it. Judging a holder that
+        flock cannot vouch for takes up to checkpoint.lock_stale_s: rank 0 reports every CLAIM_POLL_S, so the
+        other ranks' wait never reaches dist.timeout_s."""
+        done = False
+        while not done:
+            error, done = None, True
+            if self.rank == 0:
+                try:
+                    done = self.lock.acquire(for_s=CLAIM_POLL_S)
+                    for d in sorted(self.dir.glob(f"{TMP_PREFIX}*")) if done else []:
+                        if d.is_dir():
+                            shutil.rmtree(d, ignore_errors=True)
+                            self.log(f"removed {d.name}: left by an attempt that did not finish")
+                except UserError as e:
+                    error = str(e)
+                except OSError as e:
+                    error = f"run {self.run}: cannot take the owner lock in {self.dir}: {e.strerror or e}"
+            error, done, self.attempt = _broadcast_obj((error, done, self.lock.attempt))
+            if error:
+                raise UserError(error)
 
     def heartbeat(self) -> bool:
         """At a step boundary (rank 0; no collective): refresh the lock. True if it is no longer ours: the
@@ -210,6 +216,8 @@ class Checkpointer:
         checkpoint stays the newest. Async: stages the state in memory, writes it in a thread and returns
         None; `poll()` at later step boundaries finalizes it once every rank's write has completed."""
         self.wait_pending()
+        if self.rank == 0:
+            self.lock.progress()  # the hang watchdog counts a save from its start
         t0 = time.time()
         tmp = self.dir / f"{TMP_PREFIX}step_{step}-{self.attempt}"
         error = None
