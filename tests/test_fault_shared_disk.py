@@ -18,9 +18,8 @@ import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, cli_inprocess
 from faultkit import cli_cmd, fresh_root, make_dataset, sets, train_env, wait_for
-from llmcluster.cli import main
 from llmcluster.errors import UserError
 from llmcluster.storage.layout import OWNER_LOCK
 from llmcluster.train import ownership
@@ -39,14 +38,12 @@ def root(data_root, tmp_path):
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    proc = cli_inprocess(capsys, *args)
+    return proc.returncode, proc.stdout, proc.stderr
 
 
-def train(capsys, root, *extra, **over):
-    return cli(capsys, "train", "-c", "llm_tiny", "--root", root, *sets(**over), *extra)
+def train(capsys, root, **over):
+    return cli(capsys, "train", "-c", "llm_tiny", "--root", root, *sets(**over))
 
 
 def ckpts(root, run="llm-tiny"):

@@ -188,7 +188,7 @@ class CheckpointConfig(Section):
     keep_every: int | None = Field(None, ge=1)  # milestone: also keep every M-th step
     async_save: bool = Field(False, alias="async")
     grace_period_s: float = Field(120.0, gt=0)  # preemption: the checkpoint must finish within this
-    lock_stale_s: float = Field(600.0, gt=0)    # an owner lock whose heartbeat is older is taken over
+    lock_stale_s: float = Field(600.0, gt=0)    # an owner lock whose heartbeat stands still this long: stale
     allow_dataset_change: bool = False         # resume although the dataset's meta.json changed since
 
 
