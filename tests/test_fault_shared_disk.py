@@ -19,7 +19,7 @@ import time
 import pytest
 
 from conftest import REPO, cli_inprocess
-from faultkit import cli_cmd, fresh_root, make_dataset, sets, train_env, wait_for
+from faultkit import cli_cmd, fresh_root, make_dataset, run, sets, torchrun_cmd, train_env, wait_for
 from llmcluster.errors import UserError
 from llmcluster.storage.layout import OWNER_LOCK
 from llmcluster.train import ownership
@@ -243,3 +243,18 @@ def test_hang_watchdog_stops_the_heartbeat_and_the_run_can_be_taken_over(root, m
         new.release()
     finally:
         owner.release()
+
+
+@pytest.mark.slow
+def test_two_ranks_wait_while_rank_0_watches_a_lock_longer_than_dist_timeout(root):
+    """Judging a lock by its heartbeat takes lock_stale_s, longer here than dist.timeout_s: rank 1 waits in
+    rank 0's periodic reports instead of one broadcast that would time out."""
+    d = ckpts(root)
+    d.mkdir(parents=True)
+    (d / OWNER_LOCK).write_text(json.dumps({"run": "llm-tiny", "host": "elsewhere", "pid": 1, "start": "x",
+                                            "attempt": "old"}))
+    over = dict(train__steps=2, checkpoint__interval_steps=2, checkpoint__lock_stale_s=30, dist__timeout_s=20)
+    proc = run(torchrun_cmd(2, "train", "-c", "llm_tiny", "--root", root, *sets(**over)), timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "taking over the owner lock from pid 1 on elsewhere" in proc.stdout, proc.stdout
+    assert verify_checkpoint(d / "step_2") is None

@@ -127,7 +127,7 @@ def _broadcast_obj(obj, src: int = 0):
 class Checkpointer:
     def __init__(self, storage: Storage, run: str, rank: int, world_size: int, keep_last: int = 3,
                  keep_every: int | None = None, log=print, lock_stale_s: float = 600.0,
-                 hang_s: float | None = None):
+                 dist_timeout_s: float | None = None):
         self.storage, self.run, self.rank, self.world = storage, run, rank, world_size
         self.keep_last, self.keep_every, self.log = keep_last, keep_every, log
         self.dir = storage.run_checkpoints(run)
@@ -136,21 +136,23 @@ class Checkpointer:
         self.last_bytes: int | None = None
         self.pending = None                     # an async save in flight: (step, tmp dir, t0, future)
         self._group = None
-        self.lock = RunLock(self.dir, run, lock_stale_s, log, hang_s)
+        # The owner lock's hang watchdog: a healthy step's collectives each finish within dist.timeout_s.
+        self.lock = RunLock(self.dir, run, lock_stale_s, log, 2 * dist_timeout_s if dist_timeout_s else None)
+        self.claim_poll_s = min(CLAIM_POLL_S, (dist_timeout_s or CLAIM_POLL_S * 4) / 4)
         self.attempt = self.lock.attempt        # rank 0's, once claim() has run
 
     # -- ownership ---------------------------------------------------------------------------------
     def claim(self) -> None:
         """Collective: rank 0 takes the run's owner lock (or every rank refuses with its one line), then
         removes what dead attempts left behind (their .tmp-* directories) under it. Judging a holder that
-        flock cannot vouch for takes up to checkpoint.lock_stale_s: rank 0 reports every CLAIM_POLL_S, so the
-        other ranks' wait never reaches dist.timeout_s."""
+        flock cannot vouch for takes up to checkpoint.lock_stale_s: rank 0 reports every CLAIM_POLL_S (at most
+        a quarter of dist.timeout_s), so the other ranks' wait in the broadcast never reaches dist.timeout_s."""
         done = False
         while not done:
             error, done = None, True
             if self.rank == 0:
                 try:
-                    done = self.lock.acquire(for_s=CLAIM_POLL_S)
+                    done = self.lock.acquire(for_s=self.claim_poll_s)
                     for d in sorted(self.dir.glob(f"{TMP_PREFIX}*")) if done else []:
                         if d.is_dir():
                             shutil.rmtree(d, ignore_errors=True)

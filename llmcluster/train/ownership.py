@@ -11,8 +11,8 @@ otherwise write the same steps, delete each other's and prune each other's check
    for writing (EBADF on a read-only one), so the probe opens the lock for writing;
  - touched by a thread of rank 0's from the moment it is taken until release: startup (dataset hashing, HF
    import, resume verification) and a long synchronous save are not step boundaries. The thread stops when
-   the hang watchdog fires (no step boundary for `hang_s`; the trainer passes 2 x dist.timeout_s, which a
-   healthy step's collectives each stay within): a hung writer must not keep the run forever.
+   the hang watchdog fires (no step boundary for `hang_s`: 2 x dist.timeout_s in a run, which a healthy
+   step's collectives each stay within): a hung writer must not keep the run forever.
 Whether an owner is alive is read, in order: a held flock (alive); on the same host a dead pid, or a complete
 record that nobody flocks where flock works (dead: a reused pid), judged again after GRACE_S; otherwise its
 heartbeat, which must change between two reads `checkpoint.lock_stale_s` apart. The heartbeat is the lock's

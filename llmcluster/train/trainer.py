@@ -76,7 +76,7 @@ class Trainer:
         # One writer per run, decided before anything expensive: a second one is refused within seconds.
         self.ckpt = Checkpointer(self.storage, cfg.run.name, env.rank, env.world_size,
                                  cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, log=self.log,
-                                 lock_stale_s=cfg.checkpoint.lock_stale_s, hang_s=2 * cfg.dist.timeout_s)
+                                 lock_stale_s=cfg.checkpoint.lock_stale_s, dist_timeout_s=cfg.dist.timeout_s)
         self.ckpt.claim()
         try:
             self._build(resume)
