@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ansible_helpers import read_rendered
 
 from llmcluster.cli import main
 from llmcluster.config.cluster_load import load_cluster
@@ -143,7 +144,7 @@ def test_seed_slurm_conf_is_accepted_by_slurmctld(base, overrides):
     sets = [a for o in overrides for a in ("--set", o)]
     assert main(["provision", "--cluster", str(seed), "--out", str(project), *sets]) == 0
     # the seed's node names resolve on the cluster (DNS or ansible_host); here they point at this machine
-    hosts = yaml.safe_load((project / "inventory.yml").read_text())["all"]["children"]["nodes"]["hosts"]
+    hosts = read_rendered(project / "inventory.yml")["all"]["children"]["nodes"]["hosts"]
     (base / "addresses.yml").write_text(yaml.safe_dump(
         {"nodes": {"hosts": {h: {"ansible_host": "127.0.0.1"} for h in hosts}}}))
     apply(project, local_overrides(base, 6927), "-i", "inventory.yml", "-i", str(base / "addresses.yml"),

@@ -5,6 +5,10 @@ the inventory (head node, nodes with their GPU/HCA counts, the storage clients) 
 versions from the one versions file, the storage mounts and layout, Slurm's nodes, GRES and switches).
 An output directory is only ever written when it is empty or was written by provision before (its marker
 file), so a typo in --out never overwrites someone's files.
+
+The spec is data, never template or code (docs/security.md): its strings are validated on load (config/cluster.py),
+every string var is written `!unsafe` so Ansible never templates it (a `{{ lookup('pipe', ...) }}` would run
+on the machine that applies the playbook), and the roles quote what reaches a shell or a systemd unit.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from llmcluster import __version__
-from llmcluster.config.cluster import CPU_ONLY, ClusterSpec
+from llmcluster.config.cluster import CPU_ONLY, ClusterSpec, check_storage_root
 from llmcluster.errors import UserError
 from llmcluster.paths import asset_dir
 from llmcluster.provision import slurm
@@ -118,6 +122,8 @@ def cluster_vars(spec: ClusterSpec, hosts: list[str], head: str, scheduler: str)
     switches, tree = slurm.topology_switches(spec, hosts)
     storage, warnings = storage_vars(spec)
     gpus = spec.gpus_per_node > 0
+    partition = spec.scheduler.slurm.partition or ("gpu" if gpus else "cpu")
+    slurm.check_words(spec.name, partition, nodes, switches)
     return {
         "provision_cluster_name": spec.name,
         "provision_head": head,
@@ -128,7 +134,7 @@ def cluster_vars(spec: ClusterSpec, hosts: list[str], head: str, scheduler: str)
         "provision_llmcluster_version": __version__,
         "provision_exporter_port": spec.monitoring.exporter_port,
         **storage,
-        "scheduler_slurm_partition": spec.scheduler.slurm.partition or ("gpu" if gpus else "cpu"),
+        "scheduler_slurm_partition": partition,
         "scheduler_slurm_nodes": nodes,
         "scheduler_slurm_memory_share": 1 - slurm.MEMORY_RESERVE,   # of a node's own memory, when the spec has none
         "scheduler_slurm_gres": slurm.slurm_gres(nodes),
@@ -154,16 +160,44 @@ def check_out_dir(out: Path) -> None:
                         "refusing to overwrite it (give an empty or new directory)")
 
 
-def _dump(path: Path, data, header: str) -> None:
+class _Unsafe(str):
+    """A string Ansible must take as it is: dumped with the `!unsafe` tag."""
+
+
+class _AnsibleDumper(yaml.SafeDumper):
+    pass
+
+
+_AnsibleDumper.add_representer(_Unsafe, lambda d, s: d.represent_scalar("!unsafe", str(s)))
+
+
+def _unsafe(data):
+    """Every string value tagged (mapping keys stay plain: Ansible never templates a key, and the inventory's
+    group and host keys are its structure)."""
+    if isinstance(data, str):
+        return _Unsafe(data)
+    if isinstance(data, dict):
+        return {k: _unsafe(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_unsafe(v) for v in data]
+    return data
+
+
+def _dump(path: Path, data, header: str, unsafe: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=120)
+    text = yaml.dump(_unsafe(data) if unsafe else data, Dumper=_AnsibleDumper, sort_keys=False,
+                     default_flow_style=False, width=120)
     path.write_text(f"---\n# {header}\n{text}")
 
 
 def provision(spec: ClusterSpec, cluster_text: str, out: Path, scheduler: str | None = None) -> Rendered:
     """Write the Ansible project for `spec` into `out` (see the module docstring)."""
-    check_out_dir(out)
     scheduler = scheduler or spec.scheduler.default
+    try:       # the nodes mount it, whatever scheduler.default says (`--scheduler slurm` on a local spec)
+        check_storage_root(spec.storage.root, "on the nodes provision sets up")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    check_out_dir(out)
     hosts, warnings = host_names(spec)
     head = head_node(spec, hosts)
     cvars, more = cluster_vars(spec, hosts, head, scheduler)
@@ -183,11 +217,13 @@ def provision(spec: ClusterSpec, cluster_text: str, out: Path, scheduler: str | 
     (out / "files").mkdir(exist_ok=True)
     (out / "files" / "cluster.yaml").write_text(cluster_text)
     _dump(out / "files" / "prometheus.yml", prometheus_yml(spec, hosts), "the head node's Prometheus")
-    _dump(out / "inventory.yml", inventory(spec, hosts, head), f"cluster {spec.name}: rendered by llmcluster provision")
+    _dump(out / "inventory.yml", inventory(spec, hosts, head), f"cluster {spec.name}: rendered by llmcluster provision",
+          unsafe=True)
     _dump(out / "group_vars" / "all" / "versions.yml", {"provision_versions": versions()},
           "pinned versions (llmcluster/provision/versions.yaml)")
     _dump(out / "group_vars" / "all" / "cluster.yml", cvars,
-          f"cluster {spec.name}: facts the roles read, from the cluster spec")
+          f"cluster {spec.name}: facts the roles read, from the cluster spec (!unsafe: data, never templated)",
+          unsafe=True)
     (out / MARKER).write_text(f"llmcluster {__version__}\n")
     return Rendered(out, hosts, head, scheduler, warnings)
 
