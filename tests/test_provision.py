@@ -78,6 +78,9 @@ def test_seed_inventory_and_vars(tmp_path):
     assert set(inv["storage"]["children"]) == {"head", "nodes"}
     v = read_rendered(out / "group_vars" / "all" / "cluster.yml")
     assert v["provision_head"] == "head01" and v["provision_scheduler"] == "slurm"
+    # spec strings are `!unsafe` (tests/test_spec_injection.py), but not the empty one: Ansible reads that as null
+    text = (out / "group_vars" / "all" / "cluster.yml").read_text()
+    assert "provision_head: !unsafe 'head01'" in text and "provision_slurm_image: ''\n" in text
     assert v["scheduler_slurm_partition"] == "gpu"
     assert v["scheduler_slurm_nodes"] == [{"names": "gpu[01-08]", "hosts": list(nodes), "cpus": 64,
                                            "memory_mb": int(512 * 1024 * 0.9), "gpus": 4, "gpu_type": "a100-80gb"}]

@@ -173,9 +173,9 @@ _AnsibleDumper.add_representer(_Unsafe, lambda d, s: d.represent_scalar("!unsafe
 
 def _unsafe(data):
     """Every string value tagged (mapping keys stay plain: Ansible never templates a key, and the inventory's
-    group and host keys are its structure)."""
+    group and host keys are its structure). Not the empty string: Ansible reads `!unsafe ''` as null."""
     if isinstance(data, str):
-        return _Unsafe(data)
+        return _Unsafe(data) if data else data
     if isinstance(data, dict):
         return {k: _unsafe(v) for k, v in data.items()}
     if isinstance(data, (list, tuple)):
