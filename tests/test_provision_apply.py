@@ -55,6 +55,7 @@ def local_overrides(d: Path, port: int) -> Path:
         "ansible_python_interpreter": "/usr/bin/python3",   # the system Python has apt's bindings
         "provision_cluster_file": f"{d}/etc/cluster.yaml",
         "provision_venv": str(VENV),                   # this venv already holds the pinned torch + llmcluster
+        "ml_wheel_dir": f"{d}/wheels",                 # the shipped wheel lands here (llmcluster==version is satisfied)
         "os_profile_file": f"{d}/etc/profile.sh", "os_limits_file": f"{d}/etc/limits.conf",
         "scheduler_conf_dir": f"{d}/slurm/etc", "scheduler_state_dir": f"{d}/slurm/state",
         "scheduler_spool_dir": f"{d}/slurm/spool", "scheduler_log_dir": f"{d}/slurm/log",

@@ -322,6 +322,20 @@ class Cost(Section):
     server_life_years: float | None = Field(None, gt=0)
 
 
+URL_RE = re.compile(r"https?://[A-Za-z0-9._~:/@+=-]+")     # a package index: no spaces, quotes or shell characters
+
+
+class Provision(Section):
+    """How `provision`'s ML level installs where the nodes may not reach the internet (docs/bring-up.md)."""
+    wheel: str | None = None          # an llmcluster wheel here; None: `provision --wheel`, else built from the checkout
+    torch_index: str | None = None    # pip index for torch; None: PyTorch's (cuXY on GPU nodes, cpu elsewhere)
+    wheelhouse: str | None = None     # a directory of wheels every node reads: torch and llmcluster's dependencies
+    #                                   from it alone (pip --no-index), no index reached
+
+    _url = field_validator("torch_index")(_pattern(URL_RE, "an http(s) URL without spaces or quotes"))
+    _dir = field_validator("wheelhouse")(_pattern(PATH_RE, PATH_CHARS))
+
+
 class ClusterSpec(Section):
     name: str = "local"
     nodes: Nodes = Nodes()
@@ -333,6 +347,7 @@ class ClusterSpec(Section):
     validate_: Thresholds = Field(Thresholds(), alias="validate")
     reliability: Reliability = Reliability()
     cost: Cost = Cost()
+    provision: Provision = Provision()
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 

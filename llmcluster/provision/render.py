@@ -24,7 +24,7 @@ from llmcluster import __version__
 from llmcluster.config.cluster import CPU_ONLY, ClusterSpec, check_storage_root
 from llmcluster.errors import UserError
 from llmcluster.paths import asset_dir
-from llmcluster.provision import slurm
+from llmcluster.provision import slurm, wheel as ml_wheel
 from llmcluster.storage.layout import AREAS, DATASET_KINDS
 
 MARKER = ".llmcluster-provision"
@@ -43,6 +43,7 @@ class Rendered:
     head: str
     scheduler: str
     warnings: list[str]
+    wheel: str
 
 
 def versions() -> dict:
@@ -115,6 +116,15 @@ def storage_vars(spec: ClusterSpec) -> tuple[dict, list[str]]:
         "storage_source_examples": {m["path"]: SOURCE_EXAMPLES[m["backend"]] for m in mounts
                                     if m["backend"] in SOURCE_EXAMPLES},
     }, warnings
+
+
+def ml_vars(spec: ClusterSpec, wheel: Path) -> dict:
+    """The ml level's sources: our wheel (shipped in files/), its dependencies, torch's index or a wheelhouse."""
+    p = spec.provision
+    version, requirements = ml_wheel.read_wheel(wheel)
+    return {"provision_wheel": wheel.name, "provision_llmcluster_version": version,
+            "provision_requirements": requirements,
+            "provision_torch_index": p.torch_index or "", "provision_wheelhouse": p.wheelhouse or ""}
 
 
 def cluster_vars(spec: ClusterSpec, hosts: list[str], head: str, scheduler: str) -> tuple[dict, list[str]]:
@@ -190,7 +200,8 @@ def _dump(path: Path, data, header: str, unsafe: bool = False) -> None:
     path.write_text(f"---\n# {header}\n{text}")
 
 
-def provision(spec: ClusterSpec, cluster_text: str, out: Path, scheduler: str | None = None) -> Rendered:
+def provision(spec: ClusterSpec, cluster_text: str, out: Path, scheduler: str | None = None,
+              wheel: str | None = None) -> Rendered:
     """Write the Ansible project for `spec` into `out` (see the module docstring)."""
     scheduler = scheduler or spec.scheduler.default
     try:       # the nodes mount it, whatever scheduler.default says (`--scheduler slurm` on a local spec)
@@ -198,9 +209,11 @@ def provision(spec: ClusterSpec, cluster_text: str, out: Path, scheduler: str | 
     except ValueError as e:
         raise UserError(str(e)) from None
     check_out_dir(out)
+    whl = ml_wheel.resolve(wheel or spec.provision.wheel)
     hosts, warnings = host_names(spec)
     head = head_node(spec, hosts)
     cvars, more = cluster_vars(spec, hosts, head, scheduler)
+    cvars.update(ml_vars(spec, whl))
     warnings += more
     out.mkdir(parents=True, exist_ok=True)
     src = asset_dir("ansible")
@@ -216,6 +229,9 @@ def provision(spec: ClusterSpec, cluster_text: str, out: Path, scheduler: str | 
     shutil.copytree(mon / "grafana", files / "grafana", dirs_exist_ok=True)
     (out / "files").mkdir(exist_ok=True)
     (out / "files" / "cluster.yaml").write_text(cluster_text)
+    for old in (out / "files").glob("llmcluster-*.whl"):     # ours (marker checked): one wheel, the current one
+        old.unlink()
+    shutil.copy2(whl, out / "files" / whl.name)
     _dump(out / "files" / "prometheus.yml", prometheus_yml(spec, hosts), "the head node's Prometheus")
     _dump(out / "inventory.yml", inventory(spec, hosts, head), f"cluster {spec.name}: rendered by llmcluster provision",
           unsafe=True)
@@ -225,21 +241,22 @@ def provision(spec: ClusterSpec, cluster_text: str, out: Path, scheduler: str | 
           f"cluster {spec.name}: facts the roles read, from the cluster spec (!unsafe: data, never templated)",
           unsafe=True)
     (out / MARKER).write_text(f"llmcluster {__version__}\n")
-    return Rendered(out, hosts, head, scheduler, warnings)
+    return Rendered(out, hosts, head, scheduler, warnings, whl.name)
 
 
-def run(cluster: str | None, out: Path, overrides: list[str] | None = None, scheduler: str | None = None) -> int:
+def run(cluster: str | None, out: Path, overrides: list[str] | None = None, scheduler: str | None = None,
+        wheel: str | None = None) -> int:
     from llmcluster.config.cluster_load import load_cluster
 
     resolved = load_cluster(cluster, overrides)
     text = Path(resolved.source).read_text() if not resolved.is_default else ""
     if resolved.overrides or resolved.is_default:
         text = yaml.safe_dump(resolved.spec.model_dump(by_alias=True, exclude_defaults=True), sort_keys=False)
-    r = provision(resolved.spec, text, out, scheduler)
+    r = provision(resolved.spec, text, out, scheduler, wheel)
     for w in r.warnings:
         print(f"llmcluster provision: warning: {w}", file=sys.stderr)
     print(f"provisioned {resolved.spec.name}: {len(r.hosts)} node(s), head {r.head}, scheduler {r.scheduler} "
-          f"-> {out}/ (inventory.yml, site.yml, roles/, group_vars/)")
+          f"-> {out}/ (inventory.yml, site.yml, roles/, group_vars/, files/{r.wheel})")
     print(f"  apply:  ansible-playbook -i {out}/inventory.yml {out}/site.yml [--tags os,gpu,fabric,storage,"
           "scheduler,container,ml,monitoring]")
     return 0
