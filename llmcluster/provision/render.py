@@ -141,7 +141,6 @@ def cluster_vars(spec: ClusterSpec, hosts: list[str], head: str, scheduler: str)
         "provision_slurm_image": spec.scheduler.slurm.image or "",
         "provision_cluster_file": CLUSTER_FILE_ON_HOSTS,
         "provision_venv": VENV_ON_HOSTS,
-        "provision_llmcluster_version": __version__,
         "provision_exporter_port": spec.monitoring.exporter_port,
         **storage,
         "scheduler_slurm_partition": partition,
