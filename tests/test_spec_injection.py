@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from ansible_helpers import playbook, read_rendered
-from conftest import assert_one_line_error, run_cli
+from conftest import assert_one_line_error, cli_inprocess, run_cli
 
 from llmcluster.config.cluster_load import load_cluster
 from llmcluster.provision import render
@@ -74,9 +74,9 @@ def test_host_names_are_rfc1123_for_every_reader(tmp_path, hosts, command):
     ("nodes", {"hosts": ["gpu01", "gpu_02"]}, "nodes.hosts"),
     ("nodes", {"hosts": "gpu[1-999999999]"}, "more than"),       # a typo is refused, not expanded into memory
 ])
-def test_spec_strings_are_held_to_their_grammar_on_a_local_cluster(tmp_path, section, values, needle):
+def test_spec_strings_are_held_to_their_grammar_on_a_local_cluster(tmp_path, capsys, section, values, needle):
     spec = write_spec(tmp_path, sched="local", **{section: values})
-    assert_one_line_error(run_cli("cluster", "show", "--cluster", spec), needle)
+    assert_one_line_error(cli_inprocess(capsys, "cluster", "show", "--cluster", spec), needle)
 
 
 def test_provision_needs_an_absolute_root_whatever_the_scheduler(tmp_path):
