@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ansible_helpers import read_rendered
 
 from llmcluster.cli import main
 from llmcluster.config.cluster_load import load_cluster
@@ -67,7 +68,7 @@ def test_rendered_project_passes_syntax_check_and_lint(tmp_path, example):
 
 def test_seed_inventory_and_vars(tmp_path):
     out = provision(tmp_path, str(REPO / "clusters" / "seed-a100.yaml"))
-    inv = yaml.safe_load((out / "inventory.yml").read_text())["all"]["children"]
+    inv = read_rendered(out / "inventory.yml")["all"]["children"]
     assert list(inv["head"]["hosts"]) == ["head01"]
     assert inv["head"]["hosts"]["head01"] == {"node_gpus": 0, "node_hcas": 0, "node_fabric_link": "none",
                                               "node_nvswitch": False}
@@ -75,8 +76,11 @@ def test_seed_inventory_and_vars(tmp_path):
     assert list(nodes) == [f"gpu{i:02d}" for i in range(1, 9)]
     assert nodes["gpu03"] == {"node_gpus": 4, "node_hcas": 4, "node_fabric_link": "ib", "node_nvswitch": False}
     assert set(inv["storage"]["children"]) == {"head", "nodes"}
-    v = yaml.safe_load((out / "group_vars" / "all" / "cluster.yml").read_text())
+    v = read_rendered(out / "group_vars" / "all" / "cluster.yml")
     assert v["provision_head"] == "head01" and v["provision_scheduler"] == "slurm"
+    # spec strings are `!unsafe` (tests/test_spec_injection.py), but not the empty one: Ansible reads that as null
+    text = (out / "group_vars" / "all" / "cluster.yml").read_text()
+    assert "provision_head: !unsafe 'head01'" in text and "provision_slurm_image: ''\n" in text
     assert v["scheduler_slurm_partition"] == "gpu"
     assert v["scheduler_slurm_nodes"] == [{"names": "gpu[01-08]", "hosts": list(nodes), "cpus": 64,
                                            "memory_mb": int(512 * 1024 * 0.9), "gpus": 4, "gpu_type": "a100-80gb"}]
@@ -98,10 +102,10 @@ def test_seed_inventory_and_vars(tmp_path):
 def test_h200_nvswitch_count_only_placeholders_and_kubernetes(tmp_path, capsys):
     out = provision(tmp_path, str(REPO / "clusters" / "h200-8x.yaml"))
     assert "nodes.hosts is not set" in capsys.readouterr().err
-    inv = yaml.safe_load((out / "inventory.yml").read_text())["all"]["children"]
+    inv = read_rendered(out / "inventory.yml")["all"]["children"]
     assert list(inv["nodes"]["hosts"]) == ["h200-01", "h200-02", "h200-03", "h200-04"]
     assert inv["nodes"]["hosts"]["h200-01"]["node_nvswitch"] is True      # 8 NVLink GPUs: HGX with NVSwitch
-    v = yaml.safe_load((out / "group_vars" / "all" / "cluster.yml").read_text())
+    v = read_rendered(out / "group_vars" / "all" / "cluster.yml")
     assert v["provision_scheduler"] == "k8s"
     assert v["storage_mounts"][0]["backend"] == "weka"
 
@@ -111,16 +115,16 @@ def test_cpu_only_node_has_no_gpu_or_fabric_work(tmp_path):
     spec.write_text(f"name: one\nnodes: {{hosts: localhost}}\nhardware: {{gpu: none, gpus_per_node: 0}}\n"
                     f"storage: {{root: {tmp_path}/storage}}\nscheduler: {{default: slurm}}\n")
     out = provision(tmp_path, str(spec))
-    inv = yaml.safe_load((out / "inventory.yml").read_text())["all"]["children"]
+    inv = read_rendered(out / "inventory.yml")["all"]["children"]
     assert inv["head"]["hosts"] == {"localhost": None}      # its own head: vars live under nodes
     assert inv["nodes"]["hosts"]["localhost"] == {"node_gpus": 0, "node_hcas": 0, "node_fabric_link": "none",
                                                   "node_nvswitch": False}
-    v = yaml.safe_load((out / "group_vars" / "all" / "cluster.yml").read_text())
+    v = read_rendered(out / "group_vars" / "all" / "cluster.yml")
     assert v["scheduler_slurm_partition"] == "cpu" and v["scheduler_slurm_gres"] == []
     assert v["scheduler_slurm_switches"] == [] and v["storage_mounts"] == []
     assert v["scheduler_slurm_nodes"][0]["cpus"] is None    # the node's own count, from Ansible's facts
     provision(tmp_path, str(spec), "--scheduler", "local")
-    v = yaml.safe_load((out / "group_vars" / "all" / "cluster.yml").read_text())
+    v = read_rendered(out / "group_vars" / "all" / "cluster.yml")
     assert v["provision_scheduler"] == "local"
 
 
@@ -137,7 +141,7 @@ def test_refuses_a_foreign_non_empty_dir(tmp_path, capsys):
     (again / "roles" / "stale.txt").write_text("x")
     provision(tmp_path, str(REPO / "clusters" / "seed-a100.yaml"), "--set", "scheduler.slurm.partition=big")
     assert not (again / "roles" / "stale.txt").exists()
-    assert "scheduler_slurm_partition: big" in (again / "group_vars" / "all" / "cluster.yml").read_text()
+    assert read_rendered(again / "group_vars" / "all" / "cluster.yml")["scheduler_slurm_partition"] == "big"
     # the spec installed on the hosts is the one rendered, overrides included, and loads again
     installed = load_cluster(str(again / "files" / "cluster.yaml")).spec
     assert installed == load_cluster(str(REPO / "clusters" / "seed-a100.yaml"), ["scheduler.slurm.partition=big"]).spec

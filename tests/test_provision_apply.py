@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ansible_helpers import read_rendered
 
 from llmcluster.cli import main
 from llmcluster.config.cluster_load import load_cluster
@@ -54,6 +55,7 @@ def local_overrides(d: Path, port: int) -> Path:
         "ansible_python_interpreter": "/usr/bin/python3",   # the system Python has apt's bindings
         "provision_cluster_file": f"{d}/etc/cluster.yaml",
         "provision_venv": str(VENV),                   # this venv already holds the pinned torch + llmcluster
+        "ml_wheel_dir": f"{d}/wheels",                 # the shipped wheel lands here (llmcluster==version is satisfied)
         "os_profile_file": f"{d}/etc/profile.sh", "os_limits_file": f"{d}/etc/limits.conf",
         "scheduler_conf_dir": f"{d}/slurm/etc", "scheduler_state_dir": f"{d}/slurm/state",
         "scheduler_spool_dir": f"{d}/slurm/spool", "scheduler_log_dir": f"{d}/slurm/log",
@@ -143,7 +145,7 @@ def test_seed_slurm_conf_is_accepted_by_slurmctld(base, overrides):
     sets = [a for o in overrides for a in ("--set", o)]
     assert main(["provision", "--cluster", str(seed), "--out", str(project), *sets]) == 0
     # the seed's node names resolve on the cluster (DNS or ansible_host); here they point at this machine
-    hosts = yaml.safe_load((project / "inventory.yml").read_text())["all"]["children"]["nodes"]["hosts"]
+    hosts = read_rendered(project / "inventory.yml")["all"]["children"]["nodes"]["hosts"]
     (base / "addresses.yml").write_text(yaml.safe_dump(
         {"nodes": {"hosts": {h: {"ansible_host": "127.0.0.1"} for h in hosts}}}))
     apply(project, local_overrides(base, 6927), "-i", "inventory.yml", "-i", str(base / "addresses.yml"),

@@ -16,10 +16,13 @@ def register(sub) -> None:
                    help="which scheduler level to render (default: the spec's scheduler.default)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a cluster value by dotted path, e.g. --set nodes.count=16 (repeatable)")
+    p.add_argument("--wheel", metavar="PATH",
+                   help="the llmcluster wheel the ml level installs (default: provision.wheel, else built from this "
+                        "checkout with pip wheel --no-deps)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from llmcluster.provision.render import run as provision
 
-    return provision(args.cluster, Path(args.out), args.overrides, args.scheduler)
+    return provision(args.cluster, Path(args.out), args.overrides, args.scheduler, args.wheel)

@@ -19,13 +19,14 @@ every key, its default and its readers are listed in docs/cluster.md.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmcluster.config.gpus import FABRICS as FABRIC_TABLE, GPUSpec, gpu_spec
-from llmcluster.config.hostlist import expand_hostlist
-from llmcluster.config.job import IMAGE_RE, NAME_CHARS, NAME_RE, PATH_RE, _match
+from llmcluster.config.hostlist import HOST_CHARS, HOST_RE, HOSTLIST_RE, expand_hostlist
+from llmcluster.config.job import IMAGE_RE, NAME_CHARS, NAME_RE, PATH_CHARS, PATH_RE, _match
 from llmcluster.errors import UserError
 
 # = storage.layout.AREAS (config imports no capability; tests/test_cluster.py keeps the two equal)
@@ -35,6 +36,32 @@ AREAS = ("datasets", "checkpoints", "logs", "models", "scratch")
 FABRICS = ("ib-hdr", "ib-ndr", "roce-200", "roce-400", "ethernet", "none")
 assert set(FABRICS) == set(FABRIC_TABLE) | {"ethernet"}
 CPU_ONLY = "none"
+# Every string of the spec reaches a file another program parses (slurm.conf, topology.conf, an Ansible var, a
+# shell script run as root, a systemd unit, prometheus.yml): each is held to a grammar here, whatever the
+# scheduler, and the renderers quote or escape on top (docs/security.md).
+REL_PATH_RE = re.compile(r"[A-Za-z0-9._+][A-Za-z0-9._/+-]*")      # a local storage root may be relative
+# Prometheus durations (units in this order, as Prometheus parses them): 15s, 1m30s, 500ms
+DURATION_RE = re.compile(r"(?:\d+y)?(?:\d+w)?(?:\d+d)?(?:\d+h)?(?:\d+m)?(?:\d+s)?(?:\d+ms)?")
+# Kubernetes label keys ([prefix/]name) and values
+LABEL_KEY_RE = re.compile(r"(?:[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+LABEL_VALUE_RE = re.compile(r"(?:[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+
+
+def check_storage_root(root: str, absolute_for: str | None = None) -> str:
+    """The one path rule for storage.root, whatever the scheduler: it reaches shell scripts run as root,
+    systemd units and Ansible, so no spaces, quotes, newlines, `%` or `$`; and absolute (`absolute_for`
+    says why) wherever machines other than this one mount it."""
+    if not (PATH_RE.fullmatch(root) or REL_PATH_RE.fullmatch(root)):
+        raise ValueError(f"storage.root {root!r} is not allowed: a path of letters, digits and ._/+- "
+                         "(no spaces, quotes, newlines, % or $)")
+    if absolute_for and not root.startswith("/"):
+        raise ValueError(f"storage.root {root!r} must be {PATH_CHARS} {absolute_for}")
+    return root
+
+
+def is_duration(value: str) -> bool:
+    """A positive Prometheus duration."""
+    return bool(value) and bool(DURATION_RE.fullmatch(value)) and any(c in "123456789" for c in value)
 
 
 class Section(BaseModel):
@@ -52,10 +79,37 @@ class NodeOverride(Section):
     memory_gb: float | None = Field(None, gt=0)
 
 
+def _hostlist_names(expr: str, what: str) -> list[str]:
+    if not HOSTLIST_RE.fullmatch(expr):
+        raise ValueError(f"{what} {expr!r} is not a host name or Slurm hostlist: {HOST_CHARS}, "
+                         "with [01-08,12] ranges and commas")
+    names = expand_hostlist(expr)
+    for name in names:
+        if not HOST_RE.fullmatch(name):
+            raise ValueError(f"{what} {expr!r}: {name!r} is not a host name ({HOST_CHARS})")
+    return names
+
+
 class Nodes(Section):
     hosts: str | list[str] | None = None        # Slurm hostlist "gpu[01-08]" or a list of names
     count: int | None = Field(None, ge=1)        # when the names are not known (planning) or do not matter
     overrides: dict[str, NodeOverride] = {}     # hostname or hostlist -> values that differ there
+
+    @field_validator("hosts")
+    @classmethod
+    def _host_names(cls, v):
+        """RFC 1123 names after expansion: a name becomes a NodeName= line, an inventory host and a scrape
+        target, so a newline or a space would inject slurmctld directives or split a line."""
+        for item in [v] if isinstance(v, str) else v or []:
+            _hostlist_names(item, "nodes.hosts")
+        return v
+
+    @field_validator("overrides")
+    @classmethod
+    def _override_keys(cls, v):
+        for key in v:
+            _hostlist_names(key, "nodes.overrides key")
+        return v
 
     @model_validator(mode="after")
     def _one_of(self):
@@ -176,7 +230,8 @@ class Slurm(Section):
     image: str | None = None                 # container image run through pyxis (srun --container-image)
     head_node: str | None = None             # where sbatch runs (login/head node); descriptive
 
-    _names = field_validator("partition", "account", "head_node")(_pattern(NAME_RE, NAME_CHARS))
+    _names = field_validator("partition", "account")(_pattern(NAME_RE, NAME_CHARS))
+    _head = field_validator("head_node")(_pattern(HOST_RE, f"a host name ({HOST_CHARS})"))
     _image = field_validator("image")(_pattern(IMAGE_RE, "an image reference (registry/repo:tag)"))
 
 
@@ -192,6 +247,15 @@ class Kubernetes(Section):
 
     _names = field_validator("namespace", "queue", "service_account")(_pattern(NAME_RE, NAME_CHARS))
     _image = field_validator("image")(_pattern(IMAGE_RE, "an image reference (registry/repo:tag)"))
+
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            if not LABEL_KEY_RE.fullmatch(key) or not LABEL_VALUE_RE.fullmatch(value):
+                raise ValueError(f"scheduler.kubernetes.node_selector {key!r}: {value!r} is not a Kubernetes "
+                                 "label (letters, digits, '-', '_', '.'; at most 63, an optional prefix/)")
+        return v
 
     @model_validator(mode="after")
     def _gang(self):
@@ -214,6 +278,13 @@ class Monitoring(Section):
     namespace: str = "monitoring"                      # Kubernetes namespace of the exporter DaemonSet
 
     _ns = field_validator("namespace")(_pattern(NAME_RE, NAME_CHARS))
+
+    @field_validator("scrape_interval")
+    @classmethod
+    def _duration(cls, v: str) -> str:
+        if not is_duration(v):
+            raise ValueError(f"monitoring.scrape_interval {v!r} is not a Prometheus duration (e.g. 15s, 1m30s)")
+        return v
 
 
 class Thresholds(Section):
@@ -251,6 +322,20 @@ class Cost(Section):
     server_life_years: float | None = Field(None, gt=0)
 
 
+URL_RE = re.compile(r"https?://[A-Za-z0-9._~:/@+=-]+")     # a package index: no spaces, quotes or shell characters
+
+
+class Provision(Section):
+    """How `provision`'s ML level installs where the nodes may not reach the internet (docs/bring-up.md)."""
+    wheel: str | None = None          # an llmcluster wheel here; None: `provision --wheel`, else built from the checkout
+    torch_index: str | None = None    # pip index for torch; None: PyTorch's (cuXY on GPU nodes, cpu elsewhere)
+    wheelhouse: str | None = None     # a directory of wheels every node reads: torch and llmcluster's dependencies
+    #                                   from it alone (pip --no-index), no index reached
+
+    _url = field_validator("torch_index")(_pattern(URL_RE, "an http(s) URL without spaces or quotes"))
+    _dir = field_validator("wheelhouse")(_pattern(PATH_RE, PATH_CHARS))
+
+
 class ClusterSpec(Section):
     name: str = "local"
     nodes: Nodes = Nodes()
@@ -262,6 +347,7 @@ class ClusterSpec(Section):
     validate_: Thresholds = Field(Thresholds(), alias="validate")
     reliability: Reliability = Reliability()
     cost: Cost = Cost()
+    provision: Provision = Provision()
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -272,9 +358,8 @@ class ClusterSpec(Section):
         for area, claim in self.storage.kubernetes.items():
             if area == "checkpoints" and claim.read_only:
                 raise ValueError("storage.kubernetes.checkpoints.read_only: checkpoints must be writable")
-        if self.scheduler.default != "local" and not PATH_RE.fullmatch(self.storage.root):
-            raise ValueError(f"storage.root {self.storage.root!r} must be an absolute path on a "
-                             f"{self.scheduler.default} cluster")
+        default = self.scheduler.default
+        check_storage_root(self.storage.root, None if default == "local" else f"on a {default} cluster")
         return self
 
     # -- what the commands ask --

@@ -10,6 +10,15 @@ import re
 
 from llmcluster.errors import UserError
 
+# RFC 1123 host names (labels of letters, digits and inner '-', joined by '.'; at most 253 characters) and the
+# characters a hostlist expression may hold: a name goes into slurm.conf, topology.conf, the Ansible inventory
+# and prometheus.yml, where a newline or a space would start a new directive.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+HOST_RE = re.compile(rf"(?=.{{1,253}}\Z){_LABEL}(?:\.{_LABEL})*")
+HOST_CHARS = "letters, digits, inner '-' and '.' (RFC 1123)"
+HOSTLIST_RE = re.compile(r"[A-Za-z0-9.,\[\]-]+")
+MAX_HOSTS = 100_000     # a typo like gpu[1-99999999] is refused, not expanded into memory
+
 _PART = re.compile(r"([^,\[]+)(?:\[([^\]]*)\])?([^,\[]*)")
 
 
@@ -37,6 +46,8 @@ def expand_hostlist(expr: str) -> list[str]:
                 if int(hi) < int(lo):
                     raise UserError(f"descending range {item!r} in Slurm node list {expr!r}")
                 width = len(lo)
+                if len(names) + int(hi) - int(lo) + 1 > MAX_HOSTS:
+                    raise UserError(f"Slurm node list {expr!r} names more than {MAX_HOSTS} hosts")
                 names.extend(f"{prefix}{n:0{width}d}{suffix}" for n in range(int(lo), int(hi) + 1))
         pos = m.end()
         if pos < len(expr):

@@ -11,13 +11,12 @@ and the recording rules (prometheus-operator CRDs, as kube-prometheus-stack inst
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from llmcluster.config.cluster import ClusterSpec
+from llmcluster.config.cluster import ClusterSpec, is_duration
 from llmcluster.config.hostlist import expand_hostlist  # noqa: F401  (re-exported: monitor config --slurm-nodelist)
 from llmcluster.errors import UserError
 from llmcluster.paths import MONITORING_DIR
@@ -139,9 +138,6 @@ def dump(docs: dict | list[dict]) -> str:
     return yaml.dump_all(docs, Dumper=_PlainDumper, sort_keys=False)
 
 
-_DURATION = re.compile(r"(\d+(ms|s|m|h|d|w|y))+")
-
-
 def _check_port(name: str, port: int) -> int:
     if not 0 < port < 65536:
         raise UserError(f"{name} must be a TCP port 1-65535 (got {port})")
@@ -150,7 +146,7 @@ def _check_port(name: str, port: int) -> int:
 
 def check_scrape_flags(port: int, train_port: int | None, train_ports_per_node: int, scrape_interval: str) -> None:
     _check_port("--port", port)
-    if not _DURATION.fullmatch(scrape_interval):
+    if not is_duration(scrape_interval):
         raise UserError(f"--scrape-interval {scrape_interval!r} is not a Prometheus duration (e.g. 15s, 1m)")
     if train_ports_per_node < 1:
         raise UserError(f"--train-ports-per-node must be >= 1 (got {train_ports_per_node})")

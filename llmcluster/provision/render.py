@@ -5,6 +5,10 @@ the inventory (head node, nodes with their GPU/HCA counts, the storage clients) 
 versions from the one versions file, the storage mounts and layout, Slurm's nodes, GRES and switches).
 An output directory is only ever written when it is empty or was written by provision before (its marker
 file), so a typo in --out never overwrites someone's files.
+
+The spec is data, never template or code (docs/security.md): its strings are validated on load (config/cluster.py),
+every string var is written `!unsafe` so Ansible never templates it (a `{{ lookup('pipe', ...) }}` would run
+on the machine that applies the playbook), and the roles quote what reaches a shell or a systemd unit.
 """
 
 from __future__ import annotations
@@ -17,10 +21,10 @@ from pathlib import Path
 import yaml
 
 from llmcluster import __version__
-from llmcluster.config.cluster import CPU_ONLY, ClusterSpec
+from llmcluster.config.cluster import CPU_ONLY, ClusterSpec, check_storage_root
 from llmcluster.errors import UserError
 from llmcluster.paths import asset_dir
-from llmcluster.provision import slurm
+from llmcluster.provision import slurm, wheel as ml_wheel
 from llmcluster.storage.layout import AREAS, DATASET_KINDS
 
 MARKER = ".llmcluster-provision"
@@ -39,6 +43,7 @@ class Rendered:
     head: str
     scheduler: str
     warnings: list[str]
+    wheel: str
 
 
 def versions() -> dict:
@@ -113,11 +118,22 @@ def storage_vars(spec: ClusterSpec) -> tuple[dict, list[str]]:
     }, warnings
 
 
+def ml_vars(spec: ClusterSpec, wheel: Path) -> dict:
+    """The ml level's sources: our wheel (shipped in files/), its dependencies, torch's index or a wheelhouse."""
+    p = spec.provision
+    version, requirements = ml_wheel.read_wheel(wheel)
+    return {"provision_wheel": wheel.name, "provision_llmcluster_version": version,
+            "provision_requirements": requirements,
+            "provision_torch_index": p.torch_index or "", "provision_wheelhouse": p.wheelhouse or ""}
+
+
 def cluster_vars(spec: ClusterSpec, hosts: list[str], head: str, scheduler: str) -> tuple[dict, list[str]]:
     nodes = slurm.slurm_nodes(spec, hosts)
     switches, tree = slurm.topology_switches(spec, hosts)
     storage, warnings = storage_vars(spec)
     gpus = spec.gpus_per_node > 0
+    partition = spec.scheduler.slurm.partition or ("gpu" if gpus else "cpu")
+    slurm.check_words(spec.name, partition, nodes, switches)
     return {
         "provision_cluster_name": spec.name,
         "provision_head": head,
@@ -125,10 +141,9 @@ def cluster_vars(spec: ClusterSpec, hosts: list[str], head: str, scheduler: str)
         "provision_slurm_image": spec.scheduler.slurm.image or "",
         "provision_cluster_file": CLUSTER_FILE_ON_HOSTS,
         "provision_venv": VENV_ON_HOSTS,
-        "provision_llmcluster_version": __version__,
         "provision_exporter_port": spec.monitoring.exporter_port,
         **storage,
-        "scheduler_slurm_partition": spec.scheduler.slurm.partition or ("gpu" if gpus else "cpu"),
+        "scheduler_slurm_partition": partition,
         "scheduler_slurm_nodes": nodes,
         "scheduler_slurm_memory_share": 1 - slurm.MEMORY_RESERVE,   # of a node's own memory, when the spec has none
         "scheduler_slurm_gres": slurm.slurm_gres(nodes),
@@ -154,19 +169,50 @@ def check_out_dir(out: Path) -> None:
                         "refusing to overwrite it (give an empty or new directory)")
 
 
-def _dump(path: Path, data, header: str) -> None:
+class _Unsafe(str):
+    """A string Ansible must take as it is: dumped with the `!unsafe` tag."""
+
+
+class _AnsibleDumper(yaml.SafeDumper):
+    pass
+
+
+_AnsibleDumper.add_representer(_Unsafe, lambda d, s: d.represent_scalar("!unsafe", str(s)))
+
+
+def _unsafe(data):
+    """Every string value tagged (mapping keys stay plain: Ansible never templates a key, and the inventory's
+    group and host keys are its structure). Not the empty string: Ansible reads `!unsafe ''` as null."""
+    if isinstance(data, str):
+        return _Unsafe(data) if data else data
+    if isinstance(data, dict):
+        return {k: _unsafe(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_unsafe(v) for v in data]
+    return data
+
+
+def _dump(path: Path, data, header: str, unsafe: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=120)
+    text = yaml.dump(_unsafe(data) if unsafe else data, Dumper=_AnsibleDumper, sort_keys=False,
+                     default_flow_style=False, width=120)
     path.write_text(f"---\n# {header}\n{text}")
 
 
-def provision(spec: ClusterSpec, cluster_text: str, out: Path, scheduler: str | None = None) -> Rendered:
+def provision(spec: ClusterSpec, cluster_text: str, out: Path, scheduler: str | None = None,
+              wheel: str | None = None) -> Rendered:
     """Write the Ansible project for `spec` into `out` (see the module docstring)."""
-    check_out_dir(out)
     scheduler = scheduler or spec.scheduler.default
+    try:       # the nodes mount it, whatever scheduler.default says (`--scheduler slurm` on a local spec)
+        check_storage_root(spec.storage.root, "on the nodes provision sets up")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    check_out_dir(out)
+    whl = ml_wheel.resolve(wheel or spec.provision.wheel)
     hosts, warnings = host_names(spec)
     head = head_node(spec, hosts)
     cvars, more = cluster_vars(spec, hosts, head, scheduler)
+    cvars.update(ml_vars(spec, whl))
     warnings += more
     out.mkdir(parents=True, exist_ok=True)
     src = asset_dir("ansible")
@@ -182,28 +228,34 @@ def provision(spec: ClusterSpec, cluster_text: str, out: Path, scheduler: str | 
     shutil.copytree(mon / "grafana", files / "grafana", dirs_exist_ok=True)
     (out / "files").mkdir(exist_ok=True)
     (out / "files" / "cluster.yaml").write_text(cluster_text)
+    for old in (out / "files").glob("llmcluster-*.whl"):     # ours (marker checked): one wheel, the current one
+        old.unlink()
+    shutil.copy2(whl, out / "files" / whl.name)
     _dump(out / "files" / "prometheus.yml", prometheus_yml(spec, hosts), "the head node's Prometheus")
-    _dump(out / "inventory.yml", inventory(spec, hosts, head), f"cluster {spec.name}: rendered by llmcluster provision")
+    _dump(out / "inventory.yml", inventory(spec, hosts, head), f"cluster {spec.name}: rendered by llmcluster provision",
+          unsafe=True)
     _dump(out / "group_vars" / "all" / "versions.yml", {"provision_versions": versions()},
           "pinned versions (llmcluster/provision/versions.yaml)")
     _dump(out / "group_vars" / "all" / "cluster.yml", cvars,
-          f"cluster {spec.name}: facts the roles read, from the cluster spec")
+          f"cluster {spec.name}: facts the roles read, from the cluster spec (!unsafe: data, never templated)",
+          unsafe=True)
     (out / MARKER).write_text(f"llmcluster {__version__}\n")
-    return Rendered(out, hosts, head, scheduler, warnings)
+    return Rendered(out, hosts, head, scheduler, warnings, whl.name)
 
 
-def run(cluster: str | None, out: Path, overrides: list[str] | None = None, scheduler: str | None = None) -> int:
+def run(cluster: str | None, out: Path, overrides: list[str] | None = None, scheduler: str | None = None,
+        wheel: str | None = None) -> int:
     from llmcluster.config.cluster_load import load_cluster
 
     resolved = load_cluster(cluster, overrides)
     text = Path(resolved.source).read_text() if not resolved.is_default else ""
     if resolved.overrides or resolved.is_default:
         text = yaml.safe_dump(resolved.spec.model_dump(by_alias=True, exclude_defaults=True), sort_keys=False)
-    r = provision(resolved.spec, text, out, scheduler)
+    r = provision(resolved.spec, text, out, scheduler, wheel)
     for w in r.warnings:
         print(f"llmcluster provision: warning: {w}", file=sys.stderr)
     print(f"provisioned {resolved.spec.name}: {len(r.hosts)} node(s), head {r.head}, scheduler {r.scheduler} "
-          f"-> {out}/ (inventory.yml, site.yml, roles/, group_vars/)")
+          f"-> {out}/ (inventory.yml, site.yml, roles/, group_vars/, files/{r.wheel})")
     print(f"  apply:  ansible-playbook -i {out}/inventory.yml {out}/site.yml [--tags os,gpu,fabric,storage,"
           "scheduler,container,ml,monitoring]")
     return 0

@@ -7,16 +7,32 @@ packs a job onto the fewest switches the planner priced. The roles' templates on
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from llmcluster.config.cluster import CPU_ONLY, ClusterSpec
 from llmcluster.config.gpus import FABRICS
 from llmcluster.config.hostlist import compress_hostlist
+from llmcluster.errors import UserError
 
 RDMA_FABRICS = tuple(name for name, f in FABRICS.items() if f.line_gbit)   # ib-*, roce-*: switched, with HCAs
 # The OS, the daemons and the page cache keep this share of a node's memory; Slurm hands out the rest
 # (a node whose RealMemory exceeds what it has is set DRAIN by slurmctld).
 MEMORY_RESERVE = 0.10
+# What a value in slurm.conf, gres.conf or topology.conf may hold: slurmctld reads a newline as a new directive
+# and a space as a new key=value, and nothing there can be quoted.
+SLURM_WORD = re.compile(r"[A-Za-z0-9._,\[\]-]+")
+
+
+def check_words(*values) -> None:
+    """Behind the spec's own validation: every string bound for Slurm's files is one word, or provision stops."""
+    for v in values:
+        if isinstance(v, dict):
+            check_words(*v.values())
+        elif isinstance(v, (list, tuple)):
+            check_words(*v)
+        elif isinstance(v, str) and not SLURM_WORD.fullmatch(v):
+            raise UserError(f"{v!r} cannot go into slurm.conf (letters, digits and ._,[]- only)")
 
 
 def gres_type(gpu: str) -> str:
