@@ -18,17 +18,24 @@ ENV PYTHONUNBUFFERED=1 \
     LLMCLUSTER_STORAGE=/storage
 
 WORKDIR /opt/llmcluster
-# dependencies first (cached layer), then the package
+# Dependencies first (a cached layer): pyproject.toml's own list, read from it (scripts/image_deps.py), without
+# torch; the constraint holds pip to the base's torch, so no dependency can pull another build over it.
 COPY pyproject.toml README.md ./
+COPY scripts/image_deps.py ./scripts/
+RUN python scripts/image_deps.py pyproject.toml > /tmp/requirements.txt \
+ && python -c "import torch; print('torch==' + torch.__version__)" > /tmp/constraints.txt \
+ && python -m pip install -r /tmp/requirements.txt -c /tmp/constraints.txt \
+ && rm /tmp/requirements.txt /tmp/constraints.txt
 COPY llmcluster ./llmcluster
 RUN python -m pip install --no-deps -e . \
- && python -m pip install "numpy>=1.26" "pydantic>=2.6" "PyYAML>=6.0" "rich>=13.7" "tokenizers>=0.19" \
-        "safetensors>=0.4" "prometheus-client>=0.20" "nvidia-ml-py>=12.535" "matplotlib>=3.8" \
  && python -c "import torch, llmcluster; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-# the Kubernetes manifests run as uid 1000 (runAsNonRoot); Slurm/pyxis runs as the submitting user
-RUN useradd --uid 1000 --create-home --shell /bin/bash llm && mkdir -p /storage && chown llm /storage
-USER 1000
+# The Kubernetes pods run as job.k8s.run_as_user (10000, runAsNonRoot; their HOME is the /tmp emptyDir under a
+# read-only root); Slurm/pyxis runs as the submitting user. The image's own user is the pods' uid, with a home.
+RUN groupadd --gid 10000 llm \
+ && useradd --uid 10000 --gid 10000 --create-home --home-dir /home/llm --shell /bin/bash llm \
+ && mkdir -p /storage && chown llm:llm /storage
+USER 10000
 WORKDIR /storage
 ENTRYPOINT []
 CMD ["llmcluster", "--help"]

@@ -122,6 +122,22 @@ def test_env_values_written_as_numbers_are_exported_as_text(tmp_path):
     assert "export NCCL_IB_TIMEOUT=22" in p.stdout and "export NCCL_IB_DISABLE=true" in p.stdout
 
 
+@pytest.mark.parametrize("key", ["HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD", "ldap_passwd",
+                                 "SECRET", "Api_Key_2"])
+def test_env_keys_that_look_secret_are_refused_with_a_pointer_to_secret_env(tmp_path, key):
+    # job.env is written in clear into job.sbatch / launch.sh / job.yaml: a token belongs in job.secret_env
+    p = dry(tmp_path, "--set", f"job.env.{key}=hunter2")
+    assert_one_line_error(p, f"job.env.{key}", "job.secret_env")
+    assert "hunter2" not in p.stdout + p.stderr
+
+
+def test_env_keys_with_secret_words_inside_other_words_pass(tmp_path):
+    p = dry(tmp_path, "--set", "job.env.TOKENIZERS_PARALLELISM=false", "--set", "job.env.NCCL_IB_PKEY=1",
+            "--set", "job.env.KEYRING_BACKEND=x", "--set", "job.secret_env=[HF_TOKEN]")
+    assert p.returncode == 0, p.stderr
+    assert "export TOKENIZERS_PARALLELISM=false" in p.stdout and "export NCCL_IB_PKEY=1" in p.stdout
+
+
 def test_pyxis_container_flags(tmp_path):
     p = dry(tmp_path, "--image", "nvcr.io/nvidia/pytorch:24.07-py3",
             "--set", "job.mounts=[{source: /data, path: /data, read_only: true}]")
@@ -206,6 +222,7 @@ def test_local_launch_runs_torchrun_with_per_rank_logs(tmp_path):
     # a shared cluster's other users read nothing of the run; what a launch wrote is read-only
     assert (logs.stat().st_mode & 0o777) == 0o750 and (first.stat().st_mode & 0o777) == 0o750
     assert (first / "config.yaml").stat().st_mode & 0o777 == 0o440
+    assert (first / "launch.sh").stat().st_mode & 0o777 == 0o400     # the submitter's alone
     assert all(f.stat().st_mode & 0o027 == 0 for f in logs.rglob("*")), "group-writable or world-readable"
     per_rank = sorted(logs.glob("ranks/*/attempt_0/*/stdout.log"))
     assert [f.read_text().strip() for f in per_rank] == ["rank 0 of 2", "rank 1 of 2"]

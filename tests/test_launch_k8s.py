@@ -191,20 +191,38 @@ def test_the_seeds_two_claim_job_from_its_cluster_file(tmp_path):
     assert_one_line_error(p, "no claim for datasets")
 
 
+def _cluster(tmp_path: Path, host_paths: list[str]) -> Path:
+    p = tmp_path / "cluster.yaml"
+    p.write_text(yaml.safe_dump({"name": "site", "scheduler": {"kubernetes": {"host_paths": host_paths}}}))
+    return p
+
+
 def test_host_paths_only_where_the_cluster_allows_and_read_only(tmp_path):
     mount = ["--set", "job.mounts=[{source: /opt/site/models, path: /models, read_only: false}]"]
     p = run_cli("launch", "--scheduler", "k8s", "--image", IMAGE, "--root", tmp_path / "s", "--dry-run", *mount)
-    assert_one_line_error(p, "hostPath", "job.k8s.host_paths")
+    assert_one_line_error(p, "hostPath", "scheduler.kubernetes.host_paths")
+    # the allow-list restricts the job: the job cannot declare it (it moved to the cluster spec)
+    p = run_cli("launch", "--scheduler", "k8s", "--image", IMAGE, "--root", tmp_path / "s", "--dry-run", *mount,
+                "--set", "job.k8s.host_paths=[/opt/site]")
+    assert_one_line_error(p, "job.k8s.host_paths moved", "scheduler.kubernetes.host_paths")
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump({"job": {"k8s": {"host_paths": ["/opt/site"]}}}))
+    p = run_cli("launch", "--config", cfg, "--scheduler", "k8s", "--image", IMAGE, "--root", tmp_path / "s",
+                "--dry-run")
+    assert_one_line_error(p, "job.k8s.host_paths moved", "scheduler.kubernetes.host_paths")
     for bad in ("/", "/opt/site/../../etc"):
-        p = run_cli("launch", "--scheduler", "k8s", "--image", IMAGE, "--root", tmp_path / "s", "--dry-run",
-                    "--set", f"job.k8s.host_paths=[{bad}]")
-        assert_one_line_error(p, "host_paths")
-    objects = render(tmp_path, "indexed-job", *mount, "--set", "job.k8s.host_paths=[/opt/site]")
+        p = run_cli("launch", "--cluster", _cluster(tmp_path, [bad]), "--scheduler", "k8s", "--image", IMAGE,
+                    "--root", tmp_path / "s", "--dry-run")
+        assert_one_line_error(p, "scheduler.kubernetes.host_paths", bad)
+    objects = render(tmp_path, "indexed-job", *mount, "--cluster", str(_cluster(tmp_path, ["/opt/site"])))
     validate_all(objects)
     pod = objects[-1]["spec"]["template"]["spec"]
     host = [v for v in pod["volumes"] if "hostPath" in v]
     assert host == [{"name": "host-0", "hostPath": {"path": "/opt/site/models", "type": "Directory"}}]
     assert [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "host-0"][0]["readOnly"] is True
+    p = run_cli("launch", "--cluster", _cluster(tmp_path, ["/opt/other"]), "--scheduler", "k8s", "--image", IMAGE,
+                "--root", tmp_path / "s", "--dry-run", *mount)
+    assert_one_line_error(p, "/opt/site/models", "/opt/other")
 
 
 @pytest.mark.parametrize("name", ["LLM-Tiny", "llm_tiny", "a" * 60, "llm.tiny"])

@@ -105,7 +105,7 @@ def losses(root: Path, run: str) -> dict[int, float]:
 def test_two_nodes_train_and_requeue_gives_the_same_loss(root):
     token = secrets.token_hex(16)
     straight = launch(root, "straight", "--set", f"train.steps={STEPS}", "--set", "checkpoint.interval_steps=4",
-                      "--set", f"job.env.WANDB_API_KEY={token}")
+                      "--set", f"job.env.SITE_RUN_LABEL={token}")
     killed = launch(root, "killed", "--set", f"train.steps={STEPS}", "--set", "checkpoint.interval_steps=4")
     interrupted = launch(root, "interrupted", "--set", f"train.steps={STEPS}",
                          "--set", "checkpoint.interval_steps=100")   # only the signal's checkpoint exists

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from llmcluster.cli.common import add_root_arg
+from llmcluster.data.sources import MAX_RECORD_BYTES
 
 
 def register(sub) -> None:
@@ -30,6 +31,9 @@ def register(sub) -> None:
     prep.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out")
     prep.add_argument("--shard-tokens", type=int, default=16 * 1024 * 1024, help="tokens per shard")
     prep.add_argument("--max-bytes", type=int, default=None, help="stop reading sources after this many bytes")
+    prep.add_argument("--max-record-bytes", type=int, default=MAX_RECORD_BYTES, metavar="N",
+                      help="refuse a document (record, file) or rendered conversation larger than this "
+                           "(default: 64 MiB)")
     prep.add_argument("--seed", type=int, default=1337)
     prep.add_argument("--force", action="store_true", help="rebuild the dataset if it exists")
     add_root_arg(prep)

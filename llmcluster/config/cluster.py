@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from llmcluster.config.gpus import FABRICS as FABRIC_TABLE, GPUSpec, gpu_spec
 from llmcluster.config.hostlist import HOST_CHARS, HOST_RE, HOSTLIST_RE, expand_hostlist
-from llmcluster.config.job import IMAGE_RE, NAME_CHARS, NAME_RE, PATH_CHARS, PATH_RE, _match
+from llmcluster.config.job import IMAGE_RE, NAME_CHARS, NAME_RE, PATH_CHARS, PATH_RE, HostPath, _match
 from llmcluster.errors import UserError
 
 # = storage.layout.AREAS (config imports no capability; tests/test_cluster.py keeps the two equal)
@@ -244,6 +244,7 @@ class Kubernetes(Section):
     service_account: str | None = None
     node_selector: dict[str, str] = {}
     tolerations: list[dict[str, Any]] = []   # Kubernetes toleration objects, as written in a pod spec
+    host_paths: list[HostPath] = []          # hostPath prefixes job.mounts may be under (mounted read-only)
 
     _names = field_validator("namespace", "queue", "service_account")(_pattern(NAME_RE, NAME_CHARS))
     _image = field_validator("image")(_pattern(IMAGE_RE, "an image reference (registry/repo:tag)"))

@@ -8,9 +8,9 @@ by a shell, and cannot be quoted: a hostile value is refused with one line befor
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Slurm accepts MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS; we take the two unambiguous forms.
 TIME_RE = re.compile(r"(?:(\d+)-)?(\d{1,3}):([0-5]\d):([0-5]\d)")
@@ -58,6 +58,19 @@ NAME_CHARS = "letters, digits, '.', '_', '-' (at most 63)"
 PATH_CHARS = "an absolute path of letters, digits and ._/+- (no spaces, quotes or newlines)"
 
 
+def _host_path(p: str) -> str:
+    if not PATH_RE.fullmatch(p) or p.rstrip("/") == "" or ".." in p.split("/"):
+        raise ValueError(f"scheduler.kubernetes.host_paths {p!r}: {PATH_CHARS}, not / itself")
+    return p
+
+
+HostPath = Annotated[str, AfterValidator(_host_path)]   # a prefix the cluster allows job.mounts under (ro)
+
+# job.env names that carry secrets: whole underscore-separated words (HF_TOKEN, AWS_SECRET_ACCESS_KEY), so
+# TOKENIZERS_PARALLELISM and NCCL_IB_PKEY are not. Their values belong in job.secret_env, never in a file.
+SECRET_WORDS = {"TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD"}
+
+
 class Mount(BaseModel):
     """A host (or shared filesystem) path made visible inside the container at `path`."""
     model_config = ConfigDict(extra="forbid")
@@ -91,7 +104,6 @@ class K8sSpec(BaseModel):
     # `claims` given, areas without a claim are not on a PVC unless storage_claim is set explicitly.
     storage_claim: str | None = "llmcluster-storage"
     claims: dict[Literal["datasets", "checkpoints", "logs", "models"], Claim] = {}
-    host_paths: list[str] = []                  # hostPath prefixes the cluster allows job.mounts under (ro)
     storage_path: str = "/storage"              # where it is mounted in the pods (= run.storage there)
     queue: str | None = None                    # Volcano queue / Kueue local queue
     service_account: str | None = None          # None: no API token is mounted into the pods
@@ -112,14 +124,6 @@ class K8sSpec(BaseModel):
         if self.claims and "storage_claim" not in self.model_fields_set:
             self.__dict__["storage_claim"] = None   # the cluster named its claims: no implicit shared one
         return self
-
-    @field_validator("host_paths")
-    @classmethod
-    def _hp(cls, v):
-        for p in v:
-            if not PATH_RE.fullmatch(p) or p.rstrip("/") == "" or ".." in p.split("/"):
-                raise ValueError(f"job.k8s.host_paths {p!r}: {PATH_CHARS}, not / itself")
-        return v
 
     @field_validator("shm_size")
     @classmethod
@@ -175,6 +179,9 @@ class JobSpec(BaseModel):
                 raise ValueError(f"job.env key {key!r} is not a valid environment variable name")
             if "\n" in val or "\0" in val:
                 raise ValueError(f"job.env.{key}: newlines are not allowed")
+            if SECRET_WORDS & set(key.upper().split("_")):
+                raise ValueError(f"job.env.{key} looks like a secret: list its name in job.secret_env instead (passed "
+                                 "from the submitting environment or the Kubernetes Secret, never written to a file)")
         return v
 
     @field_validator("secret_env")

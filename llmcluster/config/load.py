@@ -104,9 +104,16 @@ def _field(cls: type[BaseModel], key: str):
     return None
 
 
+# Keys a job config no longer takes, and where they went (a config file or --set naming one gets this line).
+MOVED = {"job.k8s.host_paths": "the cluster spec's scheduler.kubernetes.host_paths (the allow-list of host "
+                               "mounts restricts the job: the cluster declares it, not the job)"}
+
+
 def _unknown_key_message(schema: type[BaseModel], path: list[str]) -> str:
     _, keys = _section_fields(schema, path[:-1])
     dotted = ".".join(path)
+    if dotted in MOVED:
+        return f"{dotted} moved to {MOVED[dotted]}"
     prefix = ".".join(path[:-1])
     close = difflib.get_close_matches(path[-1], keys, n=1, cutoff=0.5)
     hint = f" (did you mean '{prefix + '.' if prefix else ''}{close[0]}'?)" if close else ""

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from llmcluster.data.shards import FORMAT, META, ShardWriter, is_val, publish, token_dtype
-from llmcluster.data.sources import SKIP_DIRS, collect_units, iter_documents, shard_slice
+from llmcluster.data.sources import MAX_RECORD_BYTES, SKIP_DIRS, collect_units, iter_documents, shard_slice
 from llmcluster.errors import UserError
 from llmcluster.storage.layout import Storage, sha256_file
 
@@ -150,7 +150,8 @@ def prepare(root: Path, name: str, kind: str, sources: list[Path] | None, tokeni
             val_fraction: float = 0.05, shard_tokens: int = 16 * 1024 * 1024, max_bytes: int | None = None,
             seed: int = 1337, force: bool = False, progress: bool = True, text_field: str = "text",
             workers: int = 1, tokenizer_sample_bytes: int = TOKENIZER_SAMPLE_BYTES,
-            shard: tuple[int, int] | None = None, fmt: str = "text") -> Path:
+            shard: tuple[int, int] | None = None, fmt: str = "text",
+            max_record_bytes: int = MAX_RECORD_BYTES) -> Path:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from llmcluster.data.tokenizer import make_tokenizer
@@ -166,6 +167,8 @@ def prepare(root: Path, name: str, kind: str, sources: list[Path] | None, tokeni
         raise UserError("--workers must be at least 1")
     if tokenizer_sample_bytes < 1:
         raise UserError("--tokenizer-sample-bytes must be at least 1")
+    if max_record_bytes < 1:
+        raise UserError("--max-record-bytes must be at least 1")
     if shard is not None and max_bytes:
         raise UserError("--max-bytes cannot be combined with --shard (each slice would stop at its own limit)")
     st = Storage(root)
@@ -188,15 +191,16 @@ def prepare(root: Path, name: str, kind: str, sources: list[Path] | None, tokeni
 
     if chat:  # a BPE trained here has no chat template: the documented default renders
         from llmcluster.data.chat import ChatRenderer
-        renderer = ChatRenderer(None, None, None)
+        renderer = ChatRenderer(None, None, None, max_record_bytes)
     dtok = make_tokenizer(tokenizer_spec, texts=lambda: (
         "".join(t for t, _ in segs) for _, segs in
-        _bounded(segmented(iter_documents(all_units, text_field, chat)), sample_limit)))
+        _bounded(segmented(iter_documents(all_units, text_field, chat, max_record_bytes)), sample_limit)))
     if chat:
         conf = json.loads(dtok.hf_files.get("tokenizer_config.json", "{}"))
         tok_text = dtok.tok.id_to_token
         renderer = ChatRenderer(conf.get("chat_template") if isinstance(conf.get("chat_template"), str) else None,
-                                tok_text(dtok.bos_id) if dtok.bos_id is not None else None, tok_text(dtok.eos_id))
+                                tok_text(dtok.bos_id) if dtok.bos_id is not None else None, tok_text(dtok.eos_id),
+                                max_record_bytes)
     vocab = dtok.vocab_size()
     dtype = token_dtype(vocab)
 
@@ -216,7 +220,7 @@ def prepare(root: Path, name: str, kind: str, sources: list[Path] | None, tokeni
             def docs():
                 for u in units:
                     n = 0
-                    for doc in segmented(iter_documents([u], text_field, chat)):
+                    for doc in segmented(iter_documents([u], text_field, chat, max_record_bytes)):
                         n += 1
                         yield doc
                     read["units"] += 1
@@ -378,7 +382,8 @@ def prepare_cli(args, root: Path) -> int:
     out = prepare(root, args.name, args.kind, sources, args.tokenizer, args.val_fraction, args.shard_tokens,
                   args.max_bytes, args.seed, force=args.force, progress=sys.stderr.isatty(),
                   text_field=args.text_field, workers=args.workers,
-                  tokenizer_sample_bytes=args.tokenizer_sample_bytes, shard=shard, fmt=args.format)
+                  tokenizer_sample_bytes=args.tokenizer_sample_bytes, shard=shard, fmt=args.format,
+                  max_record_bytes=args.max_record_bytes)
     print(("slice " if shard else "dataset ") + _summary(out))
     return 0
 

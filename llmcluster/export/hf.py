@@ -7,6 +7,7 @@ names already follow HF's Llama (see llmcluster/model/llama.py), so the mapping 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -115,8 +116,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 def export(root: Path, run: str, step: int | None, out: Path | None = None) -> Path:
     from llmcluster.model.llama import build_model
-    from llmcluster.train.checkpoint import (TRAIN_STATE, load_model_weights, newest_verified_checkpoint,
-                                             verify_checkpoint)
+    from llmcluster.train.checkpoint import load_model_weights, newest_verified_checkpoint, verify_checkpoint
 
     st = Storage(root)
     out = check_export_target(root, out or st.model_dir(run))  # before any work
@@ -129,13 +129,20 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
         problem = verify_checkpoint(ckpt) if ckpt.is_dir() else "no such checkpoint"
         if problem:
             raise UserError(f"cannot export {ckpt}: {problem}")
-    state = json.loads((ckpt / TRAIN_STATE).read_text())
-    step = int(state["step"])
-    cfg = validate(state["config"], JobConfig, str(ckpt / TRAIN_STATE))
-    model = build_model(cfg.model, device="cpu")
+    step, cfg = _train_state(ckpt)
+    # train_state.json is only as trusted as whoever can write checkpoints/: the model it describes is built
+    # on the meta device and every shape checked against the DCP metadata before a byte is allocated.
+    shapes = checkpoint_shapes(ckpt)
+    _check_layers(cfg.model.n_layers, shapes, ckpt)
+    model = build_model(cfg.model, device="meta")
     if cfg.train.lora is not None:
         from llmcluster.train.lora import apply_lora
         apply_lora(model, cfg.train.lora)
+    _check_shapes(model, shapes, ckpt)
+    model = model.to_empty(device="cpu")
+    if cfg.model.tie_embeddings:   # to_empty gives each module its own new tensor
+        model.lm_head.weight = model.embed_tokens.weight
+    model.init_weights()           # the RoPE buffers (derived, not saved); every parameter is loaded below
     load_model_weights(ckpt, model)
 
     from llmcluster.data.dataset import tokenizer_dir
@@ -153,6 +160,7 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
         base = json.loads((Path(cfg.train.init_from) / "config.json").read_text())
 
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}-{secrets.token_hex(3)}"  # ours alone
+    swapping = False
     try:
         tmp.mkdir(parents=True)
         _write(tmp / "config.json", json.dumps({**base, **hf_config(cfg.model, eos_id, bos_id)}, indent=2))
@@ -186,12 +194,71 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
                 _fsync(f)
         for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
             _fsync(d)
+        check_export_target(root, out)   # again: minutes have passed, and someone may have made it meanwhile
+        swapping = True                  # from here `tmp` may hold what was at `out`
         _swap_in(tmp, out)
     except OSError as e:
         raise UserError(f"cannot write the export to {out}: {e.strerror or e}") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # our own temporary (after a swap: our earlier export)
+        # our own temporary, or after a swap what `out` held: removed only when that is ours (or empty)
+        if not swapping or not tmp.exists() or _replaceable(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _train_state(ckpt: Path) -> tuple[int, JobConfig]:
+    from llmcluster.train.checkpoint import TRAIN_STATE
+
+    where = str(ckpt / TRAIN_STATE)
+    try:
+        state = json.loads((ckpt / TRAIN_STATE).read_text())
+        step = int(state["step"])
+        config = state["config"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"cannot export {ckpt}: {TRAIN_STATE} is unreadable ({type(e).__name__}: {e})") from None
+    return step, validate(config, JobConfig, where)
+
+
+def checkpoint_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
+    """The model's tensor shapes as the checkpoint's DCP metadata records them (read as data only), refused
+    when they add up to more bytes than the checkpoint's files hold (the metadata can be rewritten too)."""
+    import math
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from llmcluster.train.safe_load import METADATA, UnsafeCheckpoint, read_metadata_file
+
+    try:
+        md = read_metadata_file(ckpt / METADATA)
+        model = {k.removeprefix("model."): v for k, v in md.state_dict_metadata.items()
+                 if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+        shapes = {k: tuple(int(x) for x in v.size) for k, v in model.items()}
+        need = sum(math.prod(shapes[k]) * v.properties.dtype.itemsize for k, v in model.items())
+        files = {info.relative_path for info in (md.storage_data or {}).values()}
+        have = sum((ckpt / f).stat().st_size for f in files if (ckpt / f).is_file())
+    except (UnsafeCheckpoint, AttributeError, TypeError, ValueError, OSError) as e:
+        raise UserError(f"refusing checkpoint {ckpt}: {e}") from None
+    if need > have:
+        raise UserError(f"refusing checkpoint {ckpt}: its {METADATA} describes a {need:,}-byte model, its files "
+                        f"hold {have:,} bytes")
+    return shapes
+
+
+def _check_layers(n_layers: int, shapes: dict, ckpt: Path) -> None:
+    """The one size that multiplies modules, not bytes: checked before even the meta model is built."""
+    have = {k.split(".")[1] for k in shapes if k.startswith("layers.")}
+    if n_layers != len(have):
+        raise UserError(f"cannot export {ckpt}: train_state.json says {n_layers} layers, its checkpoint holds "
+                        f"{len(have)}")
+
+
+def _check_shapes(model, shapes: dict, ckpt: Path) -> None:
+    for name, t in model.state_dict().items():   # persistent entries: what the checkpoint holds
+        want = tuple(t.shape)
+        if shapes.get(name) != want:
+            got = "missing" if name not in shapes else list(shapes[name])
+            raise UserError(f"cannot export {ckpt}: train_state.json's model does not match its checkpoint: "
+                            f"{name} is {list(want)} there, {got} in {ckpt.name}/.metadata")
 
 
 EXPORT_MARKER = "llmcluster.json"   # written into every export: what makes a directory ours to replace
@@ -241,14 +308,37 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _replaceable(d: Path) -> bool:
+    """What an export may be swapped over: an empty directory or an earlier export of ours."""
+    return d.is_dir() and not d.is_symlink() and (is_our_export(d) or not any(d.iterdir()))
+
+
 def _swap_in(tmp: Path, out: Path) -> None:
     """Put the finished `tmp` at `out` atomically; an earlier export at `out` ends up at `tmp` (then removed).
-    Linux renameat2(RENAME_EXCHANGE) swaps in one step; elsewhere two renames (a moment without `out`)."""
-    if not out.exists():
-        os.rename(tmp, out)
-    elif not _rename_exchange(tmp, out):
+    Linux renameat2(RENAME_EXCHANGE) swaps in one step; elsewhere two renames (a moment without `out`).
+    Only a missing, empty or own-marked `out` is replaced: whatever was swapped out is looked at before it is
+    given up, and anything else (made between the last check and the swap) is put back and refused."""
+    refused = UserError(f"export --out {out}: changed while exporting (now neither empty nor an earlier "
+                        f"llmcluster export): left as it is; the export was not written")
+    if not out.exists() and not out.is_symlink():
+        try:
+            os.rename(tmp, out)              # onto an empty directory made meanwhile: fine; anything else fails
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise refused from None
+            raise
+    elif _rename_exchange(tmp, out):
+        if not _replaceable(tmp):            # what came out is not ours to drop: put it back
+            if not _rename_exchange(tmp, out):
+                raise UserError(f"export --out {out}: changed while exporting and could not be put back: "
+                                f"what it held is at {tmp}")
+            raise refused
+    else:
         old = out.parent / f"{tmp.name}.old"
         os.rename(out, old)
+        if not _replaceable(old):
+            os.rename(old, out)
+            raise refused
         os.rename(tmp, out)
         os.rename(old, tmp)
     _fsync(out.parent)

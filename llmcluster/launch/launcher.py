@@ -1,8 +1,8 @@
 """`llmcluster launch`: render the spec for its scheduler, print it (--dry-run) or submit it, and record it.
 
 Every launch gets its own directory, logs/<run>/launches/<n>/, holding the rendered artifact (launch.sh /
-job.sbatch / job.yaml) and the resolved config the ranks read, both read-only: a later launch never
-changes what an already queued (or requeued) job reads. logs/<run>/job.json records the latest launch;
+job.sbatch / job.yaml, 0400) and the resolved config the ranks read (0440), both read-only: a later launch
+never changes what an already queued (or requeued) job reads. logs/<run>/job.json records the latest launch;
 `llmcluster jobs` works from it. Run directories are 0750 and files 0640: a shared cluster's other users
 do not read a run's config, logs or checkpoints.
 """
@@ -51,10 +51,10 @@ def refuse_if_active(spec: LaunchSpec, old: dict | None) -> None:
                         "`llmcluster jobs cancel` it first, or pass --force to launch a second one")
 
 
-def _write_once(path: Path, text: str) -> None:
+def _write_once(path: Path, text: str, mode: int) -> None:
     with open(path, "x") as f:            # "x": a launch directory is never written twice
         f.write(text)
-    path.chmod(0o440)
+    path.chmod(mode)
 
 
 def launch(spec: LaunchSpec, *, dry_run: bool, apply: bool = False, force: bool = False) -> int:
@@ -75,8 +75,8 @@ def launch(spec: LaunchSpec, *, dry_run: bool, apply: bool = False, force: bool 
     except OSError as e:
         raise UserError(f"cannot create {spec.launch_dir}: {e.strerror or e}") from None
     artifact = spec.launch_dir / sched.artifact
-    _write_once(artifact, text)
-    _write_once(spec.config_path, spec.config_yaml)
+    _write_once(artifact, text, 0o400)            # the submitter's own: no one else has a reason to read it
+    _write_once(spec.config_path, spec.config_yaml, 0o440)
     record = {"run": spec.run, "scheduler": spec.scheduler, "launch": spec.launch_id, "artifact": str(artifact),
               "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "nodes": spec.job.nodes,
               "procs_per_node": spec.job.procs, "world_size": spec.job.world_size}

@@ -59,6 +59,7 @@ class LaunchSpec:
     launch_id: int = 1             # this launch's number under logs/<run>/launches/
     storage: str = ""              # the storage root as the ranks see it
     metrics_port: int | None = None  # the port of log.metrics_bind (rank r serves it + its local rank)
+    host_paths: tuple[str, ...] = ()  # the cluster's scheduler.kubernetes.host_paths (never the job's own)
 
     @property
     def logs(self) -> Path:
@@ -154,8 +155,9 @@ def next_launch_id(logs: Path) -> int:
     return max(ids, default=0) + 1
 
 
-def build_spec(cfg, args, root: Path) -> LaunchSpec:
-    """The LaunchSpec for `llmcluster launch` from the validated JobConfig and the parsed flags."""
+def build_spec(cfg, args, root: Path, host_paths: list[str] | tuple[str, ...] = ()) -> LaunchSpec:
+    """The LaunchSpec for `llmcluster launch` from the validated JobConfig and the parsed flags; host_paths
+    from the cluster spec."""
     import yaml
 
     from llmcluster.config.load import saved_config_dict
@@ -184,6 +186,6 @@ def build_spec(cfg, args, root: Path) -> LaunchSpec:
                       python=check_text(python, "python"), generic=generic,
                       config_yaml=yaml.safe_dump(saved_config_dict(cfg), sort_keys=False),
                       overrides=list(args.overrides), launch_id=launch_id, storage=storage,
-                      metrics_port=cfg.log.metrics[1] if cfg.log.metrics else None)
+                      metrics_port=cfg.log.metrics[1] if cfg.log.metrics else None, host_paths=tuple(host_paths))
     sched.check(spec)
     return spec

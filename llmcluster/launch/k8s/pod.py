@@ -5,7 +5,7 @@ One torchrun agent per pod (= node) starting `procs` ranks, hardened for a share
   * a read-only root filesystem; /tmp and the compile caches (inductor, triton) are emptyDirs;
   * storage per area: datasets/ read-only, and only this run's checkpoints/<run>, logs/<run>, models/<run>
     (subPath mounts), each from its own claim (job.k8s.claims) or the shared job.k8s.storage_claim;
-  * hostPath only under the prefixes the cluster allows (job.k8s.host_paths), always read-only;
+  * hostPath only under the prefixes the cluster allows (its scheduler.kubernetes.host_paths), always read-only;
   * fsGroupChangePolicy OnRootMismatch: the kubelet does not re-chown terabytes of checkpoints per start;
   * job.secret_env from a Secret (secretKeyRef): never in the rendered objects.
 """
@@ -68,12 +68,12 @@ def area_claims(spec: LaunchSpec) -> dict[str, tuple[Claim, str] | None]:
 
 def host_mounts(spec: LaunchSpec) -> list[tuple[str, str]]:
     """job.mounts as (source, path) hostPaths: refused unless under a prefix the cluster allows."""
-    allowed = [p.rstrip("/") for p in spec.job.k8s.host_paths]
+    allowed = [p.rstrip("/") for p in spec.host_paths]
     for m in spec.job.mounts:
         src = m.source.rstrip("/")
         if not src or ".." in src.split("/") or not any(src == a or src.startswith(a + "/") for a in allowed):
             raise UserError(f"job.mounts source {m.source!r}: hostPath mounts are allowed only under the "
-                            f"cluster's job.k8s.host_paths ({', '.join(allowed) or 'none'})")
+                            f"cluster spec's scheduler.kubernetes.host_paths ({', '.join(allowed) or 'none'})")
     return [(m.source, m.path) for m in spec.job.mounts]
 
 
