@@ -175,3 +175,28 @@ def test_serve_plan_never_imports_torch(tmp_path):
             "assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_layout_with_room_beats_one_that_barely_fits(capsys):
+    """llm_70b in bf16 on A100-80GB: tp 2 holds 69 GB of weights per GPU and leaves under 4 x 2,048 tokens of KV;
+    tp 4 is chosen."""
+    r = plan(capsys, "llm_70b", cluster="seed-a100")
+    tp2 = next(c for c in r["candidates"] if (c["tp"], c["quantization"]) == (2, "none"))
+    assert tp2["fits"] and tp2["kv_tokens"] < 4 * 2048
+    assert (r["serve"]["tp"], r["serve"]["quantization"], r["serve"]["replicas"]) == (4, "none", 8)
+
+
+def test_plan_cost_gains_serving_per_million_tokens(capsys):
+    """The 2 x 4090 box's capex ($2,500 a GPU / (1 - 0.19 network share)) over 5 years at 70% busy, and its energy
+    (2.03 x 2 x 450 W x 0.75 average x PUE 1.25 x $0.08/kWh), per million tokens at the serving decode bound."""
+    proc = cli_inprocess(capsys, "plan", "rtx4090-1b", "--json", "--set", "cluster.cost.api_usd_per_million_tokens=0.2")
+    assert proc.returncode == 0, proc.stderr
+    sv = json.loads(proc.stdout)["cost"]["serving"]
+    tps = sv["tokens_per_s_bound"]
+    assert sv["fits"] and tps > 0
+    capex = 2 * 2500 / (1 - 0.19)
+    assert sv["capex_usd_per_million_tokens"] == pytest.approx(capex / (5 * 365.25 * 86400) / (tps * 0.7) * 1e6)
+    assert sv["power_usd_per_million_tokens"] == pytest.approx(2.03 * 2 * 0.45 * 0.75 * 1.25 * 0.08 / (tps * 3600) * 1e6)
+    assert sv["api_usd_per_million_tokens"] == 0.2 and sv["advice"].startswith("serve on-premise")
+    text = cli_inprocess(capsys, "plan", "rtx4090-1b")
+    assert "Serving (tp 1 x 2 replicas" in text.stdout and "cost.api_usd_per_million_tokens" in text.stdout

@@ -27,10 +27,10 @@ def run_plan(args) -> int:
     from llmcluster.config.load import load_job_config
     from llmcluster.errors import UserError
     from llmcluster.serve.model import resolve_model
-    from llmcluster.serve.plan import serve_plan
+    from llmcluster.serve.plan import Box, serve_plan
 
     cfg = load_job_config(args.config, args.overrides).serve
-    result = serve_plan(resolve_model(args.model, args.root), load_cluster(args.cluster).spec, cfg)
+    result = serve_plan(resolve_model(args.model, args.root), Box.from_cluster(load_cluster(args.cluster).spec), cfg)
     if args.json:
         print(json.dumps(result))
     if "refusal" in result:

@@ -34,6 +34,31 @@ QUANT_BYTES = {"fp8": 1.0, "awq": INT4_BYTES, "gptq": INT4_BYTES}
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+@dataclass(frozen=True)
+class Box:
+    """What serving needs of a cluster: the cluster spec's (`serve plan`) or the training planner's view of it
+    (`plan`'s serving cost)."""
+    name: str | None
+    gpu: GPUSpec | None
+    nodes: int
+    gpus_per_node: int
+    reserved_gib: float            # hardware.gpu_reserved_gib: CUDA context and workspaces
+    intra_latency_us: float        # topology.intra_latency_us: one collective step inside a node
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @classmethod
+    def from_cluster(cls, c) -> "Box":
+        return cls(c.name, c.hardware.spec, c.node_count, c.gpus_per_node, c.hardware.gpu_reserved_gib,
+                   c.topology.intra_latency_us)
+
+    @classmethod
+    def from_plan(cls, c) -> "Box":
+        return cls(c.name, c.spec, c.nodes, c.gpus_per_node, c.gpu_reserved_gib, c.intra_latency_us)
+
+
 @dataclass
 class Candidate:
     tp: int
@@ -172,9 +197,9 @@ def _refusal(m: ServedModel, gpu: GPUSpec, cfg: ServeConfig, gpus: int, best: Ca
             f"int4 weights, serve.kv_cache_dtype=fp8, serve.gpu_memory_utilization or a shorter serve.max_model_len")
 
 
-def serve_plan(m: ServedModel, cluster, cfg: ServeConfig) -> dict:
+def serve_plan(m: ServedModel, cluster: Box, cfg: ServeConfig) -> dict:
     """The recommended layout and its figures (a JSON-able dict; `fits` false with `refusal` when none fits)."""
-    gpu = cluster.hardware.spec
+    gpu = cluster.gpu
     if gpu is None:
         raise UserError(f"cluster {cluster.name}: hardware.gpu is none: serve plan sizes GPU serving "
                         f"(give --cluster, e.g. rtx4090-box)")
@@ -182,12 +207,16 @@ def serve_plan(m: ServedModel, cluster, cfg: ServeConfig) -> dict:
         raise UserError(f"serve.max_model_len {cfg.max_model_len} exceeds {m.name}'s context of {m.context} tokens "
                         f"(max_position_embeddings)")
     per_node, gpus = cluster.gpus_per_node, cluster.total_gpus
-    tried = [size(m, gpu, cfg, tp, q, cluster.hardware.gpu_reserved_gib)
+    tried = [size(m, gpu, cfg, tp, q, cluster.reserved_gib)
              for q in quantizations(m, cfg, gpu) for tp in tp_degrees(m, cfg, per_node)]
     if not tried:
         raise UserError(f"no TP degree up to {per_node} divides {m.name}'s {m.spec.n_heads} heads / "
                         f"{m.spec.kv_heads} KV heads")
-    chosen = next((c for c in tried if c.fits), None)
+    # Prefer a layout with room for FULL_SEQS requests of the needed length over one that barely fits (a 70B at
+    # tp 2 on 80 GB GPUs holds 7k tokens; at tp 4, 436k)
+    need = cfg.max_model_len or min(m.context, MIN_CONTEXT)
+    chosen = next((c for c in tried if c.kv_tokens >= FULL_SEQS * need), None) or \
+        next((c for c in tried if c.fits), None)
     c = chosen or max(tried, key=lambda t: t.kv_budget)
     out = describe(m, cluster, gpu, cfg, c)
     out["candidates"] = [{"tp": t.tp, "quantization": t.quant, "weights_per_gpu_bytes": t.weights,
@@ -197,14 +226,14 @@ def serve_plan(m: ServedModel, cluster, cfg: ServeConfig) -> dict:
     return out
 
 
-def describe(m: ServedModel, cluster, gpu: GPUSpec, cfg: ServeConfig, c: Candidate) -> dict:
+def describe(m: ServedModel, cluster: Box, gpu: GPUSpec, cfg: ServeConfig, c: Candidate) -> dict:
     s, pc = m.spec, count_params(m.spec)
     dtype = serve_dtype(cfg, m)
     n = matmul_params(pc.total, pc.embedding, s.tie_embeddings)
     peak = gpu.peak_tflops("fp8" if c.quant == "fp8" else "fp32" if dtype == "float32" else "bf16") * 1e12
     bw = gpu.memory_bw_gbps * 1e9
     # two all-reduces per layer and step under TP: latency-bound at decode sizes
-    comm = 2 * s.n_layers * cluster.topology.intra_latency_us * 1e-6 if c.tp > 1 else 0.0
+    comm = 2 * s.n_layers * cluster.intra_latency_us * 1e-6 if c.tp > 1 else 0.0
     decode_one = 1 / (c.weights / bw + comm)
     seqs, avg_ctx = c.max_num_seqs, c.max_model_len / 2     # a full batch, each sequence half-way
     step = max((c.weights + seqs * avg_ctx * c.kv_per_token_gpu) / bw, seqs * 2 * n / c.tp / peak) + comm
@@ -234,7 +263,7 @@ def describe(m: ServedModel, cluster, gpu: GPUSpec, cfg: ServeConfig, c: Candida
                   "n_heads": s.n_heads, "n_kv_heads": s.kv_heads, "head_dim": s.head_dim,
                   "attention": "GQA" if s.kv_heads < s.n_heads else "MHA", "context": m.context,
                   "checkpoint_dtype": m.checkpoint_dtype, "checkpoint_quantization": m.checkpoint_quant},
-        "cluster": {"name": cluster.name, "gpu": gpu.name, "nodes": cluster.node_count,
+        "cluster": {"name": cluster.name, "gpu": gpu.name, "nodes": cluster.nodes,
                     "gpus_per_node": cluster.gpus_per_node, "memory_bw_GBps": gpu.memory_bw_gbps},
         "serve": {"tp": c.tp, "replicas": replicas, "dtype": dtype, "quantization": c.quant,
                   "kv_cache_dtype": cfg.kv_cache_dtype, "gpu_memory_utilization": cfg.gpu_memory_utilization,
