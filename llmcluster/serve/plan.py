@@ -118,6 +118,12 @@ def reserve_per_gpu(m: ServedModel, cfg: ServeConfig, tp: int, dtype_bytes: int,
     return {"context": context_gib * GIB, "cuda_graphs": CUDA_GRAPH_GIB * GIB, "activations": acts}
 
 
+def needed_len(m: ServedModel, cfg: ServeConfig) -> int:
+    """The context a layout must hold one request of: serve.max_model_len, else 2,048 tokens (or the model's
+    shorter context)."""
+    return cfg.max_model_len or min(m.context, MIN_CONTEXT)
+
+
 def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
@@ -134,7 +140,7 @@ def size(m: ServedModel, gpu: GPUSpec, cfg: ServeConfig, tp: int, quant: str, co
     budget = cfg.gpu_memory_utilization * gpu.memory_bytes - w - sum(reserve.values())
     blocks = int(budget // (BLOCK_TOKENS * kv_gpu)) if budget > 0 else 0
     c = Candidate(tp, quant, w, reserve, budget, kv_gpu, blocks * BLOCK_TOKENS)
-    need = cfg.max_model_len or min(m.context, MIN_CONTEXT)
+    need = needed_len(m, cfg)
     c.fits = c.kv_tokens >= need
     if cfg.max_model_len:
         c.max_model_len = cfg.max_model_len
@@ -185,7 +191,7 @@ def _gb(x: float) -> str:
 
 
 def _refusal(m: ServedModel, gpu: GPUSpec, cfg: ServeConfig, gpus: int, best: Candidate) -> str:
-    need = cfg.max_model_len or min(m.context, MIN_CONTEXT)
+    need = needed_len(m, cfg)
     left = (f"leaving {_gb(best.kv_budget)} of KV cache ({best.kv_tokens:,} tokens), short of the {need:,} tokens of "
             f"one max_model_len request" if best.kv_budget > 0 else
             f"{_gb(-best.kv_budget)} over the budget before any KV cache (one max_model_len request needs "
@@ -214,7 +220,7 @@ def serve_plan(m: ServedModel, cluster: Box, cfg: ServeConfig) -> dict:
                         f"{m.spec.kv_heads} KV heads")
     # Prefer a layout with room for FULL_SEQS requests of the needed length over one that barely fits (a 70B at
     # tp 2 on 80 GB GPUs holds 7k tokens; at tp 4, 436k)
-    need = cfg.max_model_len or min(m.context, MIN_CONTEXT)
+    need = needed_len(m, cfg)
     chosen = next((c for c in tried if c.kv_tokens >= FULL_SEQS * need), None) or \
         next((c for c in tried if c.fits), None)
     c = chosen or max(tried, key=lambda t: t.kv_budget)
