@@ -200,3 +200,12 @@ def test_plan_cost_gains_serving_per_million_tokens(capsys):
     assert sv["api_usd_per_million_tokens"] == 0.2 and sv["advice"].startswith("serve on-premise")
     text = cli_inprocess(capsys, "plan", "rtx4090-1b")
     assert "Serving (tp 1 x 2 replicas" in text.stdout and "cost.api_usd_per_million_tokens" in text.stdout
+
+
+def test_serve_section_from_a_config_file(tmp_path, capsys):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"run: {{storage: {tmp_path / 'store'}}}\nserve: {{tp: 2, kv_cache_dtype: fp8, slo: {{ttft_p99_ms: 500}}}}\n")
+    llama31(tmp_path / "store" / "models" / "mine", "8b")
+    r = plan(capsys, "mine", "--config", cfg)          # the export found under the config's run.storage
+    assert (r["serve"]["tp"], r["kv"]["bytes_per_token"]) == (2, 2 * 32 * 8 * 128 * 1)
+    assert r["slo"]["ttft_p99_ms"] == 500 and r["slo"]["met_at_bound"] == (r["slo"]["ttft_bound_ms"] <= 500)

@@ -29,8 +29,9 @@ def run_plan(args) -> int:
     from llmcluster.serve.model import resolve_model
     from llmcluster.serve.plan import Box, serve_plan
 
-    cfg = load_job_config(args.config, args.overrides).serve
-    result = serve_plan(resolve_model(args.model, args.root), Box.from_cluster(load_cluster(args.cluster).spec), cfg)
+    job = load_job_config(args.config, args.overrides)
+    model = resolve_model(args.model, args.root, job.run.storage)
+    result = serve_plan(model, Box.from_cluster(load_cluster(args.cluster).spec), job.serve)
     if args.json:
         print(json.dumps(result))
     if "refusal" in result:

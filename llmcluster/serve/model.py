@@ -78,7 +78,7 @@ def from_preset(name: str) -> ServedModel:
     return ServedModel(name, f"preset {name}", spec, spec.max_seq_len, "bfloat16", None)
 
 
-def resolve_model(ref: str, root: str | None = None) -> ServedModel:
+def resolve_model(ref: str, root: str | None = None, config_root: str | None = None) -> ServedModel:
     """A directory (with config.json), else a run's export under <storage>/models/, else a preset (a run's export
     wins over a preset of the same name: it is the user's)."""
     path = Path(ref).expanduser()
@@ -88,7 +88,7 @@ def resolve_model(ref: str, root: str | None = None) -> ServedModel:
         from llmcluster.paths import resolve_storage_root
         from llmcluster.storage.layout import Storage, check_run_name
 
-        export = Storage(resolve_storage_root(root)).model_dir(check_run_name(ref))
+        export = Storage(resolve_storage_root(root, config_root)).model_dir(check_run_name(ref))
         if export.is_dir():
             return from_directory(export)
         if preset_path(ref) is not None:
