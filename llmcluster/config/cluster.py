@@ -321,6 +321,7 @@ class Cost(Section):
     staff_usd_per_month: float | None = Field(None, ge=0)
     utilisation: float | None = Field(None, gt=0, le=1)      # busy fraction of the on-prem cluster
     server_life_years: float | None = Field(None, gt=0)
+    api_usd_per_million_tokens: float | None = Field(None, gt=0)  # a cloud API's price: serving's alternative
 
 
 URL_RE = re.compile(r"https?://[A-Za-z0-9._~:/@+=-]+")     # a package index: no spaces, quotes or shell characters

@@ -1,4 +1,4 @@
-"""The one job-config schema: run, model, data, train, parallel, checkpoint, log, dist, job.
+"""The one job-config schema: run, model, data, train, parallel, checkpoint, log, dist, job, serve.
 
 Every section forbids unknown keys so a typo is an error, not a silently ignored setting. Cross-field
 rules that need the world size (batch divisibility by data-parallel degree) live in `train.mesh`, the
@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmcluster.config.job import JobSpec
+from llmcluster.config.serve import ServeConfig
 
 RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -239,6 +240,7 @@ class JobConfig(Section):
     log: LogConfig = LogConfig()
     dist: DistConfig = DistConfig()
     job: JobSpec = JobSpec()
+    serve: ServeConfig = ServeConfig()   # read by `serve plan` only
 
     @model_validator(mode="after")
     def _cross(self):

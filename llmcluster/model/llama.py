@@ -78,7 +78,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, cache: "LayerKV | None" = None) -> torch.Tensor:
         B, T, _ = x.shape
         # Head counts come from the tensors, not the config: under tensor parallelism each rank holds
         # n_heads / tp of them and this code must not care.
@@ -86,9 +86,12 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:   # generation: attend to every key so far, not just this call's
+            k, v = cache.update(k, v)
         # GQA: each kv head serves n_heads / n_kv_heads query heads; SDPA broadcasts them itself instead
         # of materialising repeated k/v copies.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           is_causal=mask is None and k.shape[2] == T,
                                            enable_gqa=k.shape[1] != q.shape[1])
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -115,9 +118,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, cache: "LayerKV | None" = None) -> torch.Tensor:
         # mask by keyword: tensor parallelism's input preparation of self_attn maps positional inputs only
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask=mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask=mask, cache=cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -180,8 +183,11 @@ class Llama(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, vocab). The loss is the trainer's business."""
+    def forward(self, tokens: torch.Tensor, cache: "KVCache | None" = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab). The loss is the trainer's business. With a `cache`, `tokens`
+        follow the ones it holds (positions, masks and attention continue from there) and are added to it."""
+        if cache is not None:
+            return self._forward_cached(tokens, cache)
         T = tokens.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         mask = None if self.cfg.doc_mask_id is None else document_mask(tokens, self.cfg.doc_mask_id)
@@ -189,6 +195,60 @@ class Llama(nn.Module):
         for block in self.layers.values():
             h = block(h, cos, sin) if mask is None else block(h, cos, sin, mask=mask)
         return self.lm_head(self.norm(h))
+
+    def _forward_cached(self, tokens: torch.Tensor, cache: "KVCache") -> torch.Tensor:
+        start, T = cache.pos, tokens.shape[1]
+        end = cache.append_tokens(tokens)
+        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+        # The rows of these tokens in the mask the whole sequence would get: one new token sees every key
+        # (no mask); a first chunk is plain causal; a later chunk needs its offset causal rows.
+        mask = None
+        if self.cfg.doc_mask_id is not None:
+            mask = document_mask(cache.tokens[:, :end], self.cfg.doc_mask_id)[:, :, start:]
+        elif start and T > 1:
+            mask = torch.ones(T, end, dtype=torch.bool, device=tokens.device).tril(start)
+        h = self.embed_tokens(tokens)
+        for i, block in enumerate(self.layers.values()):
+            h = block(h, cos, sin, mask=mask, cache=cache.layer(i))
+        cache.pos = end
+        return self.lm_head(self.norm(h))
+
+
+class KVCache:
+    """Keys and values (after RoPE) of the tokens generated so far, for every layer, preallocated to `max_len`:
+    each decoding step then computes one token's projections instead of the whole sequence's."""
+
+    def __init__(self, model: Llama, batch: int, max_len: int):
+        cfg, w = model.cfg, model.embed_tokens.weight
+        shape = (cfg.n_layers, batch, cfg.kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=w.dtype, device=w.device)
+        self.v = torch.zeros_like(self.k)
+        self.tokens = torch.zeros(batch, max_len, dtype=torch.long, device=w.device)  # for document masks
+        self.pos = 0                                       # tokens held
+
+    def append_tokens(self, tokens: torch.Tensor) -> int:
+        end = self.pos + tokens.shape[1]
+        if end > self.tokens.shape[1]:
+            raise ValueError(f"KV cache full: {end} tokens > its {self.tokens.shape[1]}")
+        self.tokens[:, self.pos:end] = tokens
+        return end
+
+    def layer(self, i: int) -> "LayerKV":
+        return LayerKV(self, i)
+
+
+class LayerKV:
+    """One layer's view of a KVCache: stores this call's keys and values, returns all of them so far."""
+
+    def __init__(self, cache: KVCache, i: int):
+        self.cache, self.i = cache, i
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c, start = self.cache, self.cache.pos
+        end = start + k.shape[2]
+        c.k[self.i, :, :, start:end] = k
+        c.v[self.i, :, :, start:end] = v
+        return c.k[self.i, :, :, :end], c.v[self.i, :, :, :end]
 
 
 def document_mask(tokens: torch.Tensor, end_id: int) -> torch.Tensor:

@@ -103,7 +103,7 @@ def analyse(plan: PlanSpec, bench: list[CalRow] | None = None) -> dict[str, Any]
                  "utilisation": co.prices.utilisation,
                  "sensitivity_break_even_months": {f"{u:g}": {f"{k:g}x": v for k, v in row.items()}
                                                    for u, row in co.sensitivity.items()},
-                 "advice": co.advice},
+                 "advice": co.advice, "serving": co.serving},
     }
 
 

@@ -43,7 +43,7 @@ def resolve_prices(plan: PlanSpec) -> Prices:
     # Listed servers are 8-GPU nodes: a 4-GPU node costs half (the NICs scale with the GPUs too).
     values["server_usd"] = (node * c.gpus_per_node / 8 if node
                             else table["server_usd_per_gpu_default"] * c.gpus_per_node)
-    for name, value in plan.cost.model_dump(exclude={"prices"}).items():
+    for name, value in plan.cost.model_dump(exclude={"prices", "api_usd_per_million_tokens"}).items():
         if value is not None:
             values[name] = value
     if values["cloud_usd_per_gpu_hour"] is None:
@@ -63,10 +63,43 @@ class Cost:
     break_even_months: float | None
     sensitivity: dict[float, dict[float, float | None]]
     advice: str
+    serving: dict
 
 
 def _break_even(capex: float, opex: float, cloud_monthly: float) -> float | None:
     return capex / (cloud_monthly - opex) if cloud_monthly > opex else None
+
+
+def serving_cost(plan: PlanSpec, pw: Power, pr: Prices, capex: float) -> dict:
+    """Phase 2: the same box answering requests for the plan's model, as `serve plan` lays it out (default
+    `serve:` settings). Per million tokens at the decode bound of every replica busy `utilisation` of the time:
+    capex over the server life, and energy at the average draw x PUE; against a cloud API's price
+    (cost.api_usd_per_million_tokens). A bound on throughput makes these floors on the cost."""
+    from llmcluster.config.serve import ServeConfig
+    from llmcluster.serve.model import ServedModel
+    from llmcluster.serve.plan import Box, serve_plan
+
+    m = plan.model
+    served = serve_plan(ServedModel(m.name or "model", "plan", m, m.max_seq_len, "bfloat16", None),
+                        Box.from_plan(plan.cluster), ServeConfig())
+    api = plan.cost.api_usd_per_million_tokens
+    if "refusal" in served:
+        return {"fits": False, "api_usd_per_million_tokens": api, "advice": served["refusal"]}
+    tps = served["throughput"]["cluster_decode_tokens_per_s_bound"]
+    busy_tokens_per_s = tps * pr.utilisation
+    capex_m = capex / (pr.server_life_years * 365.25 * 86400) / busy_tokens_per_s * 1e6
+    power_m = pw.avg_it_kw * pr.pue * pr.power_usd_per_kwh / (tps * 3600) * 1e6
+    sv = served["serve"]
+    layout = f"tp {sv['tp']} x {sv['replicas']} replicas, {sv['quantization']}, {sv['max_num_seqs']} sequences"
+    if api is None:
+        advice = "set cost.api_usd_per_million_tokens in the cluster spec to compare with a cloud API"
+    else:
+        own = capex_m + power_m
+        advice = (f"{'serve on-premise' if own < api else 'use the API'}: ${own:,.3f} per million tokens "
+                  f"(capex + power, at the decode bound) vs ${api:,.3f} for the API")
+    return {"fits": True, "layout": layout, "tokens_per_s_bound": tps,
+            "capex_usd_per_million_tokens": capex_m, "power_usd_per_million_tokens": power_m,
+            "api_usd_per_million_tokens": api, "advice": advice}
 
 
 def cost(plan: PlanSpec, pw: Power, gpu_hours: float, run_days: float) -> Cost:
@@ -96,4 +129,5 @@ def cost(plan: PlanSpec, pw: Power, gpu_hours: float, run_days: float) -> Cost:
               f"(capex ${capex:,.0f} + 12 x ${monthly:,.0f} opex)")
     return Cost(prices=pr, cloud_usd=gpu_hours * price, onprem_capex_usd=capex, onprem_opex_usd_per_month=monthly,
                 onprem_run_usd=onprem_run, cloud_usd_per_month=cloud_m,
-                break_even_months=_break_even(capex, monthly, cloud_m), sensitivity=sensitivity, advice=advice)
+                break_even_months=_break_even(capex, monthly, cloud_m), sensitivity=sensitivity, advice=advice,
+                serving=serving_cost(plan, pw, pr, capex))

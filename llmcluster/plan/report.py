@@ -106,6 +106,13 @@ def render(r: dict[str, Any], console: Console | None = None) -> None:
         sens.add_row(f"{float(u):.0%}", *(f"{v:,.0f}" if v is not None else "never" for v in row.values()))
     con.print(sens)
     con.print(f"[bold]Advice:[/] {cs['advice']}")
+    sv = cs["serving"]
+    if sv["fits"]:
+        con.print(f"[bold]Serving[/] ({sv['layout']}, {sv['tokens_per_s_bound']:,.0f} tokens/s at the decode bound): "
+                  f"capex ${sv['capex_usd_per_million_tokens']:,.3f} + power ${sv['power_usd_per_million_tokens']:,.3f}"
+                  f" per million tokens; {sv['advice']}")
+    else:
+        con.print(f"[bold]Serving:[/] {sv['advice']}")
 
 
 def render_search(results: list[dict], console: Console | None = None) -> None:
