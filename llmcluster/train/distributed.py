@@ -19,6 +19,11 @@ import torch.distributed as dist
 
 from llmcluster.config.schema import JobConfig
 from llmcluster.errors import UserError
+from llmcluster.testing import test_hook
+
+# Test hook (acts only with LLMCLUSTER_TESTING=1): run fp16 on a CPU without native fp16, emulated and slow,
+# so that the fp16 paths (GradScaler, loss scaling under PP) are exercised where no GPU is.
+FORCE_CPU_FP16 = "LLMCLUSTER_TEST_FORCE_CPU_FP16"
 
 
 @dataclass
@@ -275,7 +280,7 @@ def native_low_precision(device: torch.device, precision: str) -> bool:
         return False
     if precision == "bf16":
         return "avx512_bf16" in flags or "amx_bf16" in flags
-    return "avx512_fp16" in flags or "amx_fp16" in flags
+    return "avx512_fp16" in flags or "amx_fp16" in flags or test_hook(FORCE_CPU_FP16) == "1"
 
 
 def precision_note(device: torch.device, precision: str) -> str:

@@ -11,8 +11,11 @@ each stage (its own FSDP root, which is what `PipelineStage` expects).
 
 Weights: every rank still draws every weight, in the one seeded order of `Llama.init_weights`, and keeps
 only what it holds, so a run at pp=2 starts from the same weights as one process. The loss is the mean
-over micro-batches of the per-micro-batch mean (the schedule divides gradients by the micro-batch count),
-which is what gradient accumulation without PP computes.
+over micro-batches of the per-micro-batch mean, which is what gradient accumulation without PP computes: the
+loss function divides each micro-batch's loss by the micro-batch count before backward and the schedule's own
+division of the gradients is off (torchtitan's `scale_grads=False` with a rescaled loss). Dividing before
+backward, not after, keeps the backward's magnitudes those of accumulation without PP: under fp16 the same
+loss scale then overflows (or not) at the same step as in one process.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch import nn
 
 from llmcluster.config.schema import JobConfig
 from llmcluster.config.stages import stage_layers
+from llmcluster.train.compat import pp_schedule_kwargs
 from llmcluster.train.distributed import DistEnv, ParallelDims
 from llmcluster.train.parallelize import _fill_own_shard, apply_fsdp, apply_tp_ac_compile, fsdp_mesh
 
@@ -117,9 +121,10 @@ def build_pipeline(cfg: JobConfig, dims: ParallelDims, env: DistEnv, seed: int |
     stages = [PipelineStage(part, s, n_stages, env.device, group=pp_group) for part, s in zip(parts, mine)]
     m = cfg.train.grad_accum
     if dims.pp_schedule == "1F1B":
-        schedule = Schedule1F1B(stages[0], n_microbatches=m, loss_fn=loss_fn)
+        schedule = Schedule1F1B(stages[0], n_microbatches=m, loss_fn=loss_fn, **pp_schedule_kwargs(Schedule1F1B))
     else:
-        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn,
+                                           **pp_schedule_kwargs(ScheduleInterleaved1F1B))
     return Pipeline(schedule, stages, model, pp_group, 0 in mine, n_stages - 1 in mine, m)
 
 
@@ -152,6 +157,27 @@ def bubble_fraction(pp: int, virtual_stages: int, n_microbatches: int) -> float:
     if pp <= 1:
         return 0.0
     return (pp - 1) / (virtual_stages * n_microbatches + pp - 1)
+
+
+def grad_scaler(device: torch.device, enabled: bool, pipe: Pipeline | None):
+    """The fp16 loss scaler. Under PP it is torch's ShardedGradScaler over the pp group, for two reasons:
+
+    - Every pp rank unscales gradients that the *last* stage's scale produced, so the scales must stay
+      identical on all pp ranks. `GradScaler.step/update` decide skip-and-back-off from this rank's own
+      gradients only; an overflow in one stage would make that stage skip and halve its scale while the others
+      step and keep theirs. ShardedGradScaler all-reduces `found_inf` over its process group in `unscale_`, so
+      every stage skips together and the scales never diverge. (Across dp/tp the DTensor gradients' found_inf
+      is already reduced by DTensor, torch >= 2.5.)
+    - `unscale_` requires the scale to exist, and it is created lazily by `scale()`: only the last stage ever
+      scales a loss, so the other ranks initialise it here with a `scale()` of their own (a throwaway one).
+    """
+    if pipe is None or not enabled:
+        return torch.amp.GradScaler(device.type, enabled=enabled)
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    scaler = ShardedGradScaler(device.type, process_group=pipe.pp_group)
+    scaler.scale(torch.ones((), device=device))
+    return scaler
 
 
 def pp_all_reduce_(t: torch.Tensor, pipe: Pipeline | None) -> torch.Tensor:

@@ -36,7 +36,7 @@ from llmcluster.train.health import (CollectiveFailure, FaultInjector, LossSpike
 from llmcluster.train.metrics import MetricsLog, device_peak_flops
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
 from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm
-from llmcluster.train.pipeline import bubble_fraction, build_pipeline
+from llmcluster.train.pipeline import bubble_fraction, build_pipeline, grad_scaler
 from llmcluster.train import exit_reason
 from llmcluster.train.signals import PreemptionFlag
 
@@ -97,7 +97,6 @@ class Trainer:
         # Same seed on every rank: identical initial weights without a broadcast, whatever the mesh.
         torch.manual_seed(cfg.run.seed)
         self.pipe = None
-        self._pp_scale = 1.0  # fp16 loss scale applied inside the pipeline's loss function (training only)
         if dims.pp > 1:
             self.pipe = build_pipeline(cfg, dims, env, cfg.run.seed, self._pp_loss)
             self.model = self.raw_model = self.pipe.model  # this rank's part, with the full model's names
@@ -105,7 +104,7 @@ class Trainer:
             self.model, self.raw_model = build_parallel_model(cfg, dims, env, cfg.run.seed)
         self.optimizer = build_optimizer(self.model, t, env.device)
         self.scheduler = build_scheduler(self.optimizer, t)
-        self.scaler = torch.amp.GradScaler(env.device.type, enabled=t.precision == "fp16")
+        self.scaler = grad_scaler(env.device, t.precision == "fp16", self.pipe)
         self.step = 0
         self.bad_in_row = 0
         self.bad_total = 0
@@ -182,7 +181,9 @@ class Trainer:
         return loss
 
     def _pp_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self._loss(logits, y) * self._pp_scale
+        # Training: the schedule runs backward on the micro-batch's share, fp16-scaled (`unscale_` needs that)
+        loss = self._loss(logits, y)
+        return self.scaler.scale(loss / self.cfg.train.grad_accum) if self.model.training else loss
 
     def train_state(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
@@ -249,14 +250,14 @@ class Trainer:
         ids = [i for b in batches for i in b[0].tolist()]
         x = torch.cat([b[1] for b in batches]).to(self.env.device)
         y = torch.cat([b[2] for b in batches]).to(self.env.device)
-        self._pp_scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
         with self.autocast():
             losses = self.pipe.step(x, y)
+        unscale = self.cfg.train.grad_accum / self.scaler.get_scale()  # each was loss / m × scale
         # forward + backward of all micro-batches (incl. the bubble)
         self.busy_s = self.inject.busy_time(self.step + 1, time.perf_counter() - t0)
         total = torch.zeros((), device=self.env.device, dtype=torch.float32)
         for loss in losses:
-            total += loss.detach().float() / self._pp_scale
+            total += loss.detach().float() * unscale
         return total, ids
 
     @torch.no_grad()
@@ -284,7 +285,6 @@ class Trainer:
         forward-only pass; a short last group is padded with copies whose losses are dropped."""
         total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
         m = self.pipe.n_microbatches
-        self._pp_scale = 1.0
         for g in range(0, len(batches), m):
             group = batches[g:g + m]
             real = len(group)
