@@ -93,7 +93,6 @@ def test_pp_checkpoint_resumes_as_fsdp(root, reference, pp_run):
 @pytest.mark.parametrize("extra, needles", [
     (["--set", "train.grad_accum=1"], ["train.grad_accum (1)", "parallel.pp (2)"]),
     (["--set", "model.tie_embeddings=true"], ["model.tie_embeddings", "parallel.pp"]),
-    (["--set", "model.doc_mask_id=10"], ["model.doc_mask_id", "parallel.pp > 1"]),
     (["--set", "parallel.pp_schedule=interleaved_1F1B", "--set", "parallel.pp_virtual_stages=3"],
      ["parallel.pp x virtual stages (6)", "model.n_layers (4)"]),
     (["--set", "parallel.pp_virtual_stages=2"], ["parallel.pp_virtual_stages", "interleaved_1F1B"]),

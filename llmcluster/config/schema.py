@@ -260,7 +260,4 @@ class JobConfig(Section):
             if self.model.tie_embeddings:
                 raise ValueError("model.tie_embeddings with parallel.pp > 1: the embedding and the head live on "
                                  "different stages (untie them)")
-            if self.model.doc_mask_id is not None:
-                raise ValueError("model.doc_mask_id with parallel.pp > 1 is not supported yet: pipeline stages "
-                                 "would attend across packed documents (train with parallel.pp=1)")
         return self

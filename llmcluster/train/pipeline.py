@@ -28,6 +28,7 @@ from torch import nn
 
 from llmcluster.config.schema import JobConfig
 from llmcluster.config.stages import stage_layers
+from llmcluster.model.llama import build_model, document_mask
 from llmcluster.train.compat import pp_schedule_kwargs
 from llmcluster.train.distributed import DistEnv, ParallelDims
 from llmcluster.train.parallelize import _fill_own_shard, apply_fsdp, apply_tp_ac_compile, fsdp_mesh
@@ -47,13 +48,16 @@ class _Stage(nn.Module):
         # the RoPE length is the data's, not the input's.
         self.seq_len = seq_len
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """`tokens`: the micro-batch's tokens, given to every stage when the model has a document mask (see
+        `Pipeline.step`), from which each stage builds the same mask that the whole model would."""
         m = self._model[0]
         cos, sin = m.rope_cos[:self.seq_len], m.rope_sin[:self.seq_len]
+        mask = None if tokens is None else document_mask(tokens, m.cfg.doc_mask_id)
         if self.embed_tokens is not None:
             h = self.embed_tokens(h)
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, cos, sin) if mask is None else block(h, cos, sin, mask=mask)
         if self.lm_head is not None:
             h = self.lm_head(self.norm(h))
         return h
@@ -69,14 +73,21 @@ class Pipeline:
     has_last: bool
     n_microbatches: int
 
-    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, train: bool = True) -> list[torch.Tensor]:
-        """One pass over the rank's whole batch (n_microbatches × micro-batch). The per-micro-batch losses on
-        the rank with the last stage, [] elsewhere."""
+    def step(self, x: torch.Tensor, y: torch.Tensor, train: bool = True) -> list[torch.Tensor]:
+        """One pass over the rank's whole batch (n_microbatches × micro-batch), which every pp rank reads. The
+        per-micro-batch losses on the rank with the last stage, [] elsewhere.
+
+        A document mask needs the tokens in every stage, while only the first stage receives them as input.
+        Every pp rank already holds the same batch, so each passes it as a keyword argument: the schedule
+        splits keyword arguments into micro-batches like the inputs and hands each stage its own ("kwargs can
+        be passed to all stages via respective step calls", PipelineStage.forward_one_chunk). No integer
+        tensor then travels in the stages' activations and their gradients, and nothing more is sent."""
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first else ()
         target = y if self.has_last else None
+        kwargs = {"tokens": x} if self.model.cfg.doc_mask_id is not None else {}
         run = self.schedule.step if train else self.schedule.eval
-        run(*args, target=target, losses=losses if self.has_last else None)
+        run(*args, target=target, losses=losses if self.has_last else None, **kwargs)
         return losses
 
 
@@ -88,7 +99,6 @@ def stage_ids(dims: ParallelDims, pp_rank: int) -> list[int]:
 def build_pipeline(cfg: JobConfig, dims: ParallelDims, env: DistEnv, seed: int | None, loss_fn) -> Pipeline:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-    from llmcluster.model.llama import build_model
 
     mesh = dims.build_mesh(env.device.type)
     n_stages = dims.pp * dims.virtual_stages
