@@ -68,6 +68,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
+def repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, kv_heads, T, D) -> (B, n_heads, T, D), query head h reading kv head h // (n_heads / kv_heads):
+    the grouping of SDPA's enable_gqa and of HF's repeat_kv."""
+    return x if x.shape[1] == n_heads else x.repeat_interleave(n_heads // x.shape[1], dim=1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -86,10 +92,17 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # GQA: each kv head serves n_heads / n_kv_heads query heads; SDPA broadcasts them itself instead
-        # of materialising repeated k/v copies.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=k.shape[1] != q.shape[1])
+        if mask is None:
+            # GQA: each kv head serves n_heads / n_kv_heads query heads; SDPA broadcasts them itself (the
+            # flash kernel) instead of materialising repeated k/v copies.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        else:
+            # A document mask: on CUDA, flash refuses any mask and the efficient and cuDNN kernels refuse the
+            # GQA broadcast, so mask + enable_gqa falls to the math kernel (B·H·T² fp32 scores: OOM or a
+            # several-fold slowdown at T=4096). Repeating k/v to every query head lets the memory-efficient
+            # kernel take the mask; the copies cost far less than the scores would.
+            k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
