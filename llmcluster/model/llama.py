@@ -193,15 +193,47 @@ class Llama(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, vocab). The loss is the trainer's business."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                loss_chunks: int = 1) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab); with `targets` (B, T) instead the fp32 cross-entropy summed
+        over the targets that are not -100 (the trainer divides), in `loss_chunks` slices of the sequence.
+        The loss is computed inside forward so that the head's weights are used where FSDP gathered them."""
         T = tokens.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         mask = None if self.cfg.doc_mask_id is None else document_mask(tokens, self.cfg.doc_mask_id)
         h = self.embed_tokens(tokens)
         for block in self.layers.values():
             h = block(h, cos, sin) if mask is None else block(h, cos, sin, mask=mask)
-        return self.lm_head(self.norm(h))
+        h = self.norm(h)
+        if targets is None:
+            return self.lm_head(h)
+        return chunked_cross_entropy_sum(self.lm_head, h, targets, loss_chunks)
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ cross-entropy over the targets that are not -100 (chat data's untrained positions), in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+def chunked_cross_entropy_sum(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+    """`cross_entropy_sum(head(h), targets)` that never holds the whole B·T·V logits in fp32.
+
+    In one piece the logits, their fp32 copy, the log-softmax kept for backward and its gradient are each
+    B·T·V (a 128k vocabulary at B·T = 8192: 4 GB per fp32 copy). In slices of the sequence, each slice's
+    logits are recomputed in backward (activation checkpointing) instead of kept: at most one slice's are
+    alive at a time, for one more head matmul per slice.
+    """
+    if chunks <= 1:
+        return cross_entropy_sum(head(h), targets)
+    from torch.utils.checkpoint import checkpoint
+
+    def piece(h_c: torch.Tensor, y_c: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(head(h_c), y_c)
+
+    total = h.new_zeros((), dtype=torch.float32)
+    for h_c, y_c in zip(h.chunk(chunks, dim=1), targets.chunk(chunks, dim=1)):
+        total = total + checkpoint(piece, h_c, y_c, use_reentrant=False)
+    return total
 
 
 def document_mask(tokens: torch.Tensor, end_id: int) -> torch.Tensor:

@@ -136,6 +136,9 @@ def pick_device(cfg: JobConfig, local_rank: int) -> torch.device:
         raise UserError("train.device=cuda but no CUDA device is available")
     if want in ("cuda", "auto") and torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
+        # TF32 tensor cores for fp32 matmuls (an fp32 run; the fp32 remainder of a bf16 one): PyTorch has left
+        # them off by default since 1.12. "high" is TF32, "highest" full fp32 (the flag metrics.py reads).
+        torch.set_float32_matmul_precision("high" if cfg.train.allow_tf32 else "highest")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from llmcluster.config.load import load_job_config, saved_config_dict
 from llmcluster.config.schema import JobConfig
 from llmcluster.data.dataset import META, data_sources, eval_batches, open_training_data
 from llmcluster.errors import EXIT_PREEMPTED, UserError
 from llmcluster.model import flops_per_token, param_count
+from llmcluster.model.llama import cross_entropy_sum
 from llmcluster.paths import resolve_storage_root
 from llmcluster.storage.layout import Storage, sha256_file
 from llmcluster.train import distributed as D
@@ -172,17 +172,16 @@ class Trainer:
             t /= self.env.world_size // self.dims.pp
         return t
 
-    def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _loss(self, loss_sum: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # Mean over trained targets (chat data marks the rest -100); a micro-batch with none gives 0.
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1),
-                               reduction="sum") / (y != -100).sum().clamp(min=1)
+        loss = loss_sum / (y != -100).sum().clamp(min=1)
         if self.inject.loss_factor(self.step + 1) is not None:  # test hook (health.py)
             loss = loss * self.inject.loss_factor(self.step + 1)
         return loss
 
     def _pp_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # Training: the schedule runs backward on the micro-batch's share, fp16-scaled (`unscale_` needs that)
-        loss = self._loss(logits, y)
+        loss = self._loss(cross_entropy_sum(logits, y), y)
         return self.scaler.scale(loss / self.cfg.train.grad_accum) if self.model.training else loss
 
     def train_state(self) -> dict:
@@ -213,10 +212,9 @@ class Trainer:
             sync = model.no_sync() if self.dims.ddp and not last else contextlib.nullcontext()
             with sync:
                 with self.autocast():
-                    logits = model(x)
+                    loss = self._loss(model(x, y, cfg.train.loss_chunks), y)
                 if last:  # this rank's own work up to its first gradient all-reduce (DDP): straggler signal
                     self.busy_s = self.inject.busy_time(self.step + 1, time.perf_counter() - t0)
-                loss = self._loss(logits, y)
                 self.scaler.scale(loss / accum).backward()
             loss_sum += loss.detach()
             sample_ids += ids.tolist()
@@ -272,8 +270,7 @@ class Trainer:
         for x, y in batches:
             x, y = x.to(self.env.device), y.to(self.env.device)
             with self.autocast():
-                logits = self.model(x)
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
+                loss = self.model(x, y, self.cfg.train.loss_chunks)
             total += torch.stack([loss.double(), (y != -100).sum().double()])  # -100: chat data's untrained
         if self.env.distributed:
             dist.all_reduce(total)
