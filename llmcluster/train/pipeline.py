@@ -99,7 +99,6 @@ def stage_ids(dims: ParallelDims, pp_rank: int) -> list[int]:
 def build_pipeline(cfg: JobConfig, dims: ParallelDims, env: DistEnv, seed: int | None, loss_fn) -> Pipeline:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-
     mesh = dims.build_mesh(env.device.type)
     n_stages = dims.pp * dims.virtual_stages
     split = stage_layers(cfg.model.n_layers, n_stages)
