@@ -44,6 +44,7 @@ def test_sbatch_like_the_seed_and_valid_bash(tmp_path):
     assert "--max-restarts 3" in srun and "umask 027" in script
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in script   # a fresh store per restart round
     assert "export NCCL_DEBUG=WARN" in script and "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in script
+    assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in script  # GPU job: the allocator preset
     assert '[ "${SLURM_RESTART_COUNT:-0}" -lt 3 ]' in script
     assert not (tmp_path / "s").exists(), "--dry-run wrote files"
 
@@ -336,3 +337,12 @@ def test_secret_env_is_checked_and_never_rendered(tmp_path):
                       "--set", "job.secret_env=[LLMC_TEST_TOKEN]", env=cli_env(LLMC_TEST_TOKEN=token))
         assert dry.returncode == 0 and "LLMC_TEST_TOKEN" in dry.stdout and token not in dry.stdout
     assert subprocess.run(["grep", "-rlF", token, str(root)], capture_output=True).returncode == 1
+
+
+def test_cuda_allocator_preset_only_on_gpu_jobs_and_job_env_wins():
+    from llmcluster.config.job import JobSpec
+
+    assert JobSpec(gpus_per_node=8).environment()["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in JobSpec(gpus_per_node=0).environment()
+    mine = JobSpec(gpus_per_node=8, env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}).environment()
+    assert mine["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"

@@ -41,13 +41,14 @@ def mesh(dp_replicate: int, dp_shard: int, tp: int = 1) -> list[str]:
             "--set", f"parallel.tp={tp}", "--set", f"train.micro_batch={micro}"]
 
 
-def train(root: Path, run: str, nproc: int, *extra: str) -> subprocess.CompletedProcess:
+def train(root: Path, run: str, nproc: int, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`env`: extra environment (test hooks)."""
     args = ["train", "--root", str(root), *TINY, "--set", f"run.name={run}", *extra]
     if nproc == 1:
-        return run_cli(*args, check=True, timeout=300)
+        return run_cli(*args, check=True, timeout=300, env=cli_env(**(env or {})))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "llmcluster", *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(**(env or {})), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{run}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 

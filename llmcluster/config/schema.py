@@ -134,6 +134,10 @@ class TrainConfig(Section):
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     compile: bool = False
+    # cross-entropy in this many slices of the sequence, each slice's logits recomputed in backward: never
+    # the whole B·T·V in fp32 (a 128k vocabulary); 1: in one piece
+    loss_chunks: int = Field(1, ge=1)
+    allow_tf32: bool = True                    # CUDA: fp32 matmuls and convolutions on TF32 tensor cores
     threads: int | None = Field(None, ge=1)    # torch intra-op threads per rank (CPU); None: cores / ranks
     max_bad_steps: int = Field(5, ge=1)        # non-finite steps in a row before the run stops
     spike_zscore: float | None = Field(None, gt=0)  # loss z-score over the window that counts as a spike
@@ -249,6 +253,9 @@ class JobConfig(Section):
                 f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
         if self.parallel.tp > 1 and self.model.n_heads % self.parallel.tp:
             raise ValueError(f"parallel.tp ({self.parallel.tp}) must divide model.n_heads ({self.model.n_heads})")
+        if self.parallel.tp > 1 and self.train.loss_chunks > 1:
+            raise ValueError("train.loss_chunks > 1 with parallel.tp > 1 is not supported: under sequence "
+                             "parallelism the head's input is sharded on the sequence (set train.loss_chunks=1)")
         if self.parallel.tp > 1 and self.train.lora is not None:
             raise ValueError("train.lora with parallel.tp > 1 is not supported: shard with parallel.dp_shard")
         if self.parallel.tp > 1 and self.model.kv_heads % self.parallel.tp:
@@ -262,4 +269,7 @@ class JobConfig(Section):
             if self.model.tie_embeddings:
                 raise ValueError("model.tie_embeddings with parallel.pp > 1: the embedding and the head live on "
                                  "different stages (untie them)")
+            if self.train.loss_chunks > 1:
+                raise ValueError("train.loss_chunks > 1 with parallel.pp > 1 is not supported: the last stage "
+                                 "computes the loss from whole logits (set train.loss_chunks=1)")
         return self

@@ -68,6 +68,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
+def repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, kv_heads, T, D) -> (B, n_heads, T, D), query head h reading kv head h // (n_heads / kv_heads):
+    the grouping of SDPA's enable_gqa and of HF's repeat_kv."""
+    return x if x.shape[1] == n_heads else x.repeat_interleave(n_heads // x.shape[1], dim=1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -88,11 +94,19 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:   # generation: attend to every key so far, not just this call's
             k, v = cache.update(k, v)
-        # GQA: each kv head serves n_heads / n_kv_heads query heads; SDPA broadcasts them itself instead
-        # of materialising repeated k/v copies.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           is_causal=mask is None and k.shape[2] == T,
-                                           enable_gqa=k.shape[1] != q.shape[1])
+        if mask is None:
+            # GQA: each kv head serves n_heads / n_kv_heads query heads; SDPA broadcasts them itself (the
+            # flash kernel) instead of materialising repeated k/v copies. One new token after a cache attends
+            # to every key (not causal); a whole sequence is causal.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=k.shape[2] == T,
+                                               enable_gqa=k.shape[1] != q.shape[1])
+        else:
+            # A document mask: on CUDA, flash refuses any mask and the efficient and cuDNN kernels refuse the
+            # GQA broadcast, so mask + enable_gqa falls to the math kernel (B·H·T² fp32 scores: OOM or a
+            # several-fold slowdown at T=4096). Repeating k/v to every query head lets the memory-efficient
+            # kernel take the mask; the copies cost far less than the scores would.
+            k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -183,9 +197,13 @@ class Llama(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor, cache: "KVCache | None" = None) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, vocab). The loss is the trainer's business. With a `cache`, `tokens`
-        follow the ones it holds (positions, masks and attention continue from there) and are added to it."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, loss_chunks: int = 1,
+                cache: "KVCache | None" = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab); with `targets` (B, T) instead the fp32 cross-entropy summed
+        over the targets that are not -100 (the trainer divides), in `loss_chunks` slices of the sequence.
+        The loss is computed inside forward so that the head's weights are used where FSDP gathered them.
+        With a `cache` (generation), `tokens` follow the ones it holds (positions, masks and attention
+        continue from there) and are added to it."""
         if cache is not None:
             return self._forward_cached(tokens, cache)
         T = tokens.shape[1]
@@ -194,7 +212,10 @@ class Llama(nn.Module):
         h = self.embed_tokens(tokens)
         for block in self.layers.values():
             h = block(h, cos, sin) if mask is None else block(h, cos, sin, mask=mask)
-        return self.lm_head(self.norm(h))
+        h = self.norm(h)
+        if targets is None:
+            return self.lm_head(h)
+        return chunked_cross_entropy_sum(self.lm_head, h, targets, loss_chunks)
 
     def _forward_cached(self, tokens: torch.Tensor, cache: "KVCache") -> torch.Tensor:
         start, T = cache.pos, tokens.shape[1]
@@ -212,6 +233,32 @@ class Llama(nn.Module):
             h = block(h, cos, sin, mask=mask, cache=cache.layer(i))
         cache.pos = end
         return self.lm_head(self.norm(h))
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ cross-entropy over the targets that are not -100 (chat data's untrained positions), in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+def chunked_cross_entropy_sum(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+    """`cross_entropy_sum(head(h), targets)` that never holds the whole B·T·V logits in fp32.
+
+    In one piece the logits, their fp32 copy, the log-softmax kept for backward and its gradient are each
+    B·T·V (a 128k vocabulary at B·T = 8192: 4 GB per fp32 copy). In slices of the sequence, each slice's
+    logits are recomputed in backward (activation checkpointing) instead of kept: at most one slice's are
+    alive at a time, for one more head matmul per slice.
+    """
+    if chunks <= 1:
+        return cross_entropy_sum(head(h), targets)
+    from torch.utils.checkpoint import checkpoint
+
+    def piece(h_c: torch.Tensor, y_c: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(head(h_c), y_c)
+
+    total = h.new_zeros((), dtype=torch.float32)
+    for h_c, y_c in zip(h.chunk(chunks, dim=1), targets.chunk(chunks, dim=1)):
+        total = total + checkpoint(piece, h_c, y_c, use_reentrant=False)
+    return total
 
 
 class KVCache:

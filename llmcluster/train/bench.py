@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from llmcluster.config.load import load_job_config
 from llmcluster.config.schema import JobConfig
 from llmcluster.errors import UserError
 from llmcluster.model import flops_per_token
 from llmcluster.model.flops import param_count
+from llmcluster.model.llama import cross_entropy_sum
 from llmcluster.paths import resolve_storage_root
 from llmcluster.storage.layout import Storage
 from llmcluster.train import distributed as D
@@ -68,8 +68,8 @@ def run_bench(cfg: JobConfig, root: Path, steps: int, warmup: int) -> dict:
         raise UserError(f"data.seq_len ({seq}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
     out_dir = Storage(root).require_writable(root / "logs" / "bench")
 
-    def ce(logits, y):
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+    def ce(logits, y):  # the pipeline's loss function: a micro-batch's share of the step's mean (pipeline.py)
+        return cross_entropy_sum(logits, y) / y.numel() / t.grad_accum
 
     torch.manual_seed(cfg.run.seed)
     pipe = build_pipeline(cfg, dims, env, cfg.run.seed, ce) if dims.pp > 1 else None
@@ -91,8 +91,7 @@ def run_bench(cfg: JobConfig, root: Path, steps: int, warmup: int) -> dict:
             sync = model.no_sync() if ddp and i < t.grad_accum - 1 else contextlib.nullcontext()
             with sync:
                 with autocast(cfg, dims, env.device):
-                    logits = model(x)
-                loss = ce(logits, y)
+                    loss = model(x, y, t.loss_chunks) / y.numel()  # as the trainer: train.loss_chunks counts
                 (loss / t.grad_accum).backward()
         if pipe is not None:  # the rank's grad_accum micro-batches as one batch through the schedule
             xs, ys = zip(*(batch() for _ in range(t.grad_accum)))

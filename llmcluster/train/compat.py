@@ -59,6 +59,13 @@ def dcp_load(state: dict, storage_reader, planner=None, no_dist: bool = False) -
     dcp.load(state, **kwargs)
 
 
+def pp_schedule_kwargs(schedule_cls) -> dict:
+    """Keyword arguments that make a pipelining schedule leave gradients as the loss function made them:
+    `scale_grads=False` where the schedule has it (torch >= 2.7 divides gradients by the micro-batch count
+    after backward by default); older schedules never divide, which is the same thing."""
+    return {"scale_grads": False} if _accepts(schedule_cls.__init__, "scale_grads") else {}
+
+
 def fsdp2():
     """(fully_shard, MixedPrecisionPolicy): public in torch.distributed.fsdp from 2.6; before that the
     composable path (kept so an error names the floor instead of an ImportError)."""

@@ -19,6 +19,11 @@ import torch.distributed as dist
 
 from llmcluster.config.schema import JobConfig
 from llmcluster.errors import UserError
+from llmcluster.testing import test_hook
+
+# Test hook (acts only with LLMCLUSTER_TESTING=1): run fp16 on a CPU without native fp16, emulated and slow,
+# so that the fp16 paths (GradScaler, loss scaling under PP) are exercised where no GPU is.
+FORCE_CPU_FP16 = "LLMCLUSTER_TEST_FORCE_CPU_FP16"
 
 
 @dataclass
@@ -131,6 +136,9 @@ def pick_device(cfg: JobConfig, local_rank: int) -> torch.device:
         raise UserError("train.device=cuda but no CUDA device is available")
     if want in ("cuda", "auto") and torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
+        # TF32 tensor cores for fp32 matmuls (an fp32 run; the fp32 remainder of a bf16 one): PyTorch has left
+        # them off by default since 1.12. "high" is TF32, "highest" full fp32 (the flag metrics.py reads).
+        torch.set_float32_matmul_precision("high" if cfg.train.allow_tf32 else "highest")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -275,7 +283,7 @@ def native_low_precision(device: torch.device, precision: str) -> bool:
         return False
     if precision == "bf16":
         return "avx512_bf16" in flags or "amx_bf16" in flags
-    return "avx512_fp16" in flags or "amx_fp16" in flags
+    return "avx512_fp16" in flags or "amx_fp16" in flags or test_hook(FORCE_CPU_FP16) == "1"
 
 
 def precision_note(device: torch.device, precision: str) -> str:

@@ -11,8 +11,11 @@ each stage (its own FSDP root, which is what `PipelineStage` expects).
 
 Weights: every rank still draws every weight, in the one seeded order of `Llama.init_weights`, and keeps
 only what it holds, so a run at pp=2 starts from the same weights as one process. The loss is the mean
-over micro-batches of the per-micro-batch mean (the schedule divides gradients by the micro-batch count),
-which is what gradient accumulation without PP computes.
+over micro-batches of the per-micro-batch mean, which is what gradient accumulation without PP computes: the
+loss function divides each micro-batch's loss by the micro-batch count before backward and the schedule's own
+division of the gradients is off (torchtitan's `scale_grads=False` with a rescaled loss). Dividing before
+backward, not after, keeps the backward's magnitudes those of accumulation without PP: under fp16 the same
+loss scale then overflows (or not) at the same step as in one process.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from torch import nn
 
 from llmcluster.config.schema import JobConfig
 from llmcluster.config.stages import stage_layers
+from llmcluster.model.llama import build_model, document_mask
+from llmcluster.train.compat import pp_schedule_kwargs
 from llmcluster.train.distributed import DistEnv, ParallelDims
 from llmcluster.train.parallelize import _fill_own_shard, apply_fsdp, apply_tp_ac_compile, fsdp_mesh
 
@@ -43,13 +48,16 @@ class _Stage(nn.Module):
         # the RoPE length is the data's, not the input's.
         self.seq_len = seq_len
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """`tokens`: the micro-batch's tokens, given to every stage when the model has a document mask (see
+        `Pipeline.step`), from which each stage builds the same mask that the whole model would."""
         m = self._model[0]
         cos, sin = m.rope_cos[:self.seq_len], m.rope_sin[:self.seq_len]
+        mask = None if tokens is None else document_mask(tokens, m.cfg.doc_mask_id)
         if self.embed_tokens is not None:
             h = self.embed_tokens(h)
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, cos, sin) if mask is None else block(h, cos, sin, mask=mask)
         if self.lm_head is not None:
             h = self.lm_head(self.norm(h))
         return h
@@ -65,14 +73,21 @@ class Pipeline:
     has_last: bool
     n_microbatches: int
 
-    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, train: bool = True) -> list[torch.Tensor]:
-        """One pass over the rank's whole batch (n_microbatches × micro-batch). The per-micro-batch losses on
-        the rank with the last stage, [] elsewhere."""
+    def step(self, x: torch.Tensor, y: torch.Tensor, train: bool = True) -> list[torch.Tensor]:
+        """One pass over the rank's whole batch (n_microbatches × micro-batch), which every pp rank reads. The
+        per-micro-batch losses on the rank with the last stage, [] elsewhere.
+
+        A document mask needs the tokens in every stage, while only the first stage receives them as input.
+        Every pp rank already holds the same batch, so each passes it as a keyword argument: the schedule
+        splits keyword arguments into micro-batches like the inputs and hands each stage its own ("kwargs can
+        be passed to all stages via respective step calls", PipelineStage.forward_one_chunk). No integer
+        tensor then travels in the stages' activations and their gradients, and nothing more is sent."""
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first else ()
         target = y if self.has_last else None
+        kwargs = {"tokens": x} if self.model.cfg.doc_mask_id is not None else {}
         run = self.schedule.step if train else self.schedule.eval
-        run(*args, target=target, losses=losses if self.has_last else None)
+        run(*args, target=target, losses=losses if self.has_last else None, **kwargs)
         return losses
 
 
@@ -83,8 +98,6 @@ def stage_ids(dims: ParallelDims, pp_rank: int) -> list[int]:
 
 def build_pipeline(cfg: JobConfig, dims: ParallelDims, env: DistEnv, seed: int | None, loss_fn) -> Pipeline:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-
-    from llmcluster.model.llama import build_model
 
     mesh = dims.build_mesh(env.device.type)
     n_stages = dims.pp * dims.virtual_stages
@@ -117,9 +130,10 @@ def build_pipeline(cfg: JobConfig, dims: ParallelDims, env: DistEnv, seed: int |
     stages = [PipelineStage(part, s, n_stages, env.device, group=pp_group) for part, s in zip(parts, mine)]
     m = cfg.train.grad_accum
     if dims.pp_schedule == "1F1B":
-        schedule = Schedule1F1B(stages[0], n_microbatches=m, loss_fn=loss_fn)
+        schedule = Schedule1F1B(stages[0], n_microbatches=m, loss_fn=loss_fn, **pp_schedule_kwargs(Schedule1F1B))
     else:
-        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn,
+                                           **pp_schedule_kwargs(ScheduleInterleaved1F1B))
     return Pipeline(schedule, stages, model, pp_group, 0 in mine, n_stages - 1 in mine, m)
 
 
@@ -152,6 +166,27 @@ def bubble_fraction(pp: int, virtual_stages: int, n_microbatches: int) -> float:
     if pp <= 1:
         return 0.0
     return (pp - 1) / (virtual_stages * n_microbatches + pp - 1)
+
+
+def grad_scaler(device: torch.device, enabled: bool, pipe: Pipeline | None):
+    """The fp16 loss scaler. Under PP it is torch's ShardedGradScaler over the pp group, for two reasons:
+
+    - Every pp rank unscales gradients that the *last* stage's scale produced, so the scales must stay
+      identical on all pp ranks. `GradScaler.step/update` decide skip-and-back-off from this rank's own
+      gradients only; an overflow in one stage would make that stage skip and halve its scale while the others
+      step and keep theirs. ShardedGradScaler all-reduces `found_inf` over its process group in `unscale_`, so
+      every stage skips together and the scales never diverge. (Across dp/tp the DTensor gradients' found_inf
+      is already reduced by DTensor, torch >= 2.5.)
+    - `unscale_` requires the scale to exist, and it is created lazily by `scale()`: only the last stage ever
+      scales a loss, so the other ranks initialise it here with a `scale()` of their own (a throwaway one).
+    """
+    if pipe is None or not enabled:
+        return torch.amp.GradScaler(device.type, enabled=enabled)
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    scaler = ShardedGradScaler(device.type, process_group=pipe.pp_group)
+    scaler.scale(torch.ones((), device=device))
+    return scaler
 
 
 def pp_all_reduce_(t: torch.Tensor, pipe: Pipeline | None) -> torch.Tensor:

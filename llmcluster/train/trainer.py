@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from llmcluster.config.load import load_job_config, saved_config_dict
 from llmcluster.config.schema import JobConfig
 from llmcluster.data.dataset import META, data_sources, eval_batches, open_training_data
 from llmcluster.errors import EXIT_PREEMPTED, UserError
 from llmcluster.model import flops_per_token, param_count
+from llmcluster.model.llama import cross_entropy_sum
 from llmcluster.paths import resolve_storage_root
 from llmcluster.storage.layout import Storage, sha256_file
 from llmcluster.train import distributed as D
@@ -36,7 +36,7 @@ from llmcluster.train.health import (CollectiveFailure, FaultInjector, LossSpike
 from llmcluster.train.metrics import MetricsLog, device_peak_flops
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
 from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm
-from llmcluster.train.pipeline import bubble_fraction, build_pipeline
+from llmcluster.train.pipeline import bubble_fraction, build_pipeline, grad_scaler
 from llmcluster.train import exit_reason
 from llmcluster.train.signals import PreemptionFlag
 
@@ -97,7 +97,6 @@ class Trainer:
         # Same seed on every rank: identical initial weights without a broadcast, whatever the mesh.
         torch.manual_seed(cfg.run.seed)
         self.pipe = None
-        self._pp_scale = 1.0  # fp16 loss scale applied inside the pipeline's loss function (training only)
         if dims.pp > 1:
             self.pipe = build_pipeline(cfg, dims, env, cfg.run.seed, self._pp_loss)
             self.model = self.raw_model = self.pipe.model  # this rank's part, with the full model's names
@@ -105,7 +104,7 @@ class Trainer:
             self.model, self.raw_model = build_parallel_model(cfg, dims, env, cfg.run.seed)
         self.optimizer = build_optimizer(self.model, t, env.device)
         self.scheduler = build_scheduler(self.optimizer, t)
-        self.scaler = torch.amp.GradScaler(env.device.type, enabled=t.precision == "fp16")
+        self.scaler = grad_scaler(env.device, t.precision == "fp16", self.pipe)
         self.step = 0
         self.bad_in_row = 0
         self.bad_total = 0
@@ -173,16 +172,17 @@ class Trainer:
             t /= self.env.world_size // self.dims.pp
         return t
 
-    def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _loss(self, loss_sum: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # Mean over trained targets (chat data marks the rest -100); a micro-batch with none gives 0.
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1),
-                               reduction="sum") / (y != -100).sum().clamp(min=1)
+        loss = loss_sum / (y != -100).sum().clamp(min=1)
         if self.inject.loss_factor(self.step + 1) is not None:  # test hook (health.py)
             loss = loss * self.inject.loss_factor(self.step + 1)
         return loss
 
     def _pp_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self._loss(logits, y) * self._pp_scale
+        # Training: the schedule runs backward on the micro-batch's share, fp16-scaled (`unscale_` needs that)
+        loss = self._loss(cross_entropy_sum(logits, y), y)
+        return self.scaler.scale(loss / self.cfg.train.grad_accum) if self.model.training else loss
 
     def train_state(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
@@ -212,10 +212,9 @@ class Trainer:
             sync = model.no_sync() if self.dims.ddp and not last else contextlib.nullcontext()
             with sync:
                 with self.autocast():
-                    logits = model(x)
+                    loss = self._loss(model(x, y, cfg.train.loss_chunks), y)
                 if last:  # this rank's own work up to its first gradient all-reduce (DDP): straggler signal
                     self.busy_s = self.inject.busy_time(self.step + 1, time.perf_counter() - t0)
-                loss = self._loss(logits, y)
                 self.scaler.scale(loss / accum).backward()
             loss_sum += loss.detach()
             sample_ids += ids.tolist()
@@ -249,14 +248,14 @@ class Trainer:
         ids = [i for b in batches for i in b[0].tolist()]
         x = torch.cat([b[1] for b in batches]).to(self.env.device)
         y = torch.cat([b[2] for b in batches]).to(self.env.device)
-        self._pp_scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
         with self.autocast():
             losses = self.pipe.step(x, y)
+        unscale = self.cfg.train.grad_accum / self.scaler.get_scale()  # each was loss / m × scale
         # forward + backward of all micro-batches (incl. the bubble)
         self.busy_s = self.inject.busy_time(self.step + 1, time.perf_counter() - t0)
         total = torch.zeros((), device=self.env.device, dtype=torch.float32)
         for loss in losses:
-            total += loss.detach().float() / self._pp_scale
+            total += loss.detach().float() * unscale
         return total, ids
 
     @torch.no_grad()
@@ -271,8 +270,7 @@ class Trainer:
         for x, y in batches:
             x, y = x.to(self.env.device), y.to(self.env.device)
             with self.autocast():
-                logits = self.model(x)
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
+                loss = self.model(x, y, self.cfg.train.loss_chunks)
             total += torch.stack([loss.double(), (y != -100).sum().double()])  # -100: chat data's untrained
         if self.env.distributed:
             dist.all_reduce(total)
@@ -284,7 +282,6 @@ class Trainer:
         forward-only pass; a short last group is padded with copies whose losses are dropped."""
         total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
         m = self.pipe.n_microbatches
-        self._pp_scale = 1.0
         for g in range(0, len(batches), m):
             group = batches[g:g + m]
             real = len(group)
