@@ -8,7 +8,6 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 LLMC="$VENV/bin/llmcluster"
 ROOT=${LLMCLUSTER_STORAGE:-./storage}
-RUN=llm-tiny
 NPROC=${NPROC:-2}
 CONFIG=configs/llm_tiny.yaml
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
@@ -25,15 +24,18 @@ else
 fi
 
 step "3/5 training llm_tiny with $NPROC ranks (torchrun, gloo, CPU)"
-# Which precision this machine computes in, and why: bf16 where the CPU has native bf16, else fp32.
-"$VENV/bin/python" - "$CONFIG" "$@" <<'PY'
+# Which precision this machine computes in, and why (bf16 where the CPU has native bf16, else fp32), on stderr;
+# the run's name (`--set run.name=...` trains, exports and samples another run) on stdout.
+RUN=$("$VENV/bin/python" - "$CONFIG" "$@" <<'PY'
 import sys, torch
 from llmcluster.config.load import load_job_config
 from llmcluster.train.distributed import precision_note
 args = sys.argv[2:]
 cfg = load_job_config(sys.argv[1], [a for i, a in enumerate(args) if i and args[i - 1] == "--set"])
-print("precision", precision_note(torch.device("cpu"), cfg.train.precision))
+print("precision", precision_note(torch.device("cpu"), cfg.train.precision), file=sys.stderr)
+print(cfg.run.name)
 PY
+)
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/torchrun" --standalone --nproc-per-node "$NPROC" -m llmcluster \
   train --config "$CONFIG" --root "$ROOT" "$@"
 

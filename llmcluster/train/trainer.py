@@ -71,8 +71,7 @@ class Trainer:
             raise UserError("data.seq_len exceeds model.max_seq_len")
 
         # Storage and data first: bad input fails before any expensive work.
-        self.storage.require_writable(self.storage.run_logs(cfg.run.name))
-        self.storage.require_writable(self.storage.run_checkpoints(cfg.run.name))
+        fresh = self.storage.require_run_dirs(cfg.run.name)  # removed again (if still empty) when refused
         # One writer per run, decided before anything expensive: a second one is refused within seconds.
         self.ckpt = Checkpointer(self.storage, cfg.run.name, env.rank, env.world_size,
                                  cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, log=self.log,
@@ -82,6 +81,7 @@ class Trainer:
             self._build(resume)
         except BaseException:
             self.ckpt.close()
+            self.storage.remove_if_empty(fresh)
             raise
 
     def _build(self, resume: str) -> None:
