@@ -75,14 +75,13 @@ def test_storage_status_does_not_list_bench_records_as_a_run(tmp_path):
 
 def test_demo_script_exports_and_samples_the_run_it_trained(tmp_path):
     # README: `scripts/demo.sh --set train.precision=fp32 --set run.name=llm-tiny-fp32` after a bf16 demo. The
-    # script used to export and sample llm-tiny whatever run it trained. Its llmcluster and torchrun are stand-ins
+    # script used to export and sample llm-tiny whatever run it trained. Its llmcluster is a stand-in
     # that record their arguments (training is tested elsewhere); its python is the real one.
     venv, log = tmp_path / "venv", tmp_path / "calls.log"
     (venv / "bin").mkdir(parents=True)
-    for tool in ("llmcluster", "torchrun"):
-        shim = venv / "bin" / tool
-        shim.write_text(f'#!/bin/sh\necho "{tool} $*" >> {log}\n')
-        shim.chmod(0o755)
+    shim = venv / "bin" / "llmcluster"
+    shim.write_text(f'#!/bin/sh\necho "llmcluster $*" >> {log}\n')
+    shim.chmod(0o755)
     (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     (venv / "bin" / "python").chmod(0o755)
     env = cli_env(VENV=str(venv), LLMCLUSTER_STORAGE=str(tmp_path / "st"), PYTHONPATH=str(REPO))
@@ -91,7 +90,8 @@ def test_demo_script_exports_and_samples_the_run_it_trained(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     calls = log.read_text().splitlines()
-    assert any(c.startswith("torchrun ") and "run.name=llm-tiny-fp32" in c for c in calls), calls
+    assert any(c.startswith("llmcluster train --procs-per-node 2 ") and "run.name=llm-tiny-fp32" in c
+               for c in calls), calls
     assert any(c.startswith("llmcluster export --run llm-tiny-fp32 ") for c in calls), calls
     assert any(c.startswith("llmcluster generate --model llm-tiny-fp32 ") for c in calls), calls
     assert "precision fp32" in proc.stderr
