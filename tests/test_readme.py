@@ -211,6 +211,7 @@ def run_document(doc: str, clone: Path) -> list[tuple[str, str, float]]:
                 code, out = proc.returncode, proc.stdout
             took = time.monotonic() - t0
             timings.append((where, c.mode, took))
+            print(f"{took:7.1f} s  exit {code}  {where[:150]}", flush=True)   # progress, under -s
             if code != c.exit:
                 failures.append(f"{where}\n  exit {code}, expected {c.exit}; output:\n{out[-3000:]}")
             elif c.mode == "run" and (missing := missing_lines(c.shown, out)):
@@ -223,6 +224,7 @@ def run_document(doc: str, clone: Path) -> list[tuple[str, str, float]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)   # <= 5 min on an idle 2-core machine; a loaded CI runner takes several times that
 @pytest.mark.parametrize("doc", DOCUMENTS)
 def test_document_examples_run_as_written(doc, tmp_path):
     run_document(doc, fresh_clone(tmp_path / "clone"))
