@@ -95,3 +95,68 @@ def test_demo_script_exports_and_samples_the_run_it_trained(tmp_path):
     assert any(c.startswith("llmcluster export --run llm-tiny-fp32 ") for c in calls), calls
     assert any(c.startswith("llmcluster generate --model llm-tiny-fp32 ") for c in calls), calls
     assert "precision fp32" in proc.stderr
+
+
+def test_cpu_peak_is_the_best_seen_on_this_machine_and_thread_count(tmp_path, monkeypatch):
+    # A peak measured under load is low and inflates MFU: the denominator is the best measured here, cached.
+    import torch
+
+    from llmcluster.train import metrics
+
+    monkeypatch.setenv(metrics.PEAK_CACHE_ENV, str(tmp_path))
+    metrics.measured_cpu_peak_flops.cache_clear()
+    first = metrics.measured_cpu_peak_flops(torch.float32, 1)
+    cache = tmp_path / "cpu_peak.json"
+    (key, value), = json.loads(cache.read_text()).items()
+    assert "1 threads" in key and value == first
+    cache.write_text(json.dumps({key: first * 1000, "junk": "x"}))   # a better figure seen before
+    metrics.measured_cpu_peak_flops.cache_clear()
+    assert metrics.measured_cpu_peak_flops(torch.float32, 1) == first * 1000
+    cache.write_text("not json")                                      # a broken cache is ignored, rewritten
+    metrics.measured_cpu_peak_flops.cache_clear()
+    assert 0 < metrics.measured_cpu_peak_flops(torch.float32, 1) < first * 1000
+    metrics.measured_cpu_peak_flops.cache_clear()
+    assert metrics.peak_note(5.94e10, "measured CPU fp32 matmul peak") == \
+        "0.0594 TFLOP/s, measured CPU fp32 matmul peak"
+
+
+def test_emit_config_starts_from_the_preset_and_changes_only_what_the_plan_decides(tmp_path):
+    from llmcluster.config.load import load_job_config
+
+    out = tmp_path / "job.yaml"
+    proc = run_cli("plan", "seed-a100-7b", "--emit-config", out, cwd=tmp_path, check=True)
+    assert f"wrote {out}" in proc.stdout
+    job, preset = load_job_config(str(out)), load_job_config("llm_7b")
+    # the preset's own choices survive (before: data, steps, lr, compile and checkpoints were dropped, the run renamed)
+    for section in ("run", "model", "data", "checkpoint", "log"):
+        assert getattr(job, section) == getattr(preset, section), section
+    for key in ("steps", "lr", "warmup_steps", "compile", "precision"):
+        assert getattr(job.train, key) == getattr(preset.train, key), key
+    # what the plan decides: its layout (the search table's --set line) and the job's size
+    best = json.loads(run_cli("plan", "seed-a100-7b", "--search", "--json", cwd=tmp_path, check=True).stdout)
+    for item in best["search"][0]["set"]:
+        key, value = item.split("=", 1)
+        section, name = key.split(".")
+        assert str(getattr(getattr(job, section), name)).lower() == value.lower(), item
+    assert (job.job.nodes, job.job.gpus_per_node) == (4, 4)
+
+
+def test_commands_that_write_files_say_where(tmp_path):
+    out = tmp_path / "prometheus.yml"
+    proc = run_cli("monitor", "config", "--cluster", "seed-a100", "-o", out, check=True)
+    assert proc.stdout.strip() == f"wrote {out}: Prometheus scrape config for 8 node(s)" and out.is_file()
+    proc = run_cli("plan", "seed-a100-7b", "--plot", tmp_path / "plots", check=True)
+    assert f"wrote {tmp_path / 'plots' / 'memory.png'}, {tmp_path / 'plots' / 'cost.png'}" in proc.stdout
+
+
+def test_tables_are_whole_when_piped(tmp_path):
+    # rich assumes 80 columns when stdout is not a terminal: 7 columns were squeezed into cut, wrapped headers
+    root = tmp_path / "st"
+    run_cli("storage", "init", "--root", root, check=True)
+    (root / "checkpoints" / "a-run-with-a-rather-long-descriptive-name-2026").mkdir()
+    out = run_cli("storage", "status", "--root", root, check=True, env=cli_env(COLUMNS="")).stdout
+    header = next(ln for ln in out.splitlines() if "checkpoints" in ln and "exported" in ln)
+    for col in ("run", "latest complete step", "incomplete", "writer", "leftovers", "exported"):
+        assert col in header, header
+    assert "a-run-with-a-rather-long-descriptive-name-2026" in out
+    assert "\x1b[" not in out   # no colour codes in a pipe

@@ -64,8 +64,9 @@ def _dot_dirs(run_dir: Path, prefix: str) -> list[str]:
 def status(root: Path, as_json: bool = False) -> int:
     import json
 
-    from rich.console import Console
     from rich.table import Table
+
+    from llmcluster.console import console
 
     if not root.is_dir():
         raise UserError(f"storage root {root} does not exist: run `llmcluster storage init --root {root}`")
@@ -73,7 +74,7 @@ def status(root: Path, as_json: bool = False) -> int:
     if as_json:
         print(json.dumps(info, indent=2))
         return 0
-    c = Console()
+    c = console()
     t = Table(title=f"storage {root}")
     for col in ("area", "size", "files", "free"):
         t.add_column(col, justify="left" if col == "area" else "right")

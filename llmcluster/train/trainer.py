@@ -33,7 +33,7 @@ from llmcluster.train.checkpoint import Checkpointer
 from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
 from llmcluster.train.health import (CollectiveFailure, FaultInjector, LossSpikeDetector, SampleLog,
                                      is_collective_error, slow_ranks, young_daly_steps)
-from llmcluster.train.metrics import MetricsLog, device_peak_flops
+from llmcluster.train.metrics import MetricsLog, device_peak_flops, peak_note
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
 from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm
 from llmcluster.train.pipeline import bubble_fraction, build_pipeline
@@ -326,9 +326,8 @@ class Trainer:
         if self.resumed_from:
             self.log(f"resumed from {self.resumed_from} (step {self.step})")
         self.log(f"run {cfg.run.name}: {self.dims.describe()}, device {env.device}, {t.precision}, "
-                 f"{param_count(cfg.model) / 1e6:.2f}M params, "
-                 f"global batch {self.global_batch} × {cfg.data.seq_len} tokens; MFU vs {self.peak_source}"
-                 f"{self._bubble_note()}")
+                 f"{param_count(cfg.model) / 1e6:.2f}M params, global batch {self.global_batch} × {cfg.data.seq_len} "
+                 f"tokens; MFU vs {peak_note(self.peak_flops, self.peak_source)}{self._bubble_note()}")
         if self.step == 0:  # the baseline the validation curve is read against
             self.log(f"step 0 val {self.evaluate():.4f} (untrained; a uniform guess over the vocabulary "
                      f"scores {math.log(cfg.model.vocab_size):.4f})")
