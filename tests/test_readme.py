@@ -84,7 +84,7 @@ def parse(path: Path) -> list[Block]:
     blocks, pending, i = [], [], 0
     while i < len(lines):
         s = lines[i].strip()
-        if m := ANNOTATION.search(s):
+        if m := ANNOTATION.match(s):   # a line of its own, not one quoted in the text
             pending.append((m.group(1), m.group(2), i + 1))
         elif s == "```console":
             block, i = _read_block(lines, i)
