@@ -11,6 +11,7 @@ the signal, the ranks checkpoint), 1 a crash.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -41,9 +42,9 @@ def launch_ranks(argv: list[str], nprocs: int) -> int:
     # The agent's own INFO/WARNING lines ("Sending process N closing signal SIGTERM", ...) are not the tool's.
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")   # as torchrun: N ranks sharing the cores, not N x cores
-    with tempfile.TemporaryDirectory(prefix="llmcluster-ranks-") as tmp:
-        os.environ.setdefault(exit_reason.EXIT_DIR_ENV, tmp)
+    with tempfile.TemporaryDirectory(prefix="llmcluster-ranks-") as tmp, _ranks_env(
+            OMP_NUM_THREADS="1",                 # as torchrun: N ranks sharing the cores, not N x cores
+            **{exit_reason.EXIT_DIR_ENV: tmp}):  # unless a batch script already collects the reasons
         reasons = Path(os.environ[exit_reason.EXIT_DIR_ENV])
         logs = DefaultLogsSpecs(log_dir=tmp, redirects={r: Std.ALL for r in range(1, nprocs)})
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=str(uuid.uuid4()),
@@ -62,6 +63,18 @@ def launch_ranks(argv: list[str], nprocs: int) -> int:
             return codes[rank]
         except SignalException:   # the agent forwarded it; the ranks have exited (checkpointed, or not)
             return _code_from_reasons(reasons, nprocs)
+
+
+@contextlib.contextmanager
+def _ranks_env(**defaults: str):
+    """Defaults for the ranks' environment (which they inherit from this process), unset again afterwards."""
+    added = {k: v for k, v in defaults.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _last_line(log_dir: Path, rank: int) -> str:
