@@ -145,6 +145,9 @@ def test_commands_that_write_files_say_where(tmp_path):
     out = tmp_path / "prometheus.yml"
     proc = run_cli("monitor", "config", "--cluster", "seed-a100", "-o", out, check=True)
     assert proc.stdout.strip() == f"wrote {out}: Prometheus scrape config for 8 node(s)" and out.is_file()
+    proc = run_cli("validate", "stack", "--report", tmp_path / "r.json", cwd=tmp_path)
+    assert proc.returncode in (0, 1) and f"report: {tmp_path / 'r.json'}" in proc.stdout.splitlines()
+    assert json.loads((tmp_path / "r.json").read_text())
     proc = run_cli("plan", "seed-a100-7b", "--plot", tmp_path / "plots", check=True)
     assert f"wrote {tmp_path / 'plots' / 'memory.png'}, {tmp_path / 'plots' / 'cost.png'}" in proc.stdout
 
