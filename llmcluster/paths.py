@@ -57,6 +57,11 @@ def locate_shipped(kind: str, ref: str | Path, what: str) -> Path:
     shipped = shipped_file(kind, str(ref))
     if shipped is not None:
         return shipped
+    stem = Path(str(ref)).name.removesuffix(".yaml")
+    if "/" in str(ref) and shipped_file(kind, stem) is not None:
+        # `plans/seed-a100-7b.yaml` outside the checkout: the shipped one is reachable by its name anywhere
+        raise UserError(f"{what} file not found: {ref} (relative to {Path.cwd()}); the shipped {what} of that "
+                        f"name is `{stem}`")
     raise UserError(f"{what} file not found: {ref} (nor a shipped {what}: {', '.join(shipped_names(kind))})")
 
 

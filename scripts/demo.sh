@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: storage init -> data prepare (the stdlib's own source) ->
-# 2-rank torchrun training of llm_tiny on CPU -> export to Hugging Face format -> a generated sample.
+# 2-rank training of llm_tiny on CPU -> export to Hugging Face format -> a generated sample.
 # Run again and it resumes (or finds the run finished) instead of starting over.
 # Extra arguments go to `train`, e.g. `bash scripts/demo.sh --set train.precision=fp32`.
 set -euo pipefail
@@ -8,7 +8,6 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 LLMC="$VENV/bin/llmcluster"
 ROOT=${LLMCLUSTER_STORAGE:-./storage}
-RUN=llm-tiny
 NPROC=${NPROC:-2}
 CONFIG=configs/llm_tiny.yaml
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
@@ -24,18 +23,22 @@ else
   "$LLMC" data prepare --root "$ROOT" --name stdlib --kind code
 fi
 
-step "3/5 training llm_tiny with $NPROC ranks (torchrun, gloo, CPU)"
-# Which precision this machine computes in, and why: bf16 where the CPU has native bf16, else fp32.
-"$VENV/bin/python" - "$CONFIG" "$@" <<'PY'
+step "3/5 training llm_tiny with $NPROC ranks (gloo, CPU)"
+# Which precision this machine computes in, and why (bf16 where the CPU has native bf16, else fp32), on stderr;
+# the run's name (`--set run.name=...` trains, exports and samples another run) on stdout.
+RUN=$("$VENV/bin/python" - "$CONFIG" "$@" <<'PY'
 import sys, torch
 from llmcluster.config.load import load_job_config
 from llmcluster.train.distributed import precision_note
 args = sys.argv[2:]
 cfg = load_job_config(sys.argv[1], [a for i, a in enumerate(args) if i and args[i - 1] == "--set"])
-print("precision", precision_note(torch.device("cpu"), cfg.train.precision))
+print("precision", precision_note(torch.device("cpu"), cfg.train.precision), file=sys.stderr)
+print(cfg.run.name)
 PY
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/torchrun" --standalone --nproc-per-node "$NPROC" -m llmcluster \
-  train --config "$CONFIG" --root "$ROOT" "$@"
+)
+# --procs-per-node: the ranks started by torch's elastic launch inside llmcluster (torchrun --standalone's), which
+# exits with the ranks' own code and line: Ctrl-C checkpoints and exits 75, bad input is one line and 2.
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$LLMC" train --procs-per-node "$NPROC" --config "$CONFIG" --root "$ROOT" "$@"
 
 step "4/5 export to Hugging Face Llama format"
 "$LLMC" export --run "$RUN" --root "$ROOT"

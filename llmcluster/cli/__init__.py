@@ -70,6 +70,7 @@ def leave_past_distributed_teardown(code: int) -> None:
 def run(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # what a launcher hands on to the ranks it starts
     try:
         return int(args.func(args) or 0)
     except (UserError, RunFailure) as e:

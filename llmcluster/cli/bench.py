@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from llmcluster.cli.common import add_config_args, add_root_arg
+from llmcluster.cli.common import add_config_args, add_procs_arg, add_root_arg, launched_ranks
 
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="measure training throughput, step time, MFU and peak memory")
     add_config_args(p)
     add_root_arg(p)
+    add_procs_arg(p)
     p.add_argument("--steps", type=int, default=20, help="timed steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if (code := launched_ranks(args)) is not None:
+        return code
     from llmcluster.train.bench import bench_cli
 
     return bench_cli(args)

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
+import math
+
 from llmcluster.cli.common import add_root_arg
+
+
+def non_negative_float(text: str) -> float:
+    """A temperature: 0 is greedy; a negative one would silently mean greedy too, so it is refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0: greedy), got {text}")
+    return value
 
 
 def register(sub) -> None:
@@ -10,7 +24,7 @@ def register(sub) -> None:
     p.add_argument("--model", required=True, metavar="RUN_OR_PATH")
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--temperature", type=non_negative_float, default=0.8, help="0: greedy")
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", dest="cache", action="store_false",

@@ -134,4 +134,7 @@ def _config(args) -> int:
                 per_node = {h: max(1, c.node_gpus(h)) for h in nodes}    # nodes.overrides: GPUs differ per node
         text = sc.dump(sc.prometheus_config(nodes, port, train_port, per_node, interval))
     sc.write_text(text, args.out)
+    if args.out:   # stdout carries the file's text only when there is no file
+        what = "Kubernetes manifests" if args.kubernetes else f"Prometheus scrape config for {len(nodes)} node(s)"
+        print(f"wrote {args.out}: {what}")
     return 0

@@ -54,4 +54,6 @@ def run(args) -> int:
         render_search(result["search"])
     if args.emit_config:
         print(f"wrote {result['emitted_config']}: llmcluster train --config {result['emitted_config']}")
+    if args.plot:
+        print(f"wrote {', '.join(result['plots'])}")
     return 0

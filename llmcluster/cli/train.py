@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from llmcluster.cli.common import add_config_args, add_root_arg
+from llmcluster.cli.common import add_config_args, add_procs_arg, add_root_arg, launched_ranks
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help="train a model from a job config (run under torchrun for several ranks)")
+    p = sub.add_parser("train", help="train a model from a job config (--procs-per-node N: N ranks on this machine; torchrun across nodes)")
     add_config_args(p)
     add_root_arg(p)
+    add_procs_arg(p)
     p.add_argument("--resume", default="auto", metavar="auto|never|PATH",
                    help="auto: newest complete checkpoint of the run (default); never; or a step directory")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if (code := launched_ranks(args)) is not None:
+        return code
     from llmcluster.floor import require_torch
 
     require_torch()

@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from llmcluster.errors import UserError
-from llmcluster.paths import preset_path
+from llmcluster.paths import locate_shipped
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -38,13 +38,7 @@ def read_yaml(path: str | Path, what: str = "config") -> dict[str, Any]:
 
 def locate_config(name_or_path: str) -> Path:
     """A path, or a preset name from configs/ (llm_tiny, llm_7b, ...)."""
-    p = Path(name_or_path)
-    if p.is_file():
-        return p
-    preset = preset_path(name_or_path)
-    if preset is not None:
-        return preset
-    raise UserError(f"config file not found: {name_or_path} (nor a preset in configs/)")
+    return locate_shipped("configs", name_or_path, "config")
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

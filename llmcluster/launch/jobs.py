@@ -29,8 +29,9 @@ def state(logs: Path, rec: dict) -> dict:
 
 
 def list_jobs(root: Path, query: bool = True) -> int:
-    from rich.console import Console
     from rich.table import Table
+
+    from llmcluster.console import console
 
     logs = root / "logs"
     runs = sorted(p for p in logs.iterdir() if (p / "job.json").is_file()) if logs.is_dir() else []
@@ -45,7 +46,7 @@ def list_jobs(root: Path, query: bool = True) -> int:
             st = "?"
         table.add_row(p.name, rec.get("scheduler", "?"), str(rec.get("job_id") or "-"), str(rec.get("nodes")),
                       str(rec.get("world_size")), st, rec.get("submitted_at", ""))
-    Console(width=200).print(table) if runs else print(f"no launched jobs under {logs}")
+    console().print(table) if runs else print(f"no launched jobs under {logs}")
     return 0
 
 

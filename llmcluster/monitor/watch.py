@@ -13,8 +13,10 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
-from rich.console import Console, Group
+from rich.console import Group
 from rich.table import Table
+
+from llmcluster.console import console as piped_or_terminal
 
 from llmcluster.errors import UserError
 
@@ -157,7 +159,7 @@ def watch(targets: list[str], interval: float, once: bool) -> int:
         raise UserError("--targets is empty")
     if interval <= 0:
         raise UserError(f"--interval must be > 0 (got {interval})")
-    console = Console()
+    console = piped_or_terminal()
     prev: dict[str, Snapshot] = {}
     if once:
         snaps = [scrape(t) for t in targets]

@@ -7,6 +7,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from llmcluster.console import console as piped_or_terminal
+
 GB = 1e9
 
 
@@ -36,8 +38,7 @@ def _table(title: str, rows: list[tuple[str, str]]) -> Table:
 
 def _console() -> Console:
     """Wide enough for the tables when stdout is a pipe or a file (rich assumes 80 columns there)."""
-    con = Console()
-    return con if con.is_terminal else Console(width=120)
+    return piped_or_terminal()
 
 
 def render(r: dict[str, Any], console: Console | None = None) -> None:

@@ -23,6 +23,8 @@ COMPLETE_MARKER = "COMPLETE.json"   # written last: {"step", "files": {relpath: 
 TMP_PREFIX = ".tmp-"                # checkpoints are written under .tmp-step_N-<attempt> and renamed
 OWNER_LOCK = ".owner.json"          # the run's one writer (llmcluster/train/ownership.py)
 ABANDONED_PREFIX = ".abandoned-"    # steps set aside by a roll-back or a rewrite: never resumed, never pruned
+# Folders under logs/ that are not runs: `bench` records (llmcluster/train/bench.py).
+RESERVED_LOG_DIRS = ("bench",)
 
 
 def check_run_name(name: str) -> str:
@@ -74,6 +76,24 @@ class Storage:
                 created.append(d)
         return created
 
+    def require_run_dirs(self, run: str) -> list[Path]:
+        """The run's logs/ and checkpoints/ folders, writable; returns those this call created."""
+        dirs = (self.run_logs(run), self.run_checkpoints(run))
+        fresh = [d for d in dirs if not d.exists()]
+        for d in dirs:
+            self.require_writable(d)
+        return fresh
+
+    @staticmethod
+    def remove_if_empty(dirs: list[Path]) -> None:
+        """A refused run leaves nothing behind: drop the folders it created, if they are still empty (rmdir
+        refuses a folder that is not, so what anyone wrote in the meantime stays)."""
+        for d in dirs:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
     def require_writable(self, path: Path) -> Path:
         """mkdir -p and prove we can write there, or a one-line error."""
         try:
@@ -106,7 +126,8 @@ class Storage:
         for area in ("checkpoints", "logs", "models"):
             d = self.root / area
             if d.is_dir():
-                names.update(p.name for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+                names.update(p.name for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")
+                             and not (area == "logs" and p.name in RESERVED_LOG_DIRS))
         return sorted(names)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmcluster.errors import UserError
+
 from llmcluster.storage.layout import (ABANDONED_PREFIX, AREAS, TMP_PREFIX, Storage, disk_usage, free_bytes,
                                       read_marker, read_owner)
 
@@ -71,17 +73,17 @@ def _abandoned(run_dir: Path) -> list[str]:
 def status(root: Path, as_json: bool = False) -> int:
     import json
 
-    from rich.console import Console
     from rich.table import Table
 
+    from llmcluster.console import console
+
+    if not root.is_dir():
+        raise UserError(f"storage root {root} does not exist: run `llmcluster storage init --root {root}`")
     info = status_dict(root)
     if as_json:
         print(json.dumps(info, indent=2))
         return 0
-    c = Console()
-    if not root.is_dir():
-        c.print(f"storage root {root} does not exist: run `llmcluster storage init --root {root}`")
-        return 1
+    c = console()
     t = Table(title=f"storage {root}")
     for col in ("area", "size", "files", "free"):
         t.add_column(col, justify="left" if col == "area" else "right")

@@ -33,7 +33,7 @@ from llmcluster.model.llama import cross_entropy_sum
 from llmcluster.paths import resolve_storage_root
 from llmcluster.storage.layout import Storage
 from llmcluster.train import distributed as D
-from llmcluster.train.metrics import device_peak_flops
+from llmcluster.train.metrics import device_peak_flops, peak_note
 from llmcluster.train.optimizer import build_optimizer
 from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm
 from llmcluster.train.pipeline import bubble_fraction, build_pipeline
@@ -161,7 +161,7 @@ def device_name(device: torch.device) -> str:
 
 def report(r: dict) -> str:
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-    peak = f"{r['peak_tflops']:.3g} TFLOP/s, {r['peak_source']}" if r["peak_tflops"] else r["peak_source"]
+    peak = peak_note((r["peak_tflops"] or 0) * 1e12, r["peak_source"])
     return "\n".join([
         f"bench {r['run']}: {r['model_params'] / 1e6:,.1f}M params, {r['parallel']['describe']}, "
         f"{r['precision']}, AC {r['parallel']['activation_checkpoint']}, compile {r['parallel']['compile']}",

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
+import socket
 import sys
 import time
 from functools import lru_cache
@@ -13,18 +16,71 @@ import torch
 from llmcluster.config.gpus import match_device_name
 
 
+PEAK_CACHE_ENV = "LLMCLUSTER_CACHE"   # default ~/.cache/llmcluster
+ROUNDS = 5
+
+
+def _cpu_key(dtype: torch.dtype, threads: int) -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{socket.gethostname()}|{model}|{threads} threads|{str(dtype).removeprefix('torch.')}"
+
+
+def _peak_cache() -> Path:
+    return Path(os.environ.get(PEAK_CACHE_ENV) or Path.home() / ".cache" / "llmcluster") / "cpu_peak.json"
+
+
+def _read_cache(path: Path) -> dict[str, float]:
+    """Our own cache, read as data: anything that is not {key: positive number} is ignored."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and 0 < v < 1e18}
+
+
 @lru_cache(maxsize=None)
 def measured_cpu_peak_flops(dtype: torch.dtype = torch.float32, threads: int | None = None) -> float:
-    """Best of a few 1024³ matmuls at this process's thread count: the CPU's achievable peak."""
+    """The CPU's achievable matmul peak at this thread count: the best 1024³ matmul of several rounds, and the
+    best ever seen on this machine at this thread count (cached). A peak measured once while other jobs load the
+    machine is low, and MFU against it reads high: the same machine reported 29% at 3,984 tok/s and 11% at
+    10,569 tok/s. The best seen is the figure the machine can reach, so MFU compares across runs."""
+    threads = threads or torch.get_num_threads()
     n = 1024
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     best = float("inf")
-    for _ in range(4):
+    for _ in range(ROUNDS):
         t0 = time.perf_counter()
         for _ in range(2):
             torch.mm(a, b)
         best = min(best, (time.perf_counter() - t0) / 2)
-    return 2 * n**3 / best
+        time.sleep(0.01)   # rounds apart in time: a burst of another job's load spoils one, not all
+    measured = 2 * n**3 / best
+    path, key = _peak_cache(), _cpu_key(dtype, threads)
+    cache = _read_cache(path)
+    peak = max(measured, cache.get(key, 0.0))
+    if peak > cache.get(key, 0.0):
+        try:   # atomic: the ranks of a job measure at once
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({**cache, key: peak}, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass   # a read-only home: this process's measurement stands
+    return peak
+
+
+def peak_note(flops: float, source: str) -> str:
+    """What MFU is divided by, figure and source: '0.0594 TFLOP/s, measured CPU fp32 matmul peak (...)'."""
+    return f"{flops / 1e12:.3g} TFLOP/s, {source}" if flops else source
 
 
 def device_peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
@@ -38,7 +94,7 @@ def device_peak_flops(device: torch.device, precision: str) -> tuple[float, str]
         return 0.0, f"unknown GPU {name!r}: no datasheet peak"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     return measured_cpu_peak_flops(dtype, torch.get_num_threads()), \
-        f"measured CPU {precision} matmul peak ({torch.get_num_threads()} threads)"
+        f"measured CPU {precision} matmul peak ({torch.get_num_threads()} threads, best seen on this machine)"
 
 
 class MetricsLog:

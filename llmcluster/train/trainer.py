@@ -33,7 +33,7 @@ from llmcluster.train.checkpoint import Checkpointer
 from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
 from llmcluster.train.health import (CollectiveFailure, FaultInjector, LossSpikeDetector, SampleLog,
                                      is_collective_error, slow_ranks, young_daly_steps)
-from llmcluster.train.metrics import MetricsLog, device_peak_flops
+from llmcluster.train.metrics import MetricsLog, device_peak_flops, peak_note
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
 from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm
 from llmcluster.train.pipeline import bubble_fraction, build_pipeline, grad_scaler
@@ -71,8 +71,7 @@ class Trainer:
             raise UserError("data.seq_len exceeds model.max_seq_len")
 
         # Storage and data first: bad input fails before any expensive work.
-        self.storage.require_writable(self.storage.run_logs(cfg.run.name))
-        self.storage.require_writable(self.storage.run_checkpoints(cfg.run.name))
+        fresh = self.storage.require_run_dirs(cfg.run.name)  # removed again (if still empty) when refused
         # One writer per run, decided before anything expensive: a second one is refused within seconds.
         self.ckpt = Checkpointer(self.storage, cfg.run.name, env.rank, env.world_size,
                                  cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, log=self.log,
@@ -82,6 +81,7 @@ class Trainer:
             self._build(resume)
         except BaseException:
             self.ckpt.close()
+            self.storage.remove_if_empty(fresh)
             raise
 
     def _build(self, resume: str) -> None:
@@ -323,9 +323,8 @@ class Trainer:
         if self.resumed_from:
             self.log(f"resumed from {self.resumed_from} (step {self.step})")
         self.log(f"run {cfg.run.name}: {self.dims.describe()}, device {env.device}, {t.precision}, "
-                 f"{param_count(cfg.model) / 1e6:.2f}M params, "
-                 f"global batch {self.global_batch} × {cfg.data.seq_len} tokens; MFU vs {self.peak_source}"
-                 f"{self._bubble_note()}")
+                 f"{param_count(cfg.model) / 1e6:.2f}M params, global batch {self.global_batch} × {cfg.data.seq_len} "
+                 f"tokens; MFU vs {peak_note(self.peak_flops, self.peak_source)}{self._bubble_note()}")
         if self.step == 0:  # the baseline the validation curve is read against
             self.log(f"step 0 val {self.evaluate():.4f} (untrained; a uniform guess over the vocabulary "
                      f"scores {math.log(cfg.model.vocab_size):.4f})")

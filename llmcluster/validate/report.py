@@ -54,10 +54,11 @@ def write_json(path: Path, results: list[CheckResult], extra: dict | None = None
 
 
 def print_summary(results: list[CheckResult], console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from llmcluster.console import console as piped_or_terminal
+
+    console = console or piped_or_terminal()
     for r in results:
         if r.check == "collectives" and r.data.get("results"):
             console.print(collectives_table(r.data))

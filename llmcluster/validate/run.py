@@ -222,6 +222,8 @@ def finish(results: list[CheckResult], opts: Options, spec: ValidateSpec) -> int
         report.print_summary(results)
     if opts.report:
         report.write_json(opts.report, results)
+        if not child:   # says where it went, as the plots do (on stderr when stdout is the JSON)
+            print(f"report: {opts.report}", file=sys.stderr if opts.json else sys.stdout)
     if opts.plot and not child:
         for p in report.write_plots(opts.plot, results):
             print(f"plot: {p}", file=sys.stderr if opts.json else sys.stdout)
