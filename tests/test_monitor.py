@@ -290,13 +290,17 @@ def test_config_bad_input_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("expr", ["gpu[01-03,7],login,n[8-10]", "node1", "a[098-101]", "x[1,3,5-6]"])
-def test_hostlist_expansion_matches_slurm(expr):
+def test_hostlist_expansion_matches_slurm(expr, tmp_path):
     scontrol = shutil.which("scontrol")
     if scontrol is None:  # Slurm comes with `make test`'s system deps; compare against it when present
         pytest.skip("scontrol not installed")
+    # scontrol reads a slurm.conf before anything else, even to expand a hostlist: a minimal one of our own,
+    # so the comparison does not depend on whether a test Slurm was brought up earlier in the session.
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=hostlist\nSlurmctldHost=localhost\nNodeName=n1\nPartitionName=p Nodes=n1\n")
     ours = expand_hostlist(expr)
-    theirs = subprocess.run([scontrol, "show", "hostnames", expr], capture_output=True, text=True,
-                            check=True).stdout.split()
+    theirs = subprocess.run([scontrol, "show", "hostnames", expr], capture_output=True, text=True, check=True,
+                            env={**os.environ, "SLURM_CONF": str(conf)}).stdout.split()
     assert ours == theirs
 
 
