@@ -67,6 +67,7 @@ def fsdp2():
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:
         from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    _copy_out_keeps_versions()
     return fully_shard, MixedPrecisionPolicy
 
 
@@ -80,6 +81,39 @@ def _cpu_stream_events() -> None:
         stream.record_event = lambda self, event=None: None
     if not hasattr(stream, "wait_event"):
         stream.wait_event = lambda self, event: None
+
+
+def _copy_out_keeps_versions() -> None:
+    """FSDP2 writes each all-gather into the buffers its unsharded parameters view. On CPU that copy
+    (`split_with_sizes_copy.out`) bumps their autograd version counter; CUDA's fast path does not
+    (pytorch#132014, #136303). A block resharded after forward is gathered again for backward, so on CPU every
+    weight its forward saved is then "modified by an inplace operation" and the first backward dies. Torch after
+    2.6 hides the bump itself (`_unsafe_preserve_version_counter` around the copy, the fix that followed
+    pytorch#137921); 2.6 does not. Where FSDP's copy-out lacks it, the same is done around the call: each
+    buffer's version is put back to what it was before (0 for one just created). Nothing else writes these
+    buffers, and the all-gather gives them exactly the data the shards hold, so autograd's check guards nothing
+    here. Where nothing bumped (CUDA) the restore is a no-op."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
+    except ImportError:  # before 2.6: the composable path (refused by the floor check anyway)
+        return
+    copy_out = group_mod.foreach_all_gather_copy_out
+    if getattr(copy_out, "_keeps_versions", False) or \
+            "_unsafe_preserve_version_counter" in inspect.unwrap(copy_out).__code__.co_names:
+        return
+    set_version = torch._C._autograd._unsafe_set_version_counter
+
+    @functools.wraps(copy_out)
+    def copy_out_keeping_versions(all_gather_result, fsdp_params, group):
+        before = {id(t): t._version for p in fsdp_params for t in p.all_gather_outputs if not t.is_inference()}
+        copy_out(all_gather_result, fsdp_params, group)
+        for p in fsdp_params:
+            for t in p.all_gather_outputs:
+                if not t.is_inference():
+                    set_version(t, before.get(id(t), 0))
+
+    copy_out_keeping_versions._keeps_versions = True
+    group_mod.foreach_all_gather_copy_out = copy_out_keeping_versions
 
 
 # torch 2.13 renamed the tensor collectives (the old names warn there); older torch has only the old ones.
