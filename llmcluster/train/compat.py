@@ -68,6 +68,7 @@ def fsdp2():
     except ImportError:
         from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
     _copy_out_keeps_versions()
+    _hsdp_average_without_gloo_avg()
     return fully_shard, MixedPrecisionPolicy
 
 
@@ -75,10 +76,12 @@ def _cpu_stream_events() -> None:
     """FSDP2 records and waits on events of the device's streams. torch.cpu.Stream gained no-op
     `record_event`/`wait_event` in 2.7 (pytorch#145935: "now I can use FSDPv2 on CPU"); on 2.6 FSDP2 on CPU
     dies with "'Stream' object has no attribute 'record_event'". CPU work is synchronous, so the same no-ops
-    are exact; added only where torch lacks them (CUDA streams are untouched)."""
+    are exact; added only where torch lacks them (CUDA streams are untouched). `record_event` hands back a
+    (no-op) torch.cpu.Event rather than None: 2.6's HSDP asserts that its all-reduce recorded an event (2.7
+    exempted CPU from that assert instead)."""
     stream = torch.cpu.Stream
     if not hasattr(stream, "record_event"):
-        stream.record_event = lambda self, event=None: None
+        stream.record_event = lambda self, event=None: event if event is not None else torch.cpu.Event()
     if not hasattr(stream, "wait_event"):
         stream.wait_event = lambda self, event: None
 
@@ -114,6 +117,45 @@ def _copy_out_keeps_versions() -> None:
 
     copy_out_keeping_versions._keeps_versions = True
     group_mod.foreach_all_gather_copy_out = copy_out_keeping_versions
+
+
+@functools.cache
+def _gloo_all_reduce_takes_avg() -> bool:
+    """Whether gloo's all_reduce accepts ReduceOp.AVG (torch 2.6's refuses: "Cannot use ReduceOp.AVG with
+    Gloo"). Asked of a one-rank gloo group of this process: no peer, no collective with other ranks."""
+    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.AVG
+    try:
+        pg.allreduce([torch.zeros(1)], opts).wait()
+        return True
+    except RuntimeError:
+        return False
+
+
+def _hsdp_average_without_gloo_avg() -> None:
+    """HSDP averages gradients with a reduce-scatter over the shard group, then an all_reduce over the
+    replicate group, both ReduceOp.AVG for fp32/bf16. Where gloo's all_reduce refuses AVG (torch 2.6), HSDP on
+    CPU dies in its first backward. There FSDP is given the pre/post divide factors it already uses for fp16
+    (`_get_gradient_divide_factors`): with a pre-factor of 1 both collectives SUM, and the result is divided
+    by the data-parallel size after them, the same average. Only for gloo replicate groups (NCCL takes AVG)."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
+    except ImportError:
+        return
+    factors = getattr(coll, "_get_gradient_divide_factors", None)
+    if factors is None or getattr(factors, "_sums_on_gloo", False) or _gloo_all_reduce_takes_avg():
+        return
+
+    @functools.wraps(factors)
+    def factors_summing_on_gloo(reduce_scatter_group, all_reduce_group, *args, **kwargs):
+        out = factors(reduce_scatter_group, all_reduce_group, *args, **kwargs)
+        if out == (None, None) and all_reduce_group is not None and dist.get_backend(all_reduce_group) == "gloo":
+            return 1.0, float(reduce_scatter_group.size() * all_reduce_group.size())
+        return out
+
+    factors_summing_on_gloo._sums_on_gloo = True
+    coll._get_gradient_divide_factors = factors_summing_on_gloo
 
 
 # torch 2.13 renamed the tensor collectives (the old names warn there); older torch has only the old ones.
