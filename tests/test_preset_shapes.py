@@ -92,7 +92,11 @@ def train(tmp_path_factory):
                    f"--nproc-per-node={MESHES[mesh][0]}", "-m", "llmcluster", "train", "-c", preset,
                    "--root", str(root), *overrides(preset, mesh)]
             proc = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
-            assert proc.returncode == 0, \
+            # torch 2.6's rare gloo hang in destroy_process_group after a finished run ends in the trainer's
+            # teardown watchdog (docs/fault-tolerance.md), not in training: tolerated here, and only that.
+            teardown_hang = f"finished step {STEPS}" in proc.stdout and "Timeout (0:02:00)!" in proc.stderr \
+                and "in shutdown" in proc.stderr
+            assert proc.returncode == 0 or teardown_hang, \
                 f"{preset} {mesh}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             lines = (root / "logs" / f"{preset}-{mesh}" / "metrics.jsonl").read_text().splitlines()
             records = [json.loads(line) for line in lines]
