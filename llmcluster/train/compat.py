@@ -123,7 +123,10 @@ def _copy_out_keeps_versions() -> None:
 def _gloo_all_reduce_takes_avg() -> bool:
     """Whether gloo's all_reduce accepts ReduceOp.AVG (torch 2.6's refuses: "Cannot use ReduceOp.AVG with
     Gloo"). Asked of a one-rank gloo group of this process: no peer, no collective with other ranks."""
-    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    try:
+        pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    except RuntimeError:  # no gloo device here (no usable interface): no gloo HSDP to fix either
+        return True
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.AVG
     try:
