@@ -33,7 +33,7 @@ STEPS = 3
 LAYERS = 4
 GLOBAL_BATCH = 4  # sequences of 16 tokens per step at every mesh: runs of one shape see the same batches
 COMMON = ["data.dataset=src", "data.kind=code", "model.vocab_size=320", "data.seq_len=16",
-          f"model.n_layers={LAYERS}", "train.precision=fp32", "train.compile=false", "train.lr=5e-4",
+          f"model.n_layers={LAYERS}", "train.precision=fp32", "train.compile=false",
           "train.warmup_steps=1", f"train.steps={STEPS}", "train.threads=1", "train.grad_accum=1", "log.interval=1",
           "log.eval_interval=1000", "log.eval_batches=1", "log.progress=false", "log.metrics_bind=null",
           "checkpoint.interval_steps=1000", "checkpoint.async=false", "run.seed=1234"]
