@@ -173,8 +173,8 @@ def test_the_tiny_preset_as_fsdp_without_activation_checkpointing(root):
     [512, 192] weight: the block resharded after forward, see docs/compat.md), at the preset's full width."""
     torchrun(2, "train", "-c", "llm_tiny", "--root", str(root), "--set", "parallel.dp_replicate=1",
              "--set", "parallel.dp_shard=-1", "--set", "train.precision=fp32", "--set", "data.dataset=src",
-             "--set", "train.steps=2", "--set", "log.eval_batches=1", "--set", "log.progress=false",
-             "--set", "run.name=tiny-fsdp")
+             "--set", "train.steps=2", "--set", "log.interval=1", "--set", "log.eval_batches=1",
+             "--set", "log.progress=false", "--set", "run.name=tiny-fsdp")
     losses = [json.loads(line)["loss"] for line in (root / "logs" / "tiny-fsdp" / "metrics.jsonl").open()]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses), losses
 
