@@ -37,11 +37,13 @@ demo: venv
 test: venv sysdeps checkov
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The distributed training tests (DDP, FSDP, TP, resume, resharding, meta init, export) on the oldest torch
+# The distributed training tests (DDP, FSDP, HSDP, TP, resume, resharding, meta init, export, every preset's layer
+# shape) on the oldest torch
 # pyproject admits, in a second venv outside the clone (scripts/compat_venv.sh: built once per pyproject).
 # torch.compile calls nothing version-dependent, and a cold inductor build on 2 cores outlasts its test's limit:
 # the compile test runs on today's torch only.
 COMPAT_TESTS ?= tests/test_compat.py tests/test_train.py tests/test_parallel.py tests/test_meta_init.py \
+	tests/test_preset_shapes.py \
 	--deselect tests/test_parallel.py::test_compile_matches_eager
 test-compat:
 	@py=$$(bash scripts/compat_venv.sh) && echo "test-compat: $$($$py -c 'import torch; print("torch", torch.__version__)')" \

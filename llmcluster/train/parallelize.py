@@ -105,7 +105,10 @@ def apply_fsdp(model: nn.Module, dp_mesh, device: torch.device, precision: str, 
         # The last block is resharded by the root's post-backward anyway: keeping it gathered saves one
         # all-gather at the start of backward.
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(blocks) - 1)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    # The root (embedding, final norm, head) is the first thing backward needs: resharding it after forward
+    # only gathers it again at once. torch 2.6 always keeps the root gathered (and refuses None); 2.13 keeps
+    # it only for None and honours True. False means the same on both (as torchtitan's root, left at default).
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
 
 
 def apply_tp_ac_compile(model: nn.Module, cfg: JobConfig, dims: ParallelDims, mesh, device) -> None:
