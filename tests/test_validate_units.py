@@ -348,3 +348,36 @@ def test_slurm_rendezvous_fills_in_master_addr_and_port():
     # exported by the batch script: left alone
     assert "MASTER_ADDR" not in slurm_rendezvous({"SLURM_PROCID": "0", "SLURM_NTASKS": "2",
                                                   "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
+
+
+# -- stack: what the spec expects decides whether a missing GPU piece is a SKIP or a FAIL ------------
+
+class NoNVML:
+    """NVML as a node without a driver answers it (faked: pynvml is not installed here)."""
+    def nvmlDeviceGetCount(self):
+        raise RuntimeError("NVML Shared Library Not Found")
+
+
+def _no_gpu_stack(monkeypatch, tmp_path, spec):
+    from llmcluster.validate import stack
+    monkeypatch.setattr(stack, "nvidia_driver", lambda: None)
+    monkeypatch.setattr(stack, "torch_build", lambda: ("2.13.0", None))
+    monkeypatch.setattr(stack, "_dist_version", lambda *names: None)
+    r = stack.check_stack(spec, tmp_path, nvml=NoNVML())
+    return r, {i.name: i for i in r.items}
+
+
+def test_stack_fails_a_node_missing_the_gpus_its_spec_expects(monkeypatch, tmp_path):
+    r, items = _no_gpu_stack(monkeypatch, tmp_path, ValidateSpec(gpu="A100-80GB", gpus_per_node=4,
+                                                                 cluster="seed (x.yaml)"))
+    assert r.status == FAIL
+    for name in ("nvidia driver", "cudnn", "nccl", "pytorch build", "gpus"):
+        assert items[name].status == FAIL, items[name]
+        assert items[name].detail.endswith("cluster seed expects 4 x A100-80GB per node"), items[name]
+
+
+@pytest.mark.parametrize("gpus_per_node", [None, 0])      # no spec, or a CPU-only one: as before, SKIP
+def test_stack_skips_gpu_items_when_no_gpu_is_expected(monkeypatch, tmp_path, gpus_per_node):
+    r, items = _no_gpu_stack(monkeypatch, tmp_path, ValidateSpec(gpus_per_node=gpus_per_node))
+    assert all(items[n].status == SKIP for n in ("nvidia driver", "cudnn", "nccl", "gpus"))
+    assert "pytorch build" not in items and FAIL not in {i.status for i in r.items}

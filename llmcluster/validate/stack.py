@@ -2,7 +2,9 @@
 
 OS/kernel -> NVIDIA driver, CUDA, cuDNN, NCCL (and the driver/CUDA compatibility rule) -> InfiniBand
 ports, OFED, UCX -> /storage mounts -> Slurm / Kubernetes -> PyTorch -> monitoring exporters -> the GPUs
-themselves (count, ECC, persistence, XID errors). Anything a CPU machine lacks is SKIP with the reason.
+themselves (count, ECC, persistence, XID errors). Anything a CPU machine lacks is SKIP with the reason, unless
+the cluster spec expects GPUs on this node: then a missing GPU, driver or library is a FAIL that says what was
+expected (a node that lost its driver must not pass bring-up because nothing GPU-side could be judged).
 No torch import: torch's version and CUDA build are read from its package files, so this runs in a
 second on a head node.
 """
@@ -97,8 +99,17 @@ def ib_ports(sysfs: Path = Path("/sys/class/infiniband")) -> list[dict]:
     return ports
 
 
+def _absent(spec: ValidateSpec) -> tuple[str, str]:
+    """(status, note) for a GPU-side item this node lacks: FAIL when the spec expects GPUs here, else SKIP."""
+    if spec.gpus_per_node:
+        where = f"cluster {spec.cluster.split(' (')[0]}" if spec.cluster else "the cluster spec"
+        return FAIL, f"; {where} expects {spec.gpus_per_node} x {spec.gpu or 'GPU'} per node"
+    return SKIP, ""
+
+
 def check_stack(spec: ValidateSpec, storage_root: Path, nvml=None) -> CheckResult:
     r = CheckResult("stack")
+    absent, expected = _absent(spec)
     env = r.data
     # 1. OS and kernel
     os_name = re.search(r'PRETTY_NAME="?([^"\n]+)', _read(Path("/etc/os-release")))
@@ -111,7 +122,7 @@ def check_stack(spec: ValidateSpec, storage_root: Path, nvml=None) -> CheckResul
                cudnn=_dist_version("nvidia-cudnn-cu13", "nvidia-cudnn-cu12", "nvidia-cudnn-cu11"),
                nccl=_dist_version("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"))
     if driver is None:
-        r.add("nvidia driver", SKIP, detail="no NVIDIA kernel module (/proc/driver/nvidia/version)")
+        r.add("nvidia driver", absent, detail="no NVIDIA kernel module (/proc/driver/nvidia/version)" + expected)
     else:
         r.add("nvidia driver", PASS, driver)
         if torch_cuda:
@@ -121,7 +132,8 @@ def check_stack(spec: ValidateSpec, storage_root: Path, nvml=None) -> CheckResul
         if env[lib]:
             r.add(lib, PASS, env[lib], "the wheel torch loads")
         else:
-            r.add(lib, SKIP, detail="not installed (CPU build of torch)" if not torch_cuda else "no pip wheel found")
+            r.add(lib, absent, detail=("not installed (CPU build of torch)" if not torch_cuda else "no pip wheel found")
+                  + expected)
     # 3. fabric
     ports = ib_ports()
     env["ib_ports"] = ports
@@ -162,8 +174,8 @@ def check_stack(spec: ValidateSpec, storage_root: Path, nvml=None) -> CheckResul
         too_old = torch_too_old(torch_version)
         build = f"CUDA {torch_cuda}" if torch_cuda else "CPU-only"
         r.add("pytorch", FAIL if too_old else PASS, f"{torch_version} ({build})", too_old or "")
-        if driver and not torch_cuda:
-            r.add("pytorch build", FAIL, build, "a GPU node with a CPU-only torch: install the CUDA wheel")
+        if (driver or absent == FAIL) and not torch_cuda:
+            r.add("pytorch build", FAIL, build, "a GPU node with a CPU-only torch: install the CUDA wheel" + expected)
     # 7. monitoring exporters (loopback only: this node's own exporters)
     for name, port in EXPORTER_PORTS.items():
         up = _port_open(port)
@@ -216,7 +228,8 @@ def check_gpus(spec: ValidateSpec, nvml=None) -> CheckResult:
             nvml.nvmlInit()
         count = nvml.nvmlDeviceGetCount()
     except Exception as e:
-        r.add("gpus", SKIP, detail=f"NVML unavailable: {' '.join(str(e).split())[:80]}")
+        absent, expected = _absent(spec)
+        r.add("gpus", absent, detail=f"NVML unavailable: {' '.join(str(e).split())[:80]}" + expected)
         return r
     want = spec.gpus_per_node
     r.add("gpu count", FAIL if want is not None and count != want else PASS, str(count),
