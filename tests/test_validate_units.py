@@ -381,3 +381,15 @@ def test_stack_skips_gpu_items_when_no_gpu_is_expected(monkeypatch, tmp_path, gp
     r, items = _no_gpu_stack(monkeypatch, tmp_path, ValidateSpec(gpus_per_node=gpus_per_node))
     assert all(items[n].status == SKIP for n in ("nvidia driver", "cudnn", "nccl", "gpus"))
     assert "pytorch build" not in items and FAIL not in {i.status for i in r.items}
+
+
+def test_expected_gpus_are_this_hosts(monkeypatch, tmp_path):
+    # the head node runs `validate stack` as the provisioning gate without GPUs; an override is that node's count
+    f = tmp_path / "cluster.yaml"
+    f.write_text("nodes: {hosts: 'gpu[01-04]', overrides: {gpu04: {gpus_per_node: 0}}}\n"
+                 "hardware: {gpu: A100-80GB, gpus_per_node: 4}\nscheduler: {slurm: {head_node: head01}}\n")
+    expect = {}
+    for host in ("gpu01", "gpu04", "head01"):
+        monkeypatch.setenv("SLURMD_NODENAME", host)
+        expect[host] = load_spec(str(f)).gpus_per_node
+    assert expect == {"gpu01": 4, "gpu04": 0, "head01": None}
