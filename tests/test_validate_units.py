@@ -393,3 +393,16 @@ def test_expected_gpus_are_this_hosts(monkeypatch, tmp_path):
         monkeypatch.setenv("SLURMD_NODENAME", host)
         expect[host] = load_spec(str(f)).gpus_per_node
     assert expect == {"gpu01": 4, "gpu04": 0, "head01": None}
+
+
+def test_thermal_power_capped_hopper_settling_below_boost_warns_not_fails():
+    # NVML faked (no GPU here): boost 1980 MHz, then held at the power cap ~12% lower, no thermal slowdown
+    k = 8
+    capped = FakeNVML([70] * k, [1980, 1980, 1900, 1800] + [1740] * 4, [700_000] * k, [0x4] * k)
+    r = thermal.judge(_samples(capped, k), ValidateSpec(), power_limit_w=700)
+    items = {i.name: i.status for i in r.items}
+    assert items["SM clock sag"] == WARN and r.status == WARN, r.items
+    # the same sag with no limiter to explain it, or with a thermal slowdown, still FAILs
+    for reasons in ([0] * k, [0x4] * 4 + [0x4 | 0x20] * 4):
+        sag = FakeNVML([70] * k, [1980, 1980, 1900, 1800] + [1740] * 4, [700_000] * k, reasons)
+        assert {i.name: i.status for i in thermal.judge(_samples(sag, k), ValidateSpec()).items}["SM clock sag"] == FAIL
