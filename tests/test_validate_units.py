@@ -406,3 +406,31 @@ def test_thermal_power_capped_hopper_settling_below_boost_warns_not_fails():
     for reasons in ([0] * k, [0x4] * 4 + [0x4 | 0x20] * 4):
         sag = FakeNVML([70] * k, [1980, 1980, 1900, 1800] + [1740] * 4, [700_000] * k, reasons)
         assert {i.name: i.status for i in thermal.judge(_samples(sag, k), ValidateSpec()).items}["SM clock sag"] == FAIL
+
+
+# -- the GPU table: PCIe/NVL parts and MIG slices get their own peaks (names as NVML reports them) ---------
+
+@pytest.mark.parametrize("device, table, bf16, hbm", [
+    ("NVIDIA H100 PCIe", "H100-PCIe", 756, 2000),          # H100 datasheet, PCIe column (1,513 sparse)
+    ("NVIDIA H100 NVL", "H100-NVL", 835, 3900),             # H100 datasheet, NVL column (1,671 sparse)
+    ("NVIDIA H200 NVL", "H200-NVL", 835, 4800),             # H200 NVL datasheet
+    ("NVIDIA H100 80GB HBM3", "H100", 989, 3350),           # SXM unchanged
+    ("NVIDIA A100-SXM4-80GB", "A100-80GB", 312, 2039),
+])
+def test_pcie_and_nvl_parts_get_their_own_peaks(device, table, bf16, hbm):
+    from llmcluster.config.gpus import match_device_name
+    g = match_device_name(device)
+    assert (g.name, g.bf16_tflops, g.memory_bw_gbps) == (table, bf16, hbm)
+    assert ValidateSpec().gpu_model(device).name == table
+
+
+def test_mig_slices_get_their_share_or_no_peak():
+    from llmcluster.config.gpus import match_device_name
+    s = match_device_name("NVIDIA A100-SXM4-80GB MIG 3g.40gb")      # the 80GB part, not the '40gb' in the profile
+    assert s.bf16_tflops == pytest.approx(312 * 3 / 7) and s.memory_bw_gbps == pytest.approx(2039 / 2)
+    assert s.memory_gb == 40 and s.peak_tflops("fp16") == pytest.approx(312 * 3 / 7)
+    # the spec names the GPU, the node hands out slices: the slice's share, not the whole GPU's peak
+    sliced = ValidateSpec(gpu="H100").gpu_model("NVIDIA H100 80GB HBM3 MIG 1g.10gb")
+    assert sliced.bf16_tflops == pytest.approx(989 / 7) and sliced.memory_bw_gbps == pytest.approx(3350 / 8)
+    assert match_device_name("NVIDIA H100 80GB HBM3 MIG") is None     # a profile we cannot read: peak unknown
+    assert ValidateSpec(gpu="H100").gpu_model("NVIDIA H100 80GB HBM3 MIG") is None

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmcluster.config.cluster import AREAS, Thresholds
 from llmcluster.config.cluster_load import ResolvedCluster
-from llmcluster.config.gpus import GPUSpec, gpu_spec
+from llmcluster.config.gpus import GPUSpec, for_device, gpu_spec
 
 
 
@@ -55,7 +55,7 @@ class ValidateSpec(Thresholds):
     def gpu_model(self, device_name: str | None) -> GPUSpec | None:
         """The expected GPU: the spec's, else the one the device reports (None for an unknown one)."""
         if self.gpu:
-            return gpu_spec(self.gpu)
+            return for_device(gpu_spec(self.gpu), device_name)     # a MIG slice: its share, not the whole GPU
         if device_name:
             from llmcluster.config.gpus import match_device_name
             return match_device_name(device_name)
