@@ -434,3 +434,20 @@ def test_mig_slices_get_their_share_or_no_peak():
     assert sliced.bf16_tflops == pytest.approx(989 / 7) and sliced.memory_bw_gbps == pytest.approx(3350 / 8)
     assert match_device_name("NVIDIA H100 80GB HBM3 MIG") is None     # a profile we cannot read: peak unknown
     assert ValidateSpec(gpu="H100").gpu_model("NVIDIA H100 80GB HBM3 MIG") is None
+
+
+# -- Xids from the kernel log (a made-up log: there is no NVIDIA driver here) ------------------------------
+
+def test_xids_are_classified_as_dcgm_does():
+    from llmcluster.validate.stack import judge_xids
+    app = ("[ 12.0] NVRM: Xid (PCI:0000:18:00): 13, pid=4242, name=python, Graphics SM Warp Exception\n"
+           "[ 13.0] NVRM: Xid (PCI:0000:18:00): 31, pid=4242, Ch 00000010, intr 10000000. MMU Fault\n"
+           "[ 14.0] NVRM: Xid (PCI:0000:18:00): 43, pid=4242, Ch 00000008\n"
+           "[ 15.0] NVRM: Xid (PCI:0000:18:00): 45, pid=4242, Ch 00000008\n")
+    item = judge_xids(app)
+    assert item.status == WARN and "the job that caused them" in item.detail, item
+    for code, why in ((48, "double-bit ECC"), (79, "fell off the bus"), (95, "uncontained ECC"), (63, "row remap"),
+                      (74, "NVLink"), (119, "GSP"), (150, "look it up")):
+        item = judge_xids(app + f"[ 20.0] NVRM: Xid (PCI:0000:3b:00): {code}, pid=1, something\n")
+        assert item.status == FAIL and why in item.detail and item.value == f"Xid {code} on PCI:0000:3b:00", item
+    assert judge_xids("nothing from the driver").status == PASS

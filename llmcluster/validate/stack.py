@@ -22,7 +22,7 @@ import subprocess
 from pathlib import Path
 
 from llmcluster.floor import CUDA_MIN_DRIVER, MINOR_COMPAT_FLOOR, torch_too_old
-from llmcluster.validate.result import FAIL, PASS, SKIP, WARN, CheckResult
+from llmcluster.validate.result import FAIL, PASS, SKIP, WARN, CheckResult, Item
 from llmcluster.validate.spec import ValidateSpec
 
 MAX_RETIRED_PAGES = 10           # GCM/Imbue gate (planning facts §2)
@@ -266,7 +266,30 @@ def check_gpus(spec: ValidateSpec, nvml=None) -> CheckResult:
     if rc != 0:
         r.add("xid errors", SKIP, detail="kernel log not readable (dmesg needs privileges)")
     else:
-        xids = sorted(set(re.findall(r"NVRM: Xid \(([^)]*)\): (\d+)", log)))
-        r.add("xid errors", FAIL if xids else PASS, ", ".join(f"Xid {x} on {pci}" for pci, x in xids[:5]) or "none",
-              "look each code up in NVIDIA's XID catalog" if xids else "")
+        r.items.append(judge_xids(log))
     return r
+
+
+# Xids an application causes (a bad kernel, an illegal address, a killed context), which NVIDIA's Xid catalog
+# resolves by restarting the application and DCGM does not count against the GPU: a WARN. Every other Xid since
+# boot FAILs bring-up: the named ones are the hardware faults, and an unknown one must be looked up first.
+APP_XIDS = {13: "graphics engine exception", 31: "GPU memory page fault", 43: "GPU stopped processing (channel "
+            "reset)", 45: "preemptive cleanup after earlier errors"}
+HW_XIDS = {48: "double-bit ECC error", 63: "ECC page retirement / row remap", 64: "row remap failure",
+           74: "NVLink error", 79: "GPU fell off the bus", 92: "high single-bit ECC rate", 94: "contained ECC error",
+           95: "uncontained ECC error", 119: "GSP RPC timeout", 120: "GSP error"}
+
+
+def judge_xids(log: str):
+    """The `xid errors` item from a kernel log: FAIL on a hardware (or unknown) Xid, WARN on application ones."""
+    xids = sorted({(int(x), pci) for pci, x in re.findall(r"NVRM: Xid \(([^)]*)\): (\d+)", log)})
+    if not xids:
+        return Item("xid errors", PASS, "none")
+    bad = [(x, pci) for x, pci in xids if x not in APP_XIDS]
+    shown = bad or xids
+    value = ", ".join(f"Xid {x} on {pci}" for x, pci in shown[:5]) + (f" (+{len(shown) - 5})" if len(shown) > 5 else "")
+    if bad:
+        names = sorted({HW_XIDS.get(x, "not an application Xid: look it up in NVIDIA's Xid catalog") for x, _ in bad})
+        return Item("xid errors", FAIL, value, "; ".join(names))
+    return Item("xid errors", WARN, value, "application Xids (" + "; ".join(sorted({APP_XIDS[x] for x, _ in xids}))
+                + "): the job that caused them, not the GPU")
