@@ -187,7 +187,8 @@ def test_framebuffer_used_leaves_reserved_memory_out_with_v2_and_falls_back_to_v
     registry, gpus, _ = build_registry(None, 2, nvml=nv, hostname="n1")
     f = families(generate_latest(registry).decode())
     assert value(f, "DCGM_FI_DEV_FB_USED", gpu="0") == 60 * 1024 - 512
-    assert value(f, "DCGM_FI_DEV_FB_FREE", gpu="0") == 20 * 1024 and value(f, "DCGM_FI_DEV_FB_TOTAL", gpu="0") == 80 * 1024
+    assert value(f, "DCGM_FI_DEV_FB_FREE", gpu="0") == 20 * 1024
+    assert value(f, "DCGM_FI_DEV_FB_TOTAL", gpu="0") == 80 * 1024
     assert value(f, "DCGM_FI_DEV_FB_USED", gpu="1") == 60 * 1024               # v1: reserved counted as used
     assert "llmcluster_nvml_read_errors" not in f
     gpus.close()

@@ -1,11 +1,11 @@
 """The one GPU and fabric table, read by plan, bench and the trainer (MFU), validate and `cluster init`.
 
-Datasheet figures (dense, no sparsity): NVIDIA datasheets (A100, H100 SXM/PCIe/NVL, H200 SXM/NVL, L40S) and the
-Ada whitepaper (RTX 4090). Achieved figures: ml-engineering's MAMF finder (max achievable bf16 matmul), nccl-tests runs of 8 GPUs
-in one node (all-reduce busbw, large messages; H100/H200 with NCCL_ALGO=Ring, NVLS reaches 475-482), PCIe host to
-device copies (Gen4 x16 22-26 GB/s achieved; Gen5 x16 55 GB/s H2D on H200 nodes, nvbandwidth), Epoch AI's server
-power / (GPUs x TDP) factors, and per-NIC achieved bandwidth of InfiniBand (nccl-tests issues #290 and #267, nccl
-#412). Every figure and source is listed in docs/planning.md ("Sources"). GB/s, TFLOP/s, W.
+Datasheet figures (dense, no sparsity): NVIDIA datasheets (A100, H100 SXM/PCIe/NVL, H200 SXM/NVL, L40S) and the Ada
+whitepaper (RTX 4090). Achieved figures: ml-engineering's MAMF finder (max achievable bf16 matmul), nccl-tests runs
+of 8 GPUs in one node (all-reduce busbw, large messages; H100/H200 with NCCL_ALGO=Ring, NVLS reaches 475-482), PCIe
+host to device copies (Gen4 x16 22-26 GB/s achieved; Gen5 x16 55 GB/s H2D on H200 nodes, nvbandwidth), Epoch AI's
+server power / (GPUs x TDP) factors, and per-NIC achieved bandwidth of InfiniBand (nccl-tests issues #290 and #267,
+nccl #412). Every figure and source is listed in docs/planning.md ("Sources"). GB/s, TFLOP/s, W.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Non-finite steps are skipped in `Trainer.train_step`; this module holds what wat
 
 - `LossSpikeDetector`: like llm.c's outlier detector, the z-score of this step's loss against a window of
   recent losses. Every rank sees the same all-reduced loss, so every rank takes the same decision.
-- `slow_ranks`: ranks whose compute time (step start to the last forward: no collective waits under DDP) exceeds the median by `log.straggler_factor`;
-  `BusyTimer` measures it (CUDA events on a GPU, host time on CPU).
+- `slow_ranks`: ranks whose compute time (step start to the last forward: no collective waits under DDP)
+  exceeds the median by `log.straggler_factor`; `BusyTimer` measures it (CUDA events on a GPU, host time on CPU).
 - `CollectiveFailure`: a collective that timed out (`dist.timeout_s`) or lost its peer, reported as one
   line naming the step and the rank, instead of a hang or a C++ traceback.
 - `young_daly_steps`: the checkpoint interval that minimises lost work, sqrt(2 · save time · MTBF).
