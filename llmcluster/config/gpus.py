@@ -49,10 +49,11 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in (
     GPUSpec("H200", 141, 4800, 989, 1979, 495, 67, 700, 450, 794.5, 5, 55, 368, 1.82),
     # PCIe-card Hoppers: NVIDIA H100 datasheet (H100 PCIe, H100 NVL columns) and H200 NVL datasheet; the
     # datasheets print sparse tensor figures, halved here to dense (H100 PCIe bf16 1,513 -> 756, NVL 1,671 ->
-    # 835). NVLink only as a 2-/4-GPU bridge (600/900 GB/s bidirectional), so node all-reduce is PCIe's 22.
-    GPUSpec("H100-PCIe", 80, 2000, 756, 1513, 378, 51, 350, 300, None, 5, 55, 22),
-    GPUSpec("H100-NVL", 94, 3900, 835, 1671, 417, 60, 400, 300, None, 5, 55, 22),
-    GPUSpec("H200-NVL", 141, 4800, 835, 1671, 417, 60, 600, 450, None, 5, 55, 22),
+    # 835). NVLink only as a bridge between 2 (H200 NVL: up to 4) cards, no NVSwitch: nvlink_gbps None, so plan
+    # costs node-wide collectives over PCIe (22 GB/s) and provision installs no fabric manager for them.
+    GPUSpec("H100-PCIe", 80, 2000, 756, 1513, 378, 51, 350, None, None, 5, 55, 22),
+    GPUSpec("H100-NVL", 94, 3900, 835, 1671, 417, 60, 400, None, None, 5, 55, 22),
+    GPUSpec("H200-NVL", 141, 4800, 835, 1671, 417, 60, 600, None, None, 5, 55, 22),
     GPUSpec("RTX4090", 24, 1008, 165, 330, 82.6, 82.6, 450, None, None, 4, 24, 22),
     GPUSpec("L40S", 48, 864, 362, 733, 183, 91.6, 350, None, None, 4, 24, 22),
 )}
