@@ -451,3 +451,25 @@ def test_xids_are_classified_as_dcgm_does():
         item = judge_xids(app + f"[ 20.0] NVRM: Xid (PCI:0000:3b:00): {code}, pid=1, something\n")
         assert item.status == FAIL and why in item.detail and item.value == f"Xid {code} on PCI:0000:3b:00", item
     assert judge_xids("nothing from the driver").status == PASS
+
+
+def test_a_gpu_of_another_form_than_the_spec_fails_by_name():
+    from llmcluster.validate.stack import check_gpus
+
+    class OneGpuNVML:   # NVML faked (no GPU here): one healthy GPU of the given name, no ECC/page/persistence calls
+        NVML_MEMORY_ERROR_TYPE_UNCORRECTED = NVML_VOLATILE_ECC = 0
+        NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS = NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR = 0
+
+        def __init__(self, name): self.name = name
+        def nvmlDeviceGetCount(self): return 1
+        def nvmlDeviceGetHandleByIndex(self, i): return i
+        def nvmlDeviceGetName(self, h): return self.name
+        def nvmlDeviceGetEccMode(self, h): return (1, 1)
+        def nvmlDeviceGetTotalEccErrors(self, h, a, b): return 0
+        def nvmlDeviceGetRetiredPages(self, h, c): return []
+        def nvmlDeviceGetPersistenceMode(self, h): return 1
+
+    spec = ValidateSpec(gpu="H100", gpus_per_node=1)
+    item = {i.name: i for i in check_gpus(spec, OneGpuNVML("NVIDIA H100 PCIe")).items}["gpu 0"]
+    assert item.status == FAIL and "H100-PCIe where the spec expects H100" in item.detail
+    assert {i.name: i for i in check_gpus(spec, OneGpuNVML("NVIDIA H100 80GB HBM3")).items}["gpu 0"].status == PASS

@@ -21,6 +21,7 @@ import socket
 import subprocess
 from pathlib import Path
 
+from llmcluster.config.gpus import gpu_spec, match_device_name
 from llmcluster.floor import CUDA_MIN_DRIVER, MINOR_COMPAT_FLOOR, torch_too_old
 from llmcluster.validate.result import FAIL, PASS, SKIP, WARN, CheckResult, Item
 from llmcluster.validate.spec import ValidateSpec
@@ -232,6 +233,7 @@ def check_gpus(spec: ValidateSpec, nvml=None) -> CheckResult:
         r.add("gpus", absent, detail=f"NVML unavailable: {' '.join(str(e).split())[:80]}" + expected)
         return r
     want = spec.gpus_per_node
+    want_model = gpu_spec(spec.gpu).name if spec.gpu else None
     r.add("gpu count", FAIL if want is not None and count != want else PASS, str(count),
           f"expected {want}" if want is not None else "")
     for i in range(count):
@@ -239,6 +241,10 @@ def check_gpus(spec: ValidateSpec, nvml=None) -> CheckResult:
         name = nvml.nvmlDeviceGetName(h)
         name = name.decode() if isinstance(name, bytes) else name
         problems, warnings = [], []
+        seen = match_device_name(name)
+        if want_model and seen and seen.name.split(" MIG ")[0] != want_model:
+            # an H100 PCIe where the spec says H100 (SXM): every peak validate and plan use would be wrong
+            problems.append(f"{seen.name} where the spec expects {want_model}")
         try:
             if nvml.nvmlDeviceGetEccMode(h)[0] != 1:
                 warnings.append("ECC off")
