@@ -32,7 +32,7 @@ class FakeNVML:
         self.shutdown = False
 
     def __getattr__(self, name):  # constants (NVML_*, nvmlEventType*) and error classes come from pynvml
-        if name.startswith("nvml") and not name.startswith("nvmlEventType"):
+        if name.startswith("nvml") and not name.startswith(("nvmlEventType", "nvmlMemory_v")):
             raise AttributeError(name)  # a function the fake lacks must fail loudly, never reach real NVML
         return getattr(pynvml, name)
 
@@ -66,9 +66,14 @@ class FakeNVML:
     def nvmlDeviceGetPcieReplayCounter(self, h): return self._read(h, "pcie_replay")
     def nvmlDeviceGetUtilizationRates(self, h):
         return SimpleNamespace(gpu=self._read(h, "util"), memory=self._read(h, "mem_util"))
-    def nvmlDeviceGetMemoryInfo(self, h):
+    def nvmlDeviceGetMemoryInfo(self, h, version=None):
         total, used = self._read(h, "fb_total"), self._read(h, "fb_used")
-        return SimpleNamespace(total=total, used=used, free=total - used)
+        if version is None:      # v1: the driver's reserved memory counts as used
+            return SimpleNamespace(total=total, used=used, free=total - used)
+        assert version == pynvml.nvmlMemory_v2
+        reserved = self._read(h, "fb_reserved")     # an exception here plays an old driver without _v2
+        return SimpleNamespace(version=version, total=total, reserved=reserved, used=used - reserved,
+                               free=total - used)
     def nvmlDeviceGetCurrentClocksEventReasons(self, h): return self._read(h, "throttle")
     def nvmlDeviceGetViolationStatus(self, h, policy):
         return SimpleNamespace(violationTime=self._read(h, "violation_ns")[policy])
@@ -93,7 +98,7 @@ def fake_gpu(i: int, **over) -> dict:
     g = {"minor": i, "uuid": f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd", "name": "NVIDIA H100 80GB HBM3",
          "bus": f"00000000:{0x18 + i:02X}:00.0", "sm_mhz": 1980, "mem_mhz": 2619, "temp": 45 + i,
          "mem_temp": 50 + i, "power_mw": 350123, "energy_mj": 123456789, "pcie_replay": 0, "util": 97,
-         "mem_util": 40, "fb_total": 80 * GiB, "fb_used": 60 * GiB, "throttle": 0x40 | 0x4,
+         "mem_util": 40, "fb_total": 80 * GiB, "fb_used": 60 * GiB, "fb_reserved": 0, "throttle": 0x40 | 0x4,
          "violation_ns": {p: (p + 1) * 2_000_000_000 for p in range(6)},
          "ecc": {(C, V): 3, (U, V): 0, (C, A): 5, (U, A): 1}, "remapped": (2, 1, 0, 0)}
     g.update(over)

@@ -32,10 +32,19 @@ def test_plan_on_the_seed(capsys):
 
 
 def test_validate_stack_on_the_seed(capsys, tmp_path):
-    out = ok(capsys, "validate", "stack", "--cluster", SEED, "--report", tmp_path / "r.json")
-    assert "expecting 4 x A100-80GB per node; cluster seed" in out
+    # the seed expects 4 x A100 per node: this CPU machine (no driver, no NCCL, no NVML) is a FAIL, exit 1,
+    # each missing piece on its own line saying what was expected; a 1-GPU machine FAILs the GPU count
+    p = cli_inprocess(capsys, "validate", "stack", "--cluster", SEED, "--report", tmp_path / "r.json")
+    assert p.returncode == 1 and "validate: FAIL" in p.stdout, p.stdout + p.stderr
+    assert "expecting 4 x A100-80GB per node; cluster seed" in p.stdout
     doc = json.loads((tmp_path / "r.json").read_text())
-    assert json.loads(ok(capsys, "validate", "stack", "--cluster", SEED, "--json"))["status"] == doc["status"]
+    items = {i["name"]: i for c in doc["checks"] for i in c["items"]}
+    if not Path("/proc/driver/nvidia/version").exists():
+        for name in ("nvidia driver", "nccl", "gpus"):
+            assert items[name]["status"] == "FAIL", items[name]
+            assert "cluster seed expects 4 x A100-80GB per node" in items[name]["detail"]
+    j = cli_inprocess(capsys, "validate", "stack", "--cluster", SEED, "--json")
+    assert j.returncode == 1 and json.loads(j.stdout)["status"] == doc["status"] == "FAIL"
     mounts = next(i for c in doc["checks"] for i in c["items"] if i["name"] == "storage mounts")
     assert "/storage" in mounts["detail"] + mounts["value"]          # the seed's storage.root, not ./storage
 

@@ -10,7 +10,7 @@ import re
 
 from faultkit import make_dataset, run, sets, torchrun_cmd
 
-from llmcluster.train.health import FaultInjector, slow_ranks
+from llmcluster.train.health import BusyTimer, FaultInjector, slow_ranks
 
 
 def test_straggler_decision_and_the_test_clock():
@@ -20,6 +20,43 @@ def test_straggler_decision_and_the_test_clock():
     inject = FaultInjector(1, {"LLMCLUSTER_TESTING": "1", "LLMCLUSTER_INJECT_BUSY": "0:0.1:1-6,1:1.0:2-3"})
     assert [inject.busy_time(s, 0.25) for s in (1, 2, 3, 4)] == [0.25, 1.0, 1.0, 0.25]
     assert FaultInjector(0, {}).busy_time(7, 0.25) == 0.25
+
+
+class FakeCudaEvent:
+    """torch.cuda.Event stand-in (no GPU here): each event's device timestamp comes from a scripted list, the
+    way the stream would reach it, and `synchronize`/`elapsed_time` behave as CUDA's do."""
+    device_ms = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.ms, self.synced = None, False
+
+    def record(self):
+        self.ms = FakeCudaEvent.device_ms.pop(0)
+
+    def synchronize(self):
+        self.synced = True
+
+    def elapsed_time(self, end):
+        assert end.synced, "read before the end event completed"
+        return end.ms - self.ms
+
+
+def test_busy_time_is_device_time_on_cuda_and_host_time_on_cpu(monkeypatch):
+    import torch
+    from types import SimpleNamespace
+    monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
+    host = iter([100.0, 100.002])           # the host returns 2 ms after launching the kernels ...
+    FakeCudaEvent.device_ms = [5.0, 805.0]   # ... which the device runs for 800 ms
+    t = BusyTimer(SimpleNamespace(type="cuda"), clock=lambda: next(host))
+    t.start()
+    t.stop()
+    assert t.seconds() == pytest.approx(0.8)
+    host = iter([100.0, 100.25])
+    cpu = BusyTimer(torch.device("cpu"), clock=lambda: next(host))
+    cpu.start()
+    cpu.stop()
+    assert cpu.seconds() == pytest.approx(0.25) and cpu._begin is None
 
 
 def test_slow_rank_is_named_and_a_hung_collective_fails_naming_step_and_rank(tmp_path):

@@ -167,6 +167,33 @@ def test_nvml_readings_map_to_dcgm_exporter_names_labels_and_units(tmp_path):
     assert nv.shutdown
 
 
+def test_a_non_nvml_exception_skips_one_reading_not_the_scrape():
+    # fake NVML (no GPU on CI): GPU 0's utilisation struct comes back as something the binding cannot read
+    nv = FakeNVML([fake_gpu(0, util=ValueError("bad struct")), fake_gpu(1)])
+    registry, gpus, _ = build_registry(None, 2, nvml=nv, hostname="n1")
+    for scrape in (1, 2):
+        f = families(generate_latest(registry).decode())
+        assert [s.labels["gpu"] for s in f["DCGM_FI_DEV_GPU_UTIL"]] == ["1"]      # only the bad reading is gone
+        assert value(f, "DCGM_FI_DEV_GPU_TEMP", gpu="0") == 45 and value(f, "llmcluster_node_gpus_present") == 2
+        assert value(f, "llmcluster_nvml_read_errors", gpu="0", metric="DCGM_FI_DEV_GPU_UTIL") == scrape
+    assert {s.labels["metric"] for s in f["llmcluster_nvml_read_errors"]} == {   # the two read from that call
+        "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_MEM_COPY_UTIL"}
+    gpus.close()
+
+
+def test_framebuffer_used_leaves_reserved_memory_out_with_v2_and_falls_back_to_v1():
+    # fake NVML: GPU 0 has a driver with nvmlDeviceGetMemoryInfo_v2 (512 MiB reserved), GPU 1 an older one
+    nv = FakeNVML([fake_gpu(0, fb_reserved=512 * 2**20), fake_gpu(1, fb_reserved=pynvml.NVMLError_FunctionNotFound())])
+    registry, gpus, _ = build_registry(None, 2, nvml=nv, hostname="n1")
+    f = families(generate_latest(registry).decode())
+    assert value(f, "DCGM_FI_DEV_FB_USED", gpu="0") == 60 * 1024 - 512
+    assert value(f, "DCGM_FI_DEV_FB_FREE", gpu="0") == 20 * 1024
+    assert value(f, "DCGM_FI_DEV_FB_TOTAL", gpu="0") == 80 * 1024
+    assert value(f, "DCGM_FI_DEV_FB_USED", gpu="1") == 60 * 1024               # v1: reserved counted as used
+    assert "llmcluster_nvml_read_errors" not in f
+    gpus.close()
+
+
 def test_without_nvml_the_node_metrics_are_served_and_gpus_reported_absent(storage):
     nv = FakeNVML([], init_error=pynvml.NVMLError_LibraryNotFound())
     registry, gpus, _ = build_registry(storage, 8, nvml=nv)

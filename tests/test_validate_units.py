@@ -348,3 +348,128 @@ def test_slurm_rendezvous_fills_in_master_addr_and_port():
     # exported by the batch script: left alone
     assert "MASTER_ADDR" not in slurm_rendezvous({"SLURM_PROCID": "0", "SLURM_NTASKS": "2",
                                                   "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
+
+
+# -- stack: what the spec expects decides whether a missing GPU piece is a SKIP or a FAIL ------------
+
+class NoNVML:
+    """NVML as a node without a driver answers it (faked: pynvml is not installed here)."""
+    def nvmlDeviceGetCount(self):
+        raise RuntimeError("NVML Shared Library Not Found")
+
+
+def _no_gpu_stack(monkeypatch, tmp_path, spec):
+    from llmcluster.validate import stack
+    monkeypatch.setattr(stack, "nvidia_driver", lambda: None)
+    monkeypatch.setattr(stack, "torch_build", lambda: ("2.13.0", None))
+    monkeypatch.setattr(stack, "_dist_version", lambda *names: None)
+    r = stack.check_stack(spec, tmp_path, nvml=NoNVML())
+    return r, {i.name: i for i in r.items}
+
+
+def test_stack_fails_a_node_missing_the_gpus_its_spec_expects(monkeypatch, tmp_path):
+    r, items = _no_gpu_stack(monkeypatch, tmp_path, ValidateSpec(gpu="A100-80GB", gpus_per_node=4,
+                                                                 cluster="seed (x.yaml)"))
+    assert r.status == FAIL
+    for name in ("nvidia driver", "cudnn", "nccl", "pytorch build", "gpus"):
+        assert items[name].status == FAIL, items[name]
+        assert items[name].detail.endswith("cluster seed expects 4 x A100-80GB per node"), items[name]
+
+
+@pytest.mark.parametrize("gpus_per_node", [None, 0])      # no spec, or a CPU-only one: as before, SKIP
+def test_stack_skips_gpu_items_when_no_gpu_is_expected(monkeypatch, tmp_path, gpus_per_node):
+    r, items = _no_gpu_stack(monkeypatch, tmp_path, ValidateSpec(gpus_per_node=gpus_per_node))
+    assert all(items[n].status == SKIP for n in ("nvidia driver", "cudnn", "nccl", "gpus"))
+    assert "pytorch build" not in items and FAIL not in {i.status for i in r.items}
+
+
+def test_expected_gpus_are_this_hosts(monkeypatch, tmp_path):
+    # the head node runs `validate stack` as the provisioning gate without GPUs; an override is that node's count
+    f = tmp_path / "cluster.yaml"
+    f.write_text("nodes: {hosts: 'gpu[01-04]', overrides: {gpu04: {gpus_per_node: 0}}}\n"
+                 "hardware: {gpu: A100-80GB, gpus_per_node: 4}\nscheduler: {slurm: {head_node: head01}}\n")
+    expect = {}
+    for host in ("gpu01", "gpu04", "head01"):
+        monkeypatch.setenv("SLURMD_NODENAME", host)
+        expect[host] = load_spec(str(f)).gpus_per_node
+    assert expect == {"gpu01": 4, "gpu04": 0, "head01": None}
+
+
+def test_thermal_power_capped_hopper_settling_below_boost_warns_not_fails():
+    # NVML faked (no GPU here): boost 1980 MHz, then held at the power cap ~12% lower, no thermal slowdown
+    k = 8
+    capped = FakeNVML([70] * k, [1980, 1980, 1900, 1800] + [1740] * 4, [700_000] * k, [0x4] * k)
+    r = thermal.judge(_samples(capped, k), ValidateSpec(), power_limit_w=700)
+    items = {i.name: i.status for i in r.items}
+    assert items["SM clock sag"] == WARN and r.status == WARN, r.items
+    # the same sag with no limiter to explain it, or with a thermal slowdown, still FAILs
+    for reasons in ([0] * k, [0x4] * 4 + [0x4 | 0x20] * 4):
+        sag = FakeNVML([70] * k, [1980, 1980, 1900, 1800] + [1740] * 4, [700_000] * k, reasons)
+        assert {i.name: i.status for i in thermal.judge(_samples(sag, k), ValidateSpec()).items}["SM clock sag"] == FAIL
+
+
+# -- the GPU table: PCIe/NVL parts and MIG slices get their own peaks (names as NVML reports them) ---------
+
+@pytest.mark.parametrize("device, table, bf16, hbm", [
+    ("NVIDIA H100 PCIe", "H100-PCIe", 756, 2000),          # H100 datasheet, PCIe column (1,513 sparse)
+    ("NVIDIA H100 NVL", "H100-NVL", 835, 3900),             # H100 datasheet, NVL column (1,671 sparse)
+    ("NVIDIA H200 NVL", "H200-NVL", 835, 4800),             # H200 NVL datasheet
+    ("NVIDIA H100 80GB HBM3", "H100", 989, 3350),           # SXM unchanged
+    ("NVIDIA A100-SXM4-80GB", "A100-80GB", 312, 2039),
+])
+def test_pcie_and_nvl_parts_get_their_own_peaks(device, table, bf16, hbm):
+    from llmcluster.config.gpus import match_device_name
+    g = match_device_name(device)
+    assert (g.name, g.bf16_tflops, g.memory_bw_gbps) == (table, bf16, hbm)
+    assert ValidateSpec().gpu_model(device).name == table
+
+
+def test_mig_slices_get_their_share_or_no_peak():
+    from llmcluster.config.gpus import match_device_name
+    s = match_device_name("NVIDIA A100-SXM4-80GB MIG 3g.40gb")      # the 80GB part, not the '40gb' in the profile
+    assert s.bf16_tflops == pytest.approx(312 * 3 / 7) and s.memory_bw_gbps == pytest.approx(2039 / 2)
+    assert s.memory_gb == 40 and s.peak_tflops("fp16") == pytest.approx(312 * 3 / 7)
+    # the spec names the GPU, the node hands out slices: the slice's share, not the whole GPU's peak
+    sliced = ValidateSpec(gpu="H100").gpu_model("NVIDIA H100 80GB HBM3 MIG 1g.10gb")
+    assert sliced.bf16_tflops == pytest.approx(989 / 7) and sliced.memory_bw_gbps == pytest.approx(3350 / 8)
+    assert match_device_name("NVIDIA H100 80GB HBM3 MIG") is None     # a profile we cannot read: peak unknown
+    assert ValidateSpec(gpu="H100").gpu_model("NVIDIA H100 80GB HBM3 MIG") is None
+
+
+# -- Xids from the kernel log (a made-up log: there is no NVIDIA driver here) ------------------------------
+
+def test_xids_are_classified_as_dcgm_does():
+    from llmcluster.validate.stack import judge_xids
+    app = ("[ 12.0] NVRM: Xid (PCI:0000:18:00): 13, pid=4242, name=python, Graphics SM Warp Exception\n"
+           "[ 13.0] NVRM: Xid (PCI:0000:18:00): 31, pid=4242, Ch 00000010, intr 10000000. MMU Fault\n"
+           "[ 14.0] NVRM: Xid (PCI:0000:18:00): 43, pid=4242, Ch 00000008\n"
+           "[ 15.0] NVRM: Xid (PCI:0000:18:00): 45, pid=4242, Ch 00000008\n")
+    item = judge_xids(app)
+    assert item.status == WARN and "the job that caused them" in item.detail, item
+    for code, why in ((48, "double-bit ECC"), (79, "fell off the bus"), (95, "uncontained ECC"), (63, "row remap"),
+                      (74, "NVLink"), (119, "GSP"), (150, "look it up")):
+        item = judge_xids(app + f"[ 20.0] NVRM: Xid (PCI:0000:3b:00): {code}, pid=1, something\n")
+        assert item.status == FAIL and why in item.detail and item.value == f"Xid {code} on PCI:0000:3b:00", item
+    assert judge_xids("nothing from the driver").status == PASS
+
+
+def test_a_gpu_of_another_form_than_the_spec_fails_by_name():
+    from llmcluster.validate.stack import check_gpus
+
+    class OneGpuNVML:   # NVML faked (no GPU here): one healthy GPU of the given name, no ECC/page/persistence calls
+        NVML_MEMORY_ERROR_TYPE_UNCORRECTED = NVML_VOLATILE_ECC = 0
+        NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS = NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR = 0
+
+        def __init__(self, name): self.name = name
+        def nvmlDeviceGetCount(self): return 1
+        def nvmlDeviceGetHandleByIndex(self, i): return i
+        def nvmlDeviceGetName(self, h): return self.name
+        def nvmlDeviceGetEccMode(self, h): return (1, 1)
+        def nvmlDeviceGetTotalEccErrors(self, h, a, b): return 0
+        def nvmlDeviceGetRetiredPages(self, h, c): return []
+        def nvmlDeviceGetPersistenceMode(self, h): return 1
+
+    spec = ValidateSpec(gpu="H100", gpus_per_node=1)
+    item = {i.name: i for i in check_gpus(spec, OneGpuNVML("NVIDIA H100 PCIe")).items}["gpu 0"]
+    assert item.status == FAIL and "H100-PCIe where the spec expects H100" in item.detail
+    assert {i.name: i for i in check_gpus(spec, OneGpuNVML("NVIDIA H100 80GB HBM3")).items}["gpu 0"].status == PASS

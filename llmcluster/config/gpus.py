@@ -1,16 +1,17 @@
 """The one GPU and fabric table, read by plan, bench and the trainer (MFU), validate and `cluster init`.
 
-Datasheet figures (dense, no sparsity): NVIDIA datasheets (A100, H100, H200, L40S) and the Ada whitepaper
-(RTX 4090). Achieved figures: ml-engineering's MAMF finder (max achievable bf16 matmul), nccl-tests runs of 8 GPUs
-in one node (all-reduce busbw, large messages; H100/H200 with NCCL_ALGO=Ring, NVLS reaches 475-482), PCIe host to
-device copies (Gen4 x16 22-26 GB/s achieved; Gen5 x16 55 GB/s H2D on H200 nodes, nvbandwidth), Epoch AI's server
-power / (GPUs x TDP) factors, and per-NIC achieved bandwidth of InfiniBand (nccl-tests issues #290 and #267, nccl
-#412). Every figure and source is listed in docs/planning.md ("Sources"). GB/s, TFLOP/s, W.
+Datasheet figures (dense, no sparsity): NVIDIA datasheets (A100, H100 SXM/PCIe/NVL, H200 SXM/NVL, L40S) and the Ada
+whitepaper (RTX 4090). Achieved figures: ml-engineering's MAMF finder (max achievable bf16 matmul), nccl-tests runs
+of 8 GPUs in one node (all-reduce busbw, large messages; H100/H200 with NCCL_ALGO=Ring, NVLS reaches 475-482), PCIe
+host to device copies (Gen4 x16 22-26 GB/s achieved; Gen5 x16 55 GB/s H2D on H200 nodes, nvbandwidth), Epoch AI's
+server power / (GPUs x TDP) factors, and per-NIC achieved bandwidth of InfiniBand (nccl-tests issues #290 and #267,
+nccl #412). Every figure and source is listed in docs/planning.md ("Sources"). GB/s, TFLOP/s, W.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 from llmcluster.errors import UserError
 
@@ -46,6 +47,13 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in (
     GPUSpec("A100-80GB", 80, 2039, 312, None, 156, 19.5, 400, 300, 271, 4, 24, 230, 2.03),
     GPUSpec("H100", 80, 3350, 989, 1979, 495, 67, 700, 450, 794.5, 5, 55, 368, 1.82),
     GPUSpec("H200", 141, 4800, 989, 1979, 495, 67, 700, 450, 794.5, 5, 55, 368, 1.82),
+    # PCIe-card Hoppers: NVIDIA H100 datasheet (H100 PCIe, H100 NVL columns) and H200 NVL datasheet; the
+    # datasheets print sparse tensor figures, halved here to dense (H100 PCIe bf16 1,513 -> 756, NVL 1,671 ->
+    # 835). NVLink only as a bridge between 2 (H200 NVL: up to 4) cards, no NVSwitch: nvlink_gbps None, so plan
+    # costs node-wide collectives over PCIe (22 GB/s) and provision installs no fabric manager for them.
+    GPUSpec("H100-PCIe", 80, 2000, 756, 1513, 378, 51, 350, None, None, 5, 55, 22),
+    GPUSpec("H100-NVL", 94, 3900, 835, 1671, 417, 60, 400, None, None, 5, 55, 22),
+    GPUSpec("H200-NVL", 141, 4800, 835, 1671, 417, 60, 600, None, None, 5, 55, 22),
     GPUSpec("RTX4090", 24, 1008, 165, 330, 82.6, 82.6, 450, None, None, 4, 24, 22),
     GPUSpec("L40S", 48, 864, 362, 733, 183, 91.6, 350, None, None, 4, 24, 22),
 )}
@@ -71,6 +79,8 @@ _ALIASES = {
     "a100-40": "A100-40GB", "a100-40gb": "A100-40GB", "a100-sxm4-40gb": "A100-40GB",
     "h100": "H100", "h100-sxm": "H100", "h100-80gb": "H100", "h100 80gb hbm3": "H100",
     "h200": "H200", "h200-sxm": "H200", "h200-141gb": "H200",
+    "h100-pcie": "H100-PCIe", "h100 pcie": "H100-PCIe", "h100-nvl": "H100-NVL", "h100 nvl": "H100-NVL",
+    "h200-nvl": "H200-NVL", "h200 nvl": "H200-NVL",
     "rtx4090": "RTX4090", "rtx-4090": "RTX4090", "4090": "RTX4090", "geforce rtx 4090": "RTX4090",
     "l40s": "L40S",
 }
@@ -88,16 +98,40 @@ def gpu_spec(name: str) -> GPUSpec:
 
 
 def match_device_name(device_name: str) -> GPUSpec | None:
-    """Map a CUDA/NVML device name ('NVIDIA H200', 'NVIDIA A100-SXM4-80GB') to the table, or None."""
-    n = device_name.lower()
+    """Map a CUDA/NVML device name ('NVIDIA H200', 'NVIDIA A100-SXM4-80GB', 'NVIDIA H100 NVL', a MIG slice
+    'NVIDIA A100-SXM4-80GB MIG 3g.40gb') to the table, or None (peak unknown)."""
+    n = device_name.lower().split(" mig ")[0]     # the GPU's own name: a '3g.40gb' slice is no 40GB A100
+    form = "-NVL" if "nvl" in n else "-PCIe" if "pcie" in n else ""
+    gpu = None
     if "h200" in n:
-        return GPUS["H200"]
-    if "h100" in n:
-        return GPUS["H100"]
-    if "a100" in n:
-        return GPUS["A100-40GB"] if "40g" in n else GPUS["A100-80GB"]
-    if "4090" in n:
-        return GPUS["RTX4090"]
-    if "l40s" in n:
-        return GPUS["L40S"]
-    return None
+        gpu = GPUS["H200" + ("-NVL" if form else "")]        # no H200 PCIe card but the NVL
+    elif "h100" in n:
+        gpu = GPUS["H100" + form]
+    elif "a100" in n:
+        gpu = GPUS["A100-40GB"] if "40g" in n else GPUS["A100-80GB"]
+    elif "4090" in n:
+        gpu = GPUS["RTX4090"]
+    elif "l40s" in n:
+        gpu = GPUS["L40S"]
+    return for_device(gpu, device_name) if gpu else None
+
+
+_MIG = re.compile(r"\bMIG\s+(\d)g\.(\d+)gb\b", re.I)
+MIG_COMPUTE_SLICES = 7    # A100/H100/H200: 7 compute slices; memory slices scale with the profile's GB
+
+
+def for_device(gpu: GPUSpec, device_name: str | None) -> GPUSpec | None:
+    """`gpu` as `device_name` sees it: a MIG slice ('... MIG 3g.40gb') gets g/7 of the compute peaks and its
+    share of memory and bandwidth (the profile's GB / the GPU's), never the whole GPU's; a MIG name whose
+    profile cannot be read is None (peak unknown)."""
+    if not device_name or "mig" not in device_name.lower().split():
+        return gpu
+    m = _MIG.search(device_name)
+    if not m or not 0 < int(m.group(1)) <= MIG_COMPUTE_SLICES or not 0 < int(m.group(2)) <= gpu.memory_gb:
+        return None
+    c, mem = int(m.group(1)) / MIG_COMPUTE_SLICES, int(m.group(2)) / gpu.memory_gb
+    return replace(gpu, name=f"{gpu.name} MIG {m.group(1)}g.{m.group(2)}gb", memory_gb=int(m.group(2)),
+                   memory_bw_gbps=gpu.memory_bw_gbps * mem, bf16_tflops=gpu.bf16_tflops * c,
+                   fp8_tflops=gpu.fp8_tflops * c if gpu.fp8_tflops else None, tf32_tflops=gpu.tf32_tflops * c,
+                   fp32_tflops=gpu.fp32_tflops * c, mamf_bf16_tflops=gpu.mamf_bf16_tflops * c
+                   if gpu.mamf_bf16_tflops else None, nvlink_gbps=None)

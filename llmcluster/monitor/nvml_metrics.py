@@ -7,7 +7,10 @@ microseconds of violation time, mJ). Labels: gpu, UUID, pci_bus_id, device, mode
 
 `nvml` is the `pynvml` module in production and a fake object with the same functions in the tests (there
 is no GPU on a CI machine). A reading the GPU does not support (NVMLError_NotSupported, e.g. ECC on a
-GeForce) is left out for that GPU instead of being exported as a made-up 0.
+GeForce) is left out for that GPU instead of being exported as a made-up 0. Any other exception from one
+reading (a binding that changed a struct, a driver returning a value the binding cannot convert) skips that
+reading and counts in llmcluster_nvml_read_errors: one bad call must not fail the whole scrape, whose other
+metrics (the node's, the GPU count) are what the alerts need most.
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ def _mem_temp(nv, h):
     if fv.nvmlReturn != nv.NVML_SUCCESS:
         raise nv.NVMLError(fv.nvmlReturn)
     return fv.value.uiVal
+
+
+def _memory(nv, h):
+    """Framebuffer memory. v2 (driver >= R510) reports the driver's reserved memory apart; v1 counts it as
+    used, so an idle H100 would show ~500 MiB used. v1 where v2 is missing: an older driver or binding."""
+    try:
+        return nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2)
+    except (AttributeError, TypeError, nv.NVMLError_FunctionNotFound, nv.NVMLError_NotSupported):
+        return nv.nvmlDeviceGetMemoryInfo(h)
 
 
 def _ecc(kind: str, counter: str) -> Reader:
@@ -68,11 +80,11 @@ GPU_FIELDS: list[tuple[str, str, str, Reader]] = [
     ("DCGM_FI_DEV_MEM_COPY_UTIL", "gauge", "Memory utilization (in %).",
      lambda nv, h: nv.nvmlDeviceGetUtilizationRates(h).memory),
     ("DCGM_FI_DEV_FB_FREE", "gauge", "Framebuffer memory free (in MiB).",
-     lambda nv, h: nv.nvmlDeviceGetMemoryInfo(h).free / 2**20),
+     lambda nv, h: _memory(nv, h).free / 2**20),
     ("DCGM_FI_DEV_FB_USED", "gauge", "Framebuffer memory used (in MiB).",
-     lambda nv, h: nv.nvmlDeviceGetMemoryInfo(h).used / 2**20),
+     lambda nv, h: _memory(nv, h).used / 2**20),
     ("DCGM_FI_DEV_FB_TOTAL", "gauge", "Framebuffer memory total (in MiB).",
-     lambda nv, h: nv.nvmlDeviceGetMemoryInfo(h).total / 2**20),
+     lambda nv, h: _memory(nv, h).total / 2**20),
     ("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "gauge",
      "Current clock throttle reasons (bitmask of nvmlClocksEventReasons).", _throttle_reasons),
     ("DCGM_FI_DEV_POWER_VIOLATION", "counter", "Throttling duration due to power constraints (in us).",
@@ -101,6 +113,8 @@ GPU_FIELDS: list[tuple[str, str, str, Reader]] = [
      lambda nv, h: nv.nvmlDeviceGetRemappedRows(h)[3]),
 ]
 XID_METRIC = ("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered.")
+ERROR_METRIC = ("llmcluster_nvml_read_errors", "Readings skipped because the NVML call raised something other "
+                "than an NVML error, since start-up (labels: gpu, the metric that was skipped).")
 GPU_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname")
 GPU_METRIC_NAMES = [f[0] for f in GPU_FIELDS] + [XID_METRIC[0]]
 
@@ -132,6 +146,7 @@ class GpuCollector:
         self.error: str | None = None      # why there are no GPU metrics, when there are none
         self._xid_last: dict[str, int] = {}  # UUID -> last XID seen
         self._events = None
+        self.read_errors: dict[tuple[str, str], int] = {}   # (gpu, metric) -> non-NVML exceptions so far
         if nvml is None:
             try:
                 import pynvml as nvml
@@ -186,6 +201,8 @@ class GpuCollector:
                 self._xid_last[_text(nv.nvmlDeviceGetUUID(ev.device))] = int(ev.eventData)
             except nv.NVMLError:
                 pass
+            except Exception:
+                self._count_error("all", XID_METRIC[0])
 
     @property
     def count(self) -> int:
@@ -201,7 +218,12 @@ class GpuCollector:
                 n += 1
             except self.nv.NVMLError:
                 pass
+            except Exception:   # not answering as NVML should: missing, and counted
+                self._count_error(g.labels["gpu"], "llmcluster_node_gpus_present")
         return n
+
+    def _count_error(self, gpu: str, metric: str) -> None:
+        self.read_errors[(gpu, metric)] = self.read_errors.get((gpu, metric), 0) + 1
 
     def collect(self):
         if not self.gpus:
@@ -212,10 +234,13 @@ class GpuCollector:
             m = Metric(name, doc, _exposed_type(typ))
             for g in self.gpus:
                 try:
-                    value = read(nv, g.handle)
+                    value = float(read(nv, g.handle))
                 except nv.NVMLError:
                     continue
-                m.add_sample(name, g.labels, float(value))
+                except Exception:   # skip this reading, keep the scrape (module docstring)
+                    self._count_error(g.labels["gpu"], name)
+                    continue
+                m.add_sample(name, g.labels, value)
             if m.samples:
                 yield m
         name, typ, doc = XID_METRIC
@@ -223,6 +248,12 @@ class GpuCollector:
         for g in self.gpus:
             m.add_sample(name, g.labels, float(self._xid_last.get(g.labels["UUID"], 0)))
         yield m
+        name, doc = ERROR_METRIC
+        m = Metric(name, doc, "unknown")     # a counter, exposed as DCGM's are (see _exposed_type)
+        for (gpu, metric), n in sorted(self.read_errors.items()):
+            m.add_sample(name, {"gpu": gpu, "metric": metric, "Hostname": self.hostname}, float(n))
+        if m.samples:
+            yield m
 
     def describe(self):
         return []  # names depend on what the GPUs support; do not let the registry call collect() early

@@ -4,7 +4,8 @@ Non-finite steps are skipped in `Trainer.train_step`; this module holds what wat
 
 - `LossSpikeDetector`: like llm.c's outlier detector, the z-score of this step's loss against a window of
   recent losses. Every rank sees the same all-reduced loss, so every rank takes the same decision.
-- `slow_ranks`: ranks whose compute time (step start to the last forward: no collective waits under DDP) exceeds the median by `log.straggler_factor`.
+- `slow_ranks`: ranks whose compute time (step start to the last forward: no collective waits under DDP)
+  exceeds the median by `log.straggler_factor`; `BusyTimer` measures it (CUDA events on a GPU, host time on CPU).
 - `CollectiveFailure`: a collective that timed out (`dist.timeout_s`) or lost its peer, reported as one
   line naming the step and the rank, instead of a hang or a C++ traceback.
 - `young_daly_steps`: the checkpoint interval that minimises lost work, sqrt(2 · save time · MTBF).
@@ -159,6 +160,44 @@ class FaultInjector:
             if steps is None or step in steps:
                 return seconds
         return measured
+
+
+class BusyTimer:
+    """This rank's own compute time in a step, the straggler signal. On CUDA the host returns from launching
+    kernels long before the device runs them, so host time measures Python: two CUDA events bracket the work
+    on the stream and are read after the step's sync (the loss to the host), costing no extra sync. On CPU
+    the host time is the work.
+
+        timer.start()          # step start
+        timer.stop()           # end of this rank's own work (before its first gradient collective)
+        ...float(loss)...      # the step's sync
+        busy_s = timer.seconds()
+    """
+
+    def __init__(self, device, clock=time.perf_counter):
+        self.cuda, self.clock = getattr(device, "type", "cpu") == "cuda", clock
+        self._t0 = self._host = 0.0
+        self._begin = self._end = None
+
+    def _event(self):
+        import torch   # only on CUDA: this module is imported where torch may not be
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def start(self) -> None:
+        self._t0 = self.clock()
+        self._begin = self._event() if self.cuda else None
+
+    def stop(self) -> None:
+        self._host = self.clock() - self._t0
+        self._end = self._event() if self.cuda else None
+
+    def seconds(self) -> float:
+        if self._end is None:
+            return self._host
+        self._end.synchronize()   # already complete after the step's sync: a no-op that makes the read safe
+        return self._begin.elapsed_time(self._end) / 1e3      # ms -> s
 
 
 def _per_rank(spec: str, rank: int) -> list[tuple[float, set[int] | None]]:

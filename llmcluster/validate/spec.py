@@ -18,11 +18,14 @@ anywhere, the GPU is whatever the node reports and its count is not checked.
 
 from __future__ import annotations
 
+import os
+import socket
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmcluster.config.cluster import AREAS, Thresholds
 from llmcluster.config.cluster_load import ResolvedCluster
-from llmcluster.config.gpus import GPUSpec, gpu_spec
+from llmcluster.config.gpus import GPUSpec, for_device, gpu_spec
 
 
 
@@ -52,7 +55,7 @@ class ValidateSpec(Thresholds):
     def gpu_model(self, device_name: str | None) -> GPUSpec | None:
         """The expected GPU: the spec's, else the one the device reports (None for an unknown one)."""
         if self.gpu:
-            return gpu_spec(self.gpu)
+            return for_device(gpu_spec(self.gpu), device_name)     # a MIG slice: its share, not the whole GPU
         if device_name:
             from llmcluster.config.gpus import match_device_name
             return match_device_name(device_name)
@@ -64,13 +67,22 @@ def from_cluster(resolved: ResolvedCluster) -> ValidateSpec:
     fields = c.thresholds.model_dump()
     if not resolved.is_default:           # the built-in default says nothing about this node's GPUs
         fields["gpu"] = c.hardware.gpu if c.hardware.spec is not None else None
-        fields["gpus_per_node"] = c.gpus_per_node
+        fields["gpus_per_node"] = _expected_gpus(c)
     storage = {}
     for area in AREAS:
         a = c.storage.area(area)
         if a.write_GBps or a.read_GBps or a.files_per_s:
             storage[area] = StorageExpect(write_GBps=a.write_GBps, read_GBps=a.read_GBps, files_per_s=a.files_per_s)
     return ValidateSpec(**fields, storage=storage, cluster=f"{c.name} ({resolved.source})")
+
+
+def _expected_gpus(c) -> int | None:
+    """GPUs this host should have: its `nodes.overrides` entry, else hardware.gpus_per_node; None (not judged)
+    on the spec's Slurm head node, which runs `validate stack` as the provisioning gate without any GPU."""
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    if host and host in {c.scheduler.slurm.head_node, (c.scheduler.slurm.head_node or "").split(".")[0]}:
+        return None
+    return c.node_gpus(host)
 
 
 def load_spec(ref: str | None) -> ValidateSpec:

@@ -2,7 +2,9 @@
 
 OS/kernel -> NVIDIA driver, CUDA, cuDNN, NCCL (and the driver/CUDA compatibility rule) -> InfiniBand
 ports, OFED, UCX -> /storage mounts -> Slurm / Kubernetes -> PyTorch -> monitoring exporters -> the GPUs
-themselves (count, ECC, persistence, XID errors). Anything a CPU machine lacks is SKIP with the reason.
+themselves (count, ECC, persistence, XID errors). Anything a CPU machine lacks is SKIP with the reason, unless
+the cluster spec expects GPUs on this node: then a missing GPU, driver or library is a FAIL that says what was
+expected (a node that lost its driver must not pass bring-up because nothing GPU-side could be judged).
 No torch import: torch's version and CUDA build are read from its package files, so this runs in a
 second on a head node.
 """
@@ -19,8 +21,9 @@ import socket
 import subprocess
 from pathlib import Path
 
+from llmcluster.config.gpus import gpu_spec, match_device_name
 from llmcluster.floor import CUDA_MIN_DRIVER, MINOR_COMPAT_FLOOR, torch_too_old
-from llmcluster.validate.result import FAIL, PASS, SKIP, WARN, CheckResult
+from llmcluster.validate.result import FAIL, PASS, SKIP, WARN, CheckResult, Item
 from llmcluster.validate.spec import ValidateSpec
 
 MAX_RETIRED_PAGES = 10           # GCM/Imbue gate (planning facts §2)
@@ -97,8 +100,17 @@ def ib_ports(sysfs: Path = Path("/sys/class/infiniband")) -> list[dict]:
     return ports
 
 
+def _absent(spec: ValidateSpec) -> tuple[str, str]:
+    """(status, note) for a GPU-side item this node lacks: FAIL when the spec expects GPUs here, else SKIP."""
+    if spec.gpus_per_node:
+        where = f"cluster {spec.cluster.split(' (')[0]}" if spec.cluster else "the cluster spec"
+        return FAIL, f"; {where} expects {spec.gpus_per_node} x {spec.gpu or 'GPU'} per node"
+    return SKIP, ""
+
+
 def check_stack(spec: ValidateSpec, storage_root: Path, nvml=None) -> CheckResult:
     r = CheckResult("stack")
+    absent, expected = _absent(spec)
     env = r.data
     # 1. OS and kernel
     os_name = re.search(r'PRETTY_NAME="?([^"\n]+)', _read(Path("/etc/os-release")))
@@ -111,7 +123,7 @@ def check_stack(spec: ValidateSpec, storage_root: Path, nvml=None) -> CheckResul
                cudnn=_dist_version("nvidia-cudnn-cu13", "nvidia-cudnn-cu12", "nvidia-cudnn-cu11"),
                nccl=_dist_version("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"))
     if driver is None:
-        r.add("nvidia driver", SKIP, detail="no NVIDIA kernel module (/proc/driver/nvidia/version)")
+        r.add("nvidia driver", absent, detail="no NVIDIA kernel module (/proc/driver/nvidia/version)" + expected)
     else:
         r.add("nvidia driver", PASS, driver)
         if torch_cuda:
@@ -121,7 +133,8 @@ def check_stack(spec: ValidateSpec, storage_root: Path, nvml=None) -> CheckResul
         if env[lib]:
             r.add(lib, PASS, env[lib], "the wheel torch loads")
         else:
-            r.add(lib, SKIP, detail="not installed (CPU build of torch)" if not torch_cuda else "no pip wheel found")
+            r.add(lib, absent, detail=("not installed (CPU build of torch)" if not torch_cuda else "no pip wheel found")
+                  + expected)
     # 3. fabric
     ports = ib_ports()
     env["ib_ports"] = ports
@@ -162,8 +175,8 @@ def check_stack(spec: ValidateSpec, storage_root: Path, nvml=None) -> CheckResul
         too_old = torch_too_old(torch_version)
         build = f"CUDA {torch_cuda}" if torch_cuda else "CPU-only"
         r.add("pytorch", FAIL if too_old else PASS, f"{torch_version} ({build})", too_old or "")
-        if driver and not torch_cuda:
-            r.add("pytorch build", FAIL, build, "a GPU node with a CPU-only torch: install the CUDA wheel")
+        if (driver or absent == FAIL) and not torch_cuda:
+            r.add("pytorch build", FAIL, build, "a GPU node with a CPU-only torch: install the CUDA wheel" + expected)
     # 7. monitoring exporters (loopback only: this node's own exporters)
     for name, port in EXPORTER_PORTS.items():
         up = _port_open(port)
@@ -216,9 +229,11 @@ def check_gpus(spec: ValidateSpec, nvml=None) -> CheckResult:
             nvml.nvmlInit()
         count = nvml.nvmlDeviceGetCount()
     except Exception as e:
-        r.add("gpus", SKIP, detail=f"NVML unavailable: {' '.join(str(e).split())[:80]}")
+        absent, expected = _absent(spec)
+        r.add("gpus", absent, detail=f"NVML unavailable: {' '.join(str(e).split())[:80]}" + expected)
         return r
     want = spec.gpus_per_node
+    want_model = gpu_spec(spec.gpu).name if spec.gpu else None
     r.add("gpu count", FAIL if want is not None and count != want else PASS, str(count),
           f"expected {want}" if want is not None else "")
     for i in range(count):
@@ -226,6 +241,10 @@ def check_gpus(spec: ValidateSpec, nvml=None) -> CheckResult:
         name = nvml.nvmlDeviceGetName(h)
         name = name.decode() if isinstance(name, bytes) else name
         problems, warnings = [], []
+        seen = match_device_name(name)
+        if want_model and seen and seen.name.split(" MIG ")[0] != want_model:
+            # an H100 PCIe where the spec says H100 (SXM): every peak validate and plan use would be wrong
+            problems.append(f"{seen.name} where the spec expects {want_model}")
         try:
             if nvml.nvmlDeviceGetEccMode(h)[0] != 1:
                 warnings.append("ECC off")
@@ -253,7 +272,30 @@ def check_gpus(spec: ValidateSpec, nvml=None) -> CheckResult:
     if rc != 0:
         r.add("xid errors", SKIP, detail="kernel log not readable (dmesg needs privileges)")
     else:
-        xids = sorted(set(re.findall(r"NVRM: Xid \(([^)]*)\): (\d+)", log)))
-        r.add("xid errors", FAIL if xids else PASS, ", ".join(f"Xid {x} on {pci}" for pci, x in xids[:5]) or "none",
-              "look each code up in NVIDIA's XID catalog" if xids else "")
+        r.items.append(judge_xids(log))
     return r
+
+
+# Xids an application causes (a bad kernel, an illegal address, a killed context), which NVIDIA's Xid catalog
+# resolves by restarting the application and DCGM does not count against the GPU: a WARN. Every other Xid since
+# boot FAILs bring-up: the named ones are the hardware faults, and an unknown one must be looked up first.
+APP_XIDS = {13: "graphics engine exception", 31: "GPU memory page fault", 43: "GPU stopped processing (channel "
+            "reset)", 45: "preemptive cleanup after earlier errors"}
+HW_XIDS = {48: "double-bit ECC error", 63: "ECC page retirement / row remap", 64: "row remap failure",
+           74: "NVLink error", 79: "GPU fell off the bus", 92: "high single-bit ECC rate", 94: "contained ECC error",
+           95: "uncontained ECC error", 119: "GSP RPC timeout", 120: "GSP error"}
+
+
+def judge_xids(log: str):
+    """The `xid errors` item from a kernel log: FAIL on a hardware (or unknown) Xid, WARN on application ones."""
+    xids = sorted({(int(x), pci) for pci, x in re.findall(r"NVRM: Xid \(([^)]*)\): (\d+)", log)})
+    if not xids:
+        return Item("xid errors", PASS, "none")
+    bad = [(x, pci) for x, pci in xids if x not in APP_XIDS]
+    shown = bad or xids
+    value = ", ".join(f"Xid {x} on {pci}" for x, pci in shown[:5]) + (f" (+{len(shown) - 5})" if len(shown) > 5 else "")
+    if bad:
+        names = sorted({HW_XIDS.get(x, "not an application Xid: look it up in NVIDIA's Xid catalog") for x, _ in bad})
+        return Item("xid errors", FAIL, value, "; ".join(names))
+    return Item("xid errors", WARN, value, "application Xids (" + "; ".join(sorted({APP_XIDS[x] for x, _ in xids}))
+                + "): the job that caused them, not the GPU")

@@ -3,7 +3,8 @@
 A healthy GPU under a long matmul load sits at its power cap (SW power cap is the normal limiter of a
 busy H100, so it only WARNs); thermal slowdown, hardware slowdown and the power brake are faults (bad
 cooling, a PSU or board problem) and FAIL, as does a temperature at or over the gate (84 °C, the GCM and
-Imbue health checks) or an SM clock that sags by more than `max_clock_drop` from its early peak.
+Imbue health checks) or an SM clock that sags by more than `max_clock_drop` from its early (boost) peak without
+the power cap to explain it; settled at the power cap, the sag WARNs.
 """
 
 from __future__ import annotations
@@ -55,8 +56,14 @@ def judge(samples: list[dict], spec: ValidateSpec, power_limit_w: float | None =
     peak = max(clocks[: max(1, len(clocks) // 4)] or clocks)
     late = statistics.median(clocks[len(clocks) // 2:])
     drop = 1 - late / peak if peak else 0.0
-    r.add("SM clock sag", FAIL if drop > spec.max_clock_drop else PASS, f"{peak:g} -> {late:g} MHz",
-          f"{drop:.0%} drop (FAIL above {spec.max_clock_drop:.0%})")
+    # The early peak is the boost clock; a power-capped Hopper settles ~12% below it under a full matmul load.
+    # Held there by the power cap alone is the normal limiter (a WARN, as the throttle reasons below): the sag
+    # FAILs only with a thermal/hardware slowdown, or with no limiter to explain it.
+    settled = {x for s in samples[len(samples) // 2:] for x in s["reasons"]}
+    capped = "sw_power_cap" in settled and not settled & FAULT_REASONS
+    status = PASS if drop <= spec.max_clock_drop else WARN if capped else FAIL
+    r.add("SM clock sag", status, f"{peak:g} -> {late:g} MHz",
+          f"{drop:.0%} drop (above {spec.max_clock_drop:.0%}: FAIL, WARN when held at the power cap only)")
     power = statistics.median(s["power_w"] for s in samples[len(samples) // 2:])
     r.add("power under load", PASS, f"{power:.0f} W",
           f"{power / power_limit_w:.0%} of the {power_limit_w:.0f} W limit" if power_limit_w else "")
