@@ -31,7 +31,7 @@ from llmcluster.storage.layout import Storage, sha256_file
 from llmcluster.train import distributed as D
 from llmcluster.train.checkpoint import Checkpointer
 from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
-from llmcluster.train.health import (CollectiveFailure, FaultInjector, LossSpikeDetector, SampleLog,
+from llmcluster.train.health import (BusyTimer, CollectiveFailure, FaultInjector, LossSpikeDetector, SampleLog,
                                      is_collective_error, slow_ranks, young_daly_steps)
 from llmcluster.train.metrics import MetricsLog, device_peak_flops, peak_note
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
@@ -111,6 +111,7 @@ class Trainer:
         self.resumed_from = None
         self.spikes = LossSpikeDetector(t.spike_window, t.spike_zscore)
         self.inject = FaultInjector(env.rank)
+        self.busy_timer = BusyTimer(env.device)   # straggler signal: device time on CUDA, host time on CPU
         self.ckpt_every = cfg.checkpoint.interval_steps  # interval=auto retunes it after each checkpoint
         self.sample_log = SampleLog(self.storage.run_logs(cfg.run.name), env.rank) if cfg.log.sample_log else None
         path = self.ckpt.find_resume(resume)
@@ -198,12 +199,12 @@ class Trainer:
         accum = cfg.train.grad_accum
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.env.device, dtype=torch.float32)
-        t0 = time.perf_counter()
+        self.busy_timer.start()
         self.inject.maybe_sleep(self.step + 1)
         sample_ids: list[int] = []
         batches = self.sampler.micro_batches(self.global_batch, self.dp_rank, self.dp_size, cfg.train.micro_batch)
         if self.pipe is not None:  # the schedule runs all micro-batches (forward, backward, reductions)
-            loss_sum, sample_ids = self._pipeline_step(list(batches), t0)
+            loss_sum, sample_ids = self._pipeline_step(list(batches))
             batches = []
         for i, (ids, x, y) in enumerate(batches):
             x, y = x.to(self.env.device, non_blocking=True), y.to(self.env.device, non_blocking=True)
@@ -214,7 +215,7 @@ class Trainer:
                 with self.autocast():
                     loss = self._loss(model(x, y, cfg.train.loss_chunks), y)
                 if last:  # this rank's own work up to its first gradient all-reduce (DDP): straggler signal
-                    self.busy_s = self.inject.busy_time(self.step + 1, time.perf_counter() - t0)
+                    self.busy_timer.stop()
                 self.scaler.scale(loss / accum).backward()
             loss_sum += loss.detach()
             sample_ids += ids.tolist()
@@ -225,6 +226,7 @@ class Trainer:
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         norm = clip_grad_norm(model.parameters(), max_norm, self.pipe.pp_group if self.pipe else None)
         loss_v, norm_v = float(loss), float(norm)
+        self.busy_s = self.inject.busy_time(self.step + 1, self.busy_timer.seconds())   # read after the sync
         self.lr_used = self.optimizer.param_groups[0]["lr"]
         finite = math.isfinite(loss_v) and (math.isfinite(norm_v) or self.scaler.is_enabled())
         z = self.spikes.score(loss_v)
@@ -241,7 +243,7 @@ class Trainer:
         self.scheduler.step()
         return loss_v, norm_v, finite
 
-    def _pipeline_step(self, batches: list, t0: float) -> tuple[torch.Tensor, list[int]]:
+    def _pipeline_step(self, batches: list) -> tuple[torch.Tensor, list[int]]:
         """The rank's grad_accum micro-batches as one batch through the schedule: forward, backward and the
         gradient reduce-scatters of every stage. Returns (sum of micro-batch losses, sample ids); the loss
         is 0 on ranks without the last stage (`_mean_over_ranks` divides accordingly)."""
@@ -252,7 +254,7 @@ class Trainer:
             losses = self.pipe.step(x, y)
         unscale = self.cfg.train.grad_accum / self.scaler.get_scale()  # each was loss / m × scale
         # forward + backward of all micro-batches (incl. the bubble)
-        self.busy_s = self.inject.busy_time(self.step + 1, time.perf_counter() - t0)
+        self.busy_timer.stop()
         total = torch.zeros((), device=self.env.device, dtype=torch.float32)
         for loss in losses:
             total += loss.detach().float() * unscale
