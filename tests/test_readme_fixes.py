@@ -163,3 +163,17 @@ def test_tables_are_whole_when_piped(tmp_path):
         assert col in header, header
     assert "a-run-with-a-rather-long-descriptive-name-2026" in out
     assert "\x1b[" not in out   # no colour codes in a pipe
+
+
+def test_a_dataset_without_validation_tokens_says_so(tmp_path):
+    # before: a 6-byte file prepared "successfully" with 0 val tokens and no word about it, and training
+    # then had no validation loss. Still made (it trains), but with a warning naming the cause.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("x = 1\n")
+    proc = run_cli("data", "prepare", "--root", tmp_path / "storage", "--name", "tiny", "--source", src,
+                   "--tokenizer", "bpe:300")
+    assert proc.returncode == 0, proc.stderr
+    assert "0 val tokens" in proc.stdout
+    assert "warning: tiny has no validation tokens" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -374,6 +374,17 @@ def _summary(out: Path) -> str:
             f"in {meta['seconds']:.1f} s")
 
 
+def _warn_without_validation(out: Path) -> None:
+    """A dataset without validation tokens trains, but nothing measures it: say so where it is made."""
+    import sys
+
+    meta = json.loads((out / META).read_text())
+    if not meta["tokens"]["val"]:
+        print(f"warning: {out.name} has no validation tokens ({sum(meta['documents'].values())} document(s), "
+              f"--val-fraction {meta['val_fraction']}): documents go to val whole, by a hash; add documents "
+              "for a validation loss", file=sys.stderr)
+
+
 def prepare_cli(args, root: Path) -> int:
     import sys
 
@@ -385,9 +396,13 @@ def prepare_cli(args, root: Path) -> int:
                   tokenizer_sample_bytes=args.tokenizer_sample_bytes, shard=shard, fmt=args.format,
                   max_record_bytes=args.max_record_bytes)
     print(("slice " if shard else "dataset ") + _summary(out))
+    if not shard:
+        _warn_without_validation(out)
     return 0
 
 
 def merge_cli(args, root: Path) -> int:
-    print("dataset " + _summary(merge(root, args.name, args.kind, force=args.force)))
+    out = merge(root, args.name, args.kind, force=args.force)
+    print("dataset " + _summary(out))
+    _warn_without_validation(out)
     return 0
