@@ -11,7 +11,7 @@ def render(r: dict[str, Any]) -> None:
     con = _console()
     mo, cl, sv, me, kv, th = r["model"], r["cluster"], r["serve"], r["memory"], r["kv"], r["throughput"]
     per = me["per_gpu_bytes"]
-    con.print(f"[bold]{mo['name']}[/] ({mo['source']}): {mo['params'] / 1e9:,.2f}B params, {mo['attention']} "
+    con.print(f"[bold]{mo['name']}[/] ({mo['source']}): {_count(mo['params'])} params, {mo['attention']} "
               f"({mo['n_heads']} heads, {mo['n_kv_heads']} KV heads x {mo['head_dim']}), context {mo['context']:,} | "
               f"{cl['nodes']} x {cl['gpus_per_node']} {cl['gpu']} ({cl['name']})")
     quant = sv["quantization"] if sv["quantization"] != "none" else "no quantization"
@@ -39,3 +39,8 @@ def render(r: dict[str, Any]) -> None:
     ]))
     for note in r["notes"]:
         con.print(f"note: {note}")
+
+
+def _count(n: float) -> str:
+    """3.15M, 6.74B: a parameter count readable at any size."""
+    return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.2f}M"
