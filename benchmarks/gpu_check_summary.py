@@ -11,8 +11,12 @@ the trainer's metrics.jsonl). Reading those files is all this does: no torch imp
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
+
+
+STEP_RE = re.compile(r"^step (\d+)/\d+ loss ([0-9.]+)", re.M)   # the trainer's log line
 
 
 def _json(path: Path):
@@ -45,15 +49,16 @@ def _bench(storage: Path, run: str) -> dict | None:
     return {k: r[k] for k in keys if k in r}
 
 
-def _train(storage: Path, work: Path, step: str, run: str) -> dict | None:
-    ls = losses(storage / "logs", run)
-    if not ls:
-        return None
-    last = max(ls)
-    fig = {"last_step": last, "loss_first": ls[min(ls)], "loss_last": ls[last]}
+def _train(work: Path, step: str) -> dict | None:
+    """From the step's own log (train and resume share a run, so its metrics.jsonl holds both): the steps it
+    trained, their first and last loss, and where it resumed from."""
     log = work / f"{step}.log"
     text = log.read_text(errors="replace") if log.is_file() else ""
-    resumed = [ln.strip() for ln in text.splitlines() if "resumed from" in ln]
+    ls = {int(m[1]): float(m[2]) for m in STEP_RE.finditer(text)}
+    if not ls:
+        return None
+    fig = {"first_step": min(ls), "last_step": max(ls), "loss_first": ls[min(ls)], "loss_last": ls[max(ls)]}
+    resumed = [ln.strip() for ln in text.splitlines() if ln.startswith("resumed from")]
     if resumed:
         fig["resumed"] = resumed[-1][:200]
     return fig
@@ -68,9 +73,8 @@ def summary(work: Path) -> dict:
         fig = _json(work / "figures" / f"{name}.json")
         if fig is None and name.startswith("bench"):
             fig = _bench(storage, f"gpu-check-{name}")
-        if fig is None and name.startswith(("train", "resume", "compile")):
-            run = "gpu-check-" + name.replace("resume", "train", 1)
-            fig = _train(storage, work, name, run)
+        if fig is None:   # any step that trained: its steps and losses
+            fig = _train(work, name)
         if fig is not None:
             s["figures"] = fig
         steps[name] = s

@@ -50,8 +50,8 @@ def test_gpu_check_cpu_smoke_runs_every_step_in_order_and_writes_the_summary(tmp
     assert st["nvml"]["figures"]["gpus"] == 1 and "FakeNVML" in st["nvml"]["figures"]["nvml"]
     assert st["thermal"]["figures"]["status"] in ("PASS", "WARN")
     for prec in ("fp16", "bf16"):
-        assert st[f"train-{prec}"]["figures"]["last_step"] == 2
-        assert st[f"resume-{prec}"]["figures"]["last_step"] == 4
+        assert (st[f"train-{prec}"]["figures"]["first_step"], st[f"train-{prec}"]["figures"]["last_step"]) == (1, 2)
+        assert (st[f"resume-{prec}"]["figures"]["first_step"], st[f"resume-{prec}"]["figures"]["last_step"]) == (3, 4)
         assert "step_2" in st[f"resume-{prec}"]["figures"]["resumed"]
     assert st["bench"]["figures"]["mfu"] > 0 and st["bench"]["figures"]["peak_memory_bytes"] > 0
     assert st["compile"]["figures"]["last_step"] == 2
