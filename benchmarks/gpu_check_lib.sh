@@ -71,3 +71,10 @@ prepare_data() {
     run data "$PY" -m llmcluster data prepare --root "$WORK/storage" --name gpucheck --source "$stdlib/json" \
         "$stdlib/email" --tokenizer byte --val-fraction 0.1
 }
+
+# copy_out LOG: the log and the JSON summary into $OUT (the device machine's folder that comes back), if set.
+copy_out() {
+    [[ -n ${OUT:-} && -d ${OUT:-} ]] || return 0
+    cp "$WORK/$1" "$WORK/summary.json" "$OUT/" 2>/dev/null
+    true
+}

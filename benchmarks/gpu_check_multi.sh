@@ -31,7 +31,7 @@ mkdir -p "$WORK/figures"
 rm -f "$WORK/steps.tsv" "$WORK/summary.json" "$WORK"/figures/*.json
 exec > >(tee "$WORK/gpu_check_multi.log") 2>&1
 print_budget 300 || exit 2
-trap '[[ -n ${OUT:-} && -d ${OUT:-} ]] && cp "$WORK/gpu_check_multi.log" "$WORK/summary.json" "$OUT/" 2>/dev/null; true' EXIT
+trap 'copy_out gpu_check_multi.log' EXIT
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}${GPU_CHECK_SITE:+:$GPU_CHECK_SITE}
 export PYTHONUNBUFFERED=1 LLMCLUSTER_STORAGE=$WORK/storage
 PY=$(pick_python) || exit 1

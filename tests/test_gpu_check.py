@@ -18,10 +18,15 @@ GPU_STEPS = ["setup", "pytest", "sdpa", "timing", "nvml", "thermal", "data", "tr
              "train-bf16", "resume-bf16", "bench", "compile"]
 
 
-def _env(tmp_path) -> dict:
+def _run(tmp_path, script: str, flag: str) -> str:
+    """Run a check script in CPU mode with this interpreter; its output, after asserting it passed."""
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "LLMCLUSTER_STORAGE", "PYTHON")}
     env.update(GPU_CHECK_WORK=str(tmp_path / "work"), OMP_NUM_THREADS="2", PYTHON=sys.executable)
-    return env
+    p = subprocess.run(["bash", f"benchmarks/{script}", flag], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=900)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-5000:]
+    return out
 
 
 def _budget(out: str) -> tuple[dict[str, int], int]:
@@ -33,10 +38,7 @@ def _budget(out: str) -> tuple[dict[str, int], int]:
 
 @pytest.mark.slow
 def test_gpu_check_cpu_smoke_runs_every_step_in_order_and_writes_the_summary(tmp_path):
-    p = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--cpu-smoke"], cwd=REPO, env=_env(tmp_path),
-                       capture_output=True, text=True, timeout=900)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-5000:]
+    out = _run(tmp_path, "gpu_check.sh", "--cpu-smoke")
     assert "gpu_check: all steps passed" in out
     budget, total = _budget(out)
     assert list(budget) == GPU_STEPS and sum(budget.values()) == total <= 480, budget
@@ -60,10 +62,7 @@ def test_gpu_check_cpu_smoke_runs_every_step_in_order_and_writes_the_summary(tmp
 
 @pytest.mark.slow
 def test_gpu_check_multi_dry_run_cpu_matches_one_rank(tmp_path):
-    p = subprocess.run(["bash", "benchmarks/gpu_check_multi.sh", "--dry-run-cpu"], cwd=REPO, env=_env(tmp_path),
-                       capture_output=True, text=True, timeout=600)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-5000:]
+    out = _run(tmp_path, "gpu_check_multi.sh", "--dry-run-cpu")
     budget, total = _budget(out)
     assert list(budget) == ["data", "ref", "tp", "pp", "hsdp"] and sum(budget.values()) == total <= 300
     s = json.loads((tmp_path / "work" / "summary.json").read_text())
