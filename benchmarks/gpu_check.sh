@@ -68,12 +68,7 @@ export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-160}  # rich tables in a log: one r
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK/inductor-cache}
 export LLMCLUSTER_STORAGE=$WORK/storage
-copy_out() {
-    [[ -n ${OUT:-} && -d ${OUT:-} ]] || return 0
-    cp "$WORK/gpu_check.log" "$WORK/summary.json" "$OUT/" 2>/dev/null
-    true
-}
-trap copy_out EXIT
+trap 'copy_out gpu_check.log' EXIT
 
 PY=$(pick_python) || exit 1
 echo "python: $PY ($MODE)"
@@ -95,7 +90,8 @@ print(" ".join(n for n in ["pydantic", "pytest_timeout", "yaml", "rich", "pytest
     fi
     PYTHONPATH=$PYTHONPATH:$SITE "$PY" - "$MODE" <<'EOF'
 import sys, pydantic, pytest_timeout, torch
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, pydantic {pydantic.VERSION}, GPU {torch.cuda.is_available()}")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, pydantic {pydantic.VERSION}, "
+      f"GPU {torch.cuda.is_available()}")
 if sys.argv[1] == "gpu":
     p = torch.cuda.get_device_properties(0)
     print(f"GPU 0: {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs")
@@ -110,7 +106,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,m
 LLMC=("$PY" -m llmcluster)
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m llmcluster)
 if [[ $MODE == gpu ]]; then
-    DEVICE=cuda PROBE=() THERMAL_S=15 STEPS=5 WARMUP=2
+    DEVICE=cuda PROBE=() THERMAL_S=12 STEPS=5 WARMUP=2
     # Llama-3-8B widths (d 4096, 32 heads / 8 kv, ffn 14336, vocab 128256, seq 4096) with 2 of its 32 layers:
     # the per-layer MFU and memory of the real shapes, inside the budget (the 128k head is a larger share
     # of the FLOPs than at 32 layers; the record says how many layers ran).
@@ -137,7 +133,8 @@ run pytest "$PY" -m pytest -q -rs -p no:cacheprovider --timeout "${LIMIT[pytest]
 for p in sdpa timing nvml; do
     run "$p" "$PY" benchmarks/gpu_probes.py "$p" "${PROBE[@]}" --out "$WORK/figures/$p.json"
 done
-run thermal "$PY" benchmarks/gpu_probes.py thermal "${PROBE[@]}" --seconds "$THERMAL_S" --out "$WORK/figures/thermal.json"
+run thermal "$PY" benchmarks/gpu_probes.py thermal "${PROBE[@]}" --seconds "$THERMAL_S" \
+    --out "$WORK/figures/thermal.json"
 
 # 3. the trainer on FSDP (one rank: dp_shard=-1 shards at degree 1), fp16 then bf16, async checkpoint, resume
 prepare_data
