@@ -107,8 +107,11 @@ def test_two_nodes_train_and_requeue_gives_the_same_loss(root):
     straight = launch(root, "straight", "--set", f"train.steps={STEPS}", "--set", "checkpoint.interval_steps=4",
                       "--set", f"job.env.SITE_RUN_LABEL={token}")
     killed = launch(root, "killed", "--set", f"train.steps={STEPS}", "--set", "checkpoint.interval_steps=4")
+    # only the signal's checkpoint exists; rank 0 sleeps 1 s a step (a test hook) so that the signal sent after
+    # step 3 lands before step 12: unslowed, a tiny step takes ~10 ms and the run could finish first (it did)
     interrupted = launch(root, "interrupted", "--set", f"train.steps={STEPS}",
-                         "--set", "checkpoint.interval_steps=100")   # only the signal's checkpoint exists
+                         "--set", "checkpoint.interval_steps=100", "--set", "job.env.LLMCLUSTER_TESTING=1",
+                         "--set", "job.env.LLMCLUSTER_INJECT_SLEEP=0:1")
 
     # a rank SIGKILLed after the step-4 checkpoint (a segfault, the OOM killer): torchrun restarts the group
     wait_step(root, "killed", killed, 5)
