@@ -92,11 +92,14 @@ def test_resume_continues_bitwise(runs):
         assert torch.equal(a[k], b[k]), k
 
 
-def test_incomplete_checkpoint_is_ignored_and_pruned(runs):
+def test_incomplete_checkpoint_is_ignored_and_set_aside(runs):
     out = runs["second"].stdout
     assert "skipping checkpoint" in out and "step_15" in out and "no completion marker" in out
-    steps = sorted(p.name for p in (runs["root"] / "checkpoints" / "resumed").iterdir())
-    assert steps == ["step_10", "step_20"]  # the stale step_15 (older than the newest complete) is gone
+    run_dir = runs["root"] / "checkpoints" / "resumed"
+    steps = sorted(p.name for p in run_dir.iterdir() if not p.name.startswith("."))
+    assert steps == ["step_10", "step_20"]  # the stale step_15 no longer counts as a checkpoint of the run
+    # ... and is set aside, not deleted: resume auto skipped it, and retention counts verified steps only
+    assert [p.name for p in run_dir.glob(".abandoned-*/*")] == ["step_15"]
 
 
 def test_finished_run_started_again_exits_zero(capsys, runs):
