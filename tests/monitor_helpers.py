@@ -138,6 +138,9 @@ def recording_rule_names() -> set[str]:
 
 
 PROMETHEUS_BUILTINS = {"up", "ALERTS", "scrape_duration_seconds"}
+# vLLM's own metrics, as a real vLLM 0.32 (CPU) served them: the serving rules and dashboard read these
+VLLM_METRICS = {ln.strip() for ln in (REPO / "tests" / "data" / "vllm-metric-names.txt").read_text().splitlines()
+                if ln.strip() and not ln.startswith("#")}
 
 
 # ---- PromQL: which metric names does an expression read? ----------------------------------------------

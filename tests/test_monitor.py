@@ -22,7 +22,7 @@ from prometheus_client import generate_latest
 from conftest import REPO, assert_one_line_error, cli_env, free_port, run_cli
 from monitor_helpers import (DASHBOARDS, MONITORING, PROMETHEUS_BUILTINS, FakeNVML, dashboard_queries,
                                   exported_metric_names, fake_gpu, families, promql_metric_names,
-                                  recording_rule_names)
+                                  recording_rule_names, VLLM_METRICS)
 
 from llmcluster.errors import UserError
 from llmcluster.monitor.exporter import build_registry
@@ -337,17 +337,17 @@ def test_kubernetes_manifests_validate_and_carry_the_rules():
     docs = list(yaml.safe_load_all(run_cli("monitor", "config", "--kubernetes", "--expected-gpus", "8",
                                            check=True).stdout))
     kinds = [d["kind"] for d in docs]
-    assert kinds == ["DaemonSet", "PodMonitor", "PodMonitor", "PrometheusRule"]
+    assert kinds == ["DaemonSet", "PodMonitor", "PodMonitor", "PodMonitor", "PrometheusRule"]
     kubernetes_validate.validate(docs[0], "1.30", strict=True)
     c = docs[0]["spec"]["template"]["spec"]["containers"][0]
     assert c["args"][:2] == ["monitor", "serve"] and c["args"][-2:] == ["--expected-gpus", "8"]
     assert c["ports"][0]["name"] == docs[1]["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
     # the alerts match on job names; the operator's default would be "<namespace>/<podmonitor>"
-    jobs = [d["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["replacement"] for d in docs[1:3]]
-    assert jobs == ["llmcluster-node", "llmcluster-train"]
+    jobs = [d["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["replacement"] for d in docs[1:4]]
+    assert jobs == ["llmcluster-node", "llmcluster-train", "llmcluster-serve"]
     ours = {g["name"] for f in ("recording.yml", "alerts.yml")
             for g in yaml.safe_load((MONITORING / f).read_text())["groups"]}
-    assert {g["name"] for g in docs[3]["spec"]["groups"]} == ours
+    assert {g["name"] for g in docs[4]["spec"]["groups"]} == ours
 
 
 # ---- monitor watch ----------------------------------------------------------------------------------------
@@ -387,8 +387,8 @@ def test_promql_metric_name_extractor():
 
 
 def test_grafana_dashboards_are_valid_and_query_only_exported_metrics(storage):
-    known = exported_metric_names(storage) | recording_rule_names() | PROMETHEUS_BUILTINS
-    assert len(DASHBOARDS) == 3
+    known = exported_metric_names(storage) | recording_rule_names() | PROMETHEUS_BUILTINS | VLLM_METRICS
+    assert len(DASHBOARDS) == 4
     for path in DASHBOARDS:
         d = json.loads(path.read_text())
         assert d["uid"] and d["title"] and d["schemaVersion"] >= 36
@@ -404,7 +404,7 @@ def test_grafana_dashboards_are_valid_and_query_only_exported_metrics(storage):
 
 
 def test_alert_and_recording_rules_read_only_exported_metrics(storage):
-    known = exported_metric_names(storage) | recording_rule_names() | PROMETHEUS_BUILTINS
+    known = exported_metric_names(storage) | recording_rule_names() | PROMETHEUS_BUILTINS | VLLM_METRICS
     for f in ("recording.yml", "alerts.yml"):
         for g in yaml.safe_load((MONITORING / f).read_text())["groups"]:
             for r in g["rules"]:

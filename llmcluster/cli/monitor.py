@@ -47,7 +47,12 @@ def register(sub) -> None:
     c.add_argument("--expected-gpus", type=int, metavar="N",
                    help="GPUs per node (--kubernetes; default: the cluster's hardware.gpus_per_node)")
     c.add_argument("--storage-path", help="host path of the storage root (--kubernetes; default: storage.root)")
-    c.add_argument("--out", "-o", metavar="FILE", help="write here instead of stdout")
+    c.add_argument("--serve-endpoints", metavar="URL[=NAME],...",
+                   help="vLLM endpoints to scrape besides the serving jobs recorded under the storage root "
+                        "(e.g. http://gpu01:8000/v1=chat)")
+    add_root_arg(c)
+    c.add_argument("--out", "-o", metavar="FILE", help="write here instead of stdout (and the serving SLO alerts "
+                   "beside it as FILE's name + .serve-slo.yml)")
     c.set_defaults(func=run)
 
     w = msub.add_parser("watch", help="a live terminal table of GPUs, nodes, storage and training runs")
@@ -98,9 +103,11 @@ def _config(args) -> int:
     from llmcluster.config.cluster_load import load_cluster
     from llmcluster.errors import UserError
     from llmcluster.monitor import scrape_config as sc
+    from llmcluster.monitor import serve_targets as st
 
     resolved = load_cluster(args.cluster)
     c, m = resolved.spec, resolved.spec.monitoring
+    serving = _serving_targets(args, c.storage.root)
     pick = lambda flag, default: default if flag is None else flag  # noqa: E731
     port = pick(args.port, m.exporter_port)
     train_port = pick(args.train_port, m.train_port)
@@ -113,11 +120,12 @@ def _config(args) -> int:
             raise UserError("--kubernetes discovers the pods itself: drop --nodes / --slurm-nodelist")
         k = c.scheduler.kubernetes
         expected = pick(args.expected_gpus, None if resolved.is_default else c.gpus_per_node)
+        slo = st.slo_rules(serving)
         text = sc.dump(sc.kubernetes_manifests(
             pick(args.namespace, m.namespace), pick(args.image, k.image or "ghcr.io/llmcluster/llmcluster:latest"),
             port, args.train_port_name, expected, pick(args.storage_path, c.storage.root if c.storage.root.startswith("/")
                                                       else "/storage"),
-            node_selector=k.node_selector or None, tolerations=k.tolerations or None))
+            node_selector=k.node_selector or None, tolerations=k.tolerations or None, extra_groups=[slo] if slo else []))
     else:
         if args.nodes is not None:
             nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
@@ -132,9 +140,39 @@ def _config(args) -> int:
             nodes = sc.cluster_hosts(c, resolved.source)
             if args.train_ports_per_node is None and m.train_ports_per_node is None and c.nodes.overrides:
                 per_node = {h: max(1, c.node_gpus(h)) for h in nodes}    # nodes.overrides: GPUs differ per node
-        text = sc.dump(sc.prometheus_config(nodes, port, train_port, per_node, interval))
+        slo_file = _write_slo_rules(st.slo_rules(serving), args.out)
+        text = sc.dump(sc.prometheus_config(nodes, port, train_port, per_node, interval, serving=serving,
+                                            extra_rule_files=[slo_file] if slo_file else []))
     sc.write_text(text, args.out)
     if args.out:   # stdout carries the file's text only when there is no file
         what = "Kubernetes manifests" if args.kubernetes else f"Prometheus scrape config for {len(nodes)} node(s)"
-        print(f"wrote {args.out}: {what}")
+        print(f"wrote {args.out}: {what}" + (f" and {len(serving)} serving endpoint(s)" if serving else ""))
     return 0
+
+
+def _serving_targets(args, cluster_root: str) -> list:
+    """The serving jobs recorded under the storage root (when there is one), then --serve-endpoints."""
+    from llmcluster.monitor import serve_targets as st
+    from llmcluster.paths import resolve_storage_root
+
+    root = resolve_storage_root(args.root, cluster_root)
+    found = st.from_records(root) if root.is_dir() else []
+    return found + (st.from_flag(args.serve_endpoints) if args.serve_endpoints is not None else [])
+
+
+def _write_slo_rules(group: dict | None, out: str | None):
+    """The per-job TTFT alerts as a rule file beside --out (Prometheus cannot inline rules in its config)."""
+    import sys
+    from pathlib import Path
+
+    from llmcluster.monitor import scrape_config as sc
+
+    if group is None:
+        return None
+    if not out:
+        print("monitor config: the serving TTFT SLO alerts need a file of their own: give --out FILE",
+              file=sys.stderr)
+        return None
+    path = Path(out).with_name(Path(out).name + ".serve-slo.yml")
+    sc.write_text(sc.dump({"groups": [group]}), str(path))
+    return path

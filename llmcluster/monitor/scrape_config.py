@@ -19,6 +19,7 @@ import yaml
 from llmcluster.config.cluster import ClusterSpec, is_duration
 from llmcluster.config.hostlist import expand_hostlist  # noqa: F401  (re-exported: monitor config --slurm-nodelist)
 from llmcluster.errors import UserError
+from llmcluster.monitor.serve_targets import SERVE_JOB, SERVE_LABEL, ServeTarget, scrape_job
 from llmcluster.paths import MONITORING_DIR
 
 RULE_FILES = ("recording.yml", "alerts.yml")
@@ -36,13 +37,16 @@ def cluster_hosts(cluster: ClusterSpec, source: str) -> list[str]:
 
 
 def prometheus_config(nodes: list[str], port: int, train_port: int | None, train_ports_per_node: int | dict[str, int],
-                      scrape_interval: str = "15s", rules_dir: Path | None = MONITORING_DIR) -> dict:
-    """A complete prometheus.yml: the node exporters, the training ports, and our rule files."""
+                      scrape_interval: str = "15s", rules_dir: Path | None = MONITORING_DIR,
+                      serving: list[ServeTarget] = (), extra_rule_files: list[Path] = ()) -> dict:
+    """A complete prometheus.yml: the node exporters, the training ports, the serving endpoints, our rule files."""
     cfg: dict[str, Any] = {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
     }
     if rules_dir is not None and all((rules_dir / f).is_file() for f in RULE_FILES):
         cfg["rule_files"] = [str((rules_dir / f).resolve()) for f in RULE_FILES]
+    if extra_rule_files:
+        cfg.setdefault("rule_files", []).extend(str(Path(f).resolve()) for f in extra_rule_files)
     jobs = [{"job_name": NODE_JOB, "static_configs": [{"targets": [f"{n}:{port}" for n in nodes]}]}]
     if train_port is not None:
         # Every node may run ranks of a job; a port with no trainer behind it is just `up == 0` for this
@@ -51,6 +55,8 @@ def prometheus_config(nodes: list[str], port: int, train_port: int | None, train
         per = train_ports_per_node   # one number, or per host (a node with fewer GPUs runs fewer ranks)
         targets = [f"{n}:{train_port + i}" for n in nodes for i in range(per[n] if isinstance(per, dict) else per)]
         jobs.append({"job_name": TRAIN_JOB, "static_configs": [{"targets": targets}]})
+    if serving:
+        jobs.append(scrape_job(list(serving)))
     cfg["scrape_configs"] = jobs
     return cfg
 
@@ -62,7 +68,7 @@ def _job_label(job: str) -> dict:
 
 def kubernetes_manifests(namespace: str, image: str, port: int, train_port_name: str, expected_gpus: int | None,
                          storage_path: str, rules_dir: Path = MONITORING_DIR, node_selector: dict | None = None,
-                         tolerations: list[dict] | None = None) -> list[dict]:
+                         tolerations: list[dict] | None = None, extra_groups: list[dict] = ()) -> list[dict]:
     labels = {"app.kubernetes.io/name": "llmcluster-monitor", "app.kubernetes.io/part-of": "llmcluster"}
     args = ["monitor", "serve", "--bind", "0.0.0.0", "--port", str(port), "--root", "/storage"]
     if expected_gpus is not None:
@@ -112,7 +118,17 @@ def kubernetes_manifests(namespace: str, image: str, port: int, train_port_name:
                  "podMetricsEndpoints": [{"port": train_port_name, "interval": "15s",
                                           "relabelings": [_job_label(TRAIN_JOB)]}]},
     }
-    groups = []
+    pm_serve = {
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+        "metadata": {"name": SERVE_JOB, "namespace": namespace, "labels": labels},
+        # vLLM pods launched by `serve start` carry llmcluster.io/serve=<name> and serve /metrics on port "http".
+        "spec": {"selector": {"matchExpressions": [{"key": SERVE_LABEL, "operator": "Exists"}]},
+                 "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": "15s",
+                                          "relabelings": [_job_label(SERVE_JOB),
+                                                          {"action": "replace", "targetLabel": "serve_name",
+                                                           "sourceLabels": [_meta_label(SERVE_LABEL)]}]}]},
+    }
+    groups = list(extra_groups)
     for f in RULE_FILES:
         if not (rules_dir / f).is_file():  # a wheel install has no repo checkout next to the package
             raise UserError(f"rule file {rules_dir / f} not found: run from a checkout of the llmcluster repo")
@@ -122,7 +138,12 @@ def kubernetes_manifests(namespace: str, image: str, port: int, train_port_name:
         "metadata": {"name": "llmcluster", "namespace": namespace, "labels": labels},
         "spec": {"groups": groups},
     }
-    return [daemonset, pm_node, pm_train, rule]
+    return [daemonset, pm_node, pm_train, pm_serve, rule]
+
+
+def _meta_label(label: str) -> str:
+    """The operator's meta label for a pod label (non-alphanumerics become underscores)."""
+    return "__meta_kubernetes_pod_label_" + "".join(c if c.isalnum() else "_" for c in label)
 
 
 class _PlainDumper(yaml.SafeDumper):

@@ -1,0 +1,128 @@
+"""Serving endpoints for Prometheus: found in the serving jobs' records, or given on the command line.
+
+`llmcluster serve start` records each serving job in logs/<name>/job.json with `"kind": "serve"` and, once the
+engine answers, its `"endpoint"` (http://HOST:PORT/v1) and its `serve.slo.ttft_p99_ms`. vLLM serves its own
+`vllm:*` metrics at /metrics on the same port, so the scrape target is that HOST:PORT.
+
+The records live on shared storage, which anyone with write access may have written: a record is data. An
+endpoint that is not a plain http URL with a host and a numeric port is skipped with a note, never passed on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from llmcluster.errors import UserError
+
+SERVE_JOB = "llmcluster-serve"
+SERVE_LABEL = "llmcluster.io/serve"   # the pod label of a serving Deployment (its value: the job's name)
+ENDED = {"CANCELLED", "COMPLETED", "FAILED", "TIMEOUT", "PREEMPTED", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL"}
+_HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$|^\[[0-9A-Fa-f:.]+\]$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class ServeTarget:
+    name: str                          # the serving job's name (label `serve_name` on every scraped series)
+    target: str                        # HOST:PORT
+    ttft_p99_ms: float | None = None   # the job's SLO: alerts fire above it
+
+
+def parse_endpoint(url: str) -> str:
+    """HOST:PORT of an http(s) endpoint URL (`http://h:8000/v1`), or UserError saying what is wrong."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as e:
+        raise UserError(f"serving endpoint {url!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        raise UserError(f"serving endpoint {url!r} is not http://HOST:PORT[/v1]")
+    host = parts.netloc.rsplit(":", 1)[0]
+    if not _HOST.match(host):
+        raise UserError(f"serving endpoint {url!r}: {host!r} is not a host name or address")
+    return f"{host}:{port}"
+
+
+def from_records(root: Path) -> list[ServeTarget]:
+    """The serving jobs recorded under root/logs that have not ended, in name order."""
+    logs = root / "logs"
+    found = []
+    for rec_path in sorted(logs.glob("*/job.json")) if logs.is_dir() else []:
+        try:
+            rec = json.loads(rec_path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(rec, dict) or rec.get("kind") != "serve" or rec.get("state") in ENDED:
+            continue
+        name = rec_path.parent.name
+        if not _NAME.match(name):
+            continue
+        endpoint = rec.get("endpoint")
+        if not isinstance(endpoint, str):
+            print(f"monitor config: serving job {name} has no endpoint yet (not healthy?): not scraped",
+                  file=sys.stderr)
+            continue
+        try:
+            target = parse_endpoint(endpoint)
+        except UserError as e:
+            print(f"monitor config: {rec_path}: {e}: not scraped", file=sys.stderr)
+            continue
+        found.append(ServeTarget(name, target, _slo(rec.get("slo_ttft_p99_ms"))))
+    return found
+
+
+def from_flag(endpoints: str) -> list[ServeTarget]:
+    """`--serve-endpoints URL[=NAME],...`: endpoints not launched by us (NAME defaults to HOST:PORT)."""
+    out = []
+    for item in filter(None, (s.strip() for s in endpoints.split(","))):
+        url, _, name = item.partition("=")
+        target = parse_endpoint(url)
+        name = name or target
+        if not _NAME.match(name.replace(":", "_")):
+            raise UserError(f"--serve-endpoints: {name!r} is not a job name (letters, digits, . _ -)")
+        out.append(ServeTarget(name, target))
+    if not out:
+        raise UserError("--serve-endpoints needs at least one URL, e.g. http://gpu01:8000/v1")
+    return out
+
+
+def _slo(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else None
+
+
+def scrape_job(targets: list[ServeTarget]) -> dict:
+    """One Prometheus scrape job for the vLLM endpoints, each target labelled with its job's name."""
+    return {"job_name": SERVE_JOB,
+            "static_configs": [{"targets": [t.target], "labels": {"serve_name": t.name}} for t in targets]}
+
+
+def slo_rules(targets: list[ServeTarget]) -> dict | None:
+    """A rule group with one TTFT alert per job that set `serve.slo.ttft_p99_ms` (None when no job did).
+
+    PromQL cannot compare a sample with a label, so each job's target is written into its own rule; the
+    numbers come from validated floats and the names from the directory names matched above.
+    """
+    rules = []
+    for t in targets:
+        if t.ttft_p99_ms is None:
+            continue
+        seconds = t.ttft_p99_ms / 1000
+        rules.append({
+            "alert": "ServingTTFTAboveSLO",
+            "expr": f'llmcluster:serve_ttft_seconds:p99{{serve_name="{t.name}"}} > {seconds:g}',
+            "for": "10m",
+            "labels": {"severity": "warning", "serve_name": t.name},
+            "annotations": {
+                "summary": f"p99 time to first token of {t.name} is {{{{ $value | humanizeDuration }}}} "
+                           f"(target {t.ttft_p99_ms:g} ms)",
+                "description": "Requests wait for prefill: more replicas or TP, a smaller max_num_seqs, or "
+                               "a shorter max_model_len; check ServingQueueGrowing and the KV-cache use.",
+            },
+        })
+    return {"name": "llmcluster-serve-slo", "rules": rules} if rules else None
