@@ -35,7 +35,7 @@ from llmcluster.train.health import (BusyTimer, CollectiveFailure, FaultInjector
                                      is_collective_error, slow_ranks, young_daly_steps)
 from llmcluster.train.metrics import MetricsLog, device_peak_flops, peak_note
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
-from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm
+from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, loss_context
 from llmcluster.train.pipeline import bubble_fraction, build_pipeline, grad_scaler
 from llmcluster.train import exit_reason
 from llmcluster.train.signals import PreemptionFlag
@@ -102,6 +102,7 @@ class Trainer:
             self.model = self.raw_model = self.pipe.model  # this rank's part, with the full model's names
         else:
             self.model, self.raw_model = build_parallel_model(cfg, dims, env, cfg.run.seed)
+        self.loss_ctx = loss_context(dims)  # TP: the loss on vocabulary-sharded logits, forward and backward
         self.optimizer = build_optimizer(self.model, t, env.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.scaler = grad_scaler(env.device, t.precision == "fp16", self.pipe)
@@ -211,7 +212,7 @@ class Trainer:
             last = i == accum - 1
             # DDP: all-reduce gradients once per optimizer step, not per micro-batch.
             sync = model.no_sync() if self.dims.ddp and not last else contextlib.nullcontext()
-            with sync:
+            with sync, self.loss_ctx():
                 with self.autocast():
                     loss = self._loss(model(x, y, cfg.train.loss_chunks), y)
                 if last:  # this rank's own work up to its first gradient all-reduce (DDP): straggler signal
@@ -271,7 +272,7 @@ class Trainer:
             batches = []
         for x, y in batches:
             x, y = x.to(self.env.device), y.to(self.env.device)
-            with self.autocast():
+            with self.autocast(), self.loss_ctx():
                 loss = self.model(x, y, self.cfg.train.loss_chunks)
             total += torch.stack([loss.double(), (y != -100).sum().double()])  # -100: chat data's untrained
         if self.env.distributed:
