@@ -38,3 +38,13 @@ def test_tp_loss_on_vocabulary_sharded_logits_matches_one_process():
         assert head == ("DTensor", ["S(2)"], [2, 32, 160]), r
         assert r["loss_type"] == "Tensor", r  # what the trainer divides and logs: a plain tensor
         assert r["loss_rel"] < 1e-5 and r["grad_rel"] < 1e-5, r
+
+
+def test_pp_times_fsdp_gathers_each_block_once_per_step():
+    """pp=2 × dp_shard=2, 4 micro-batches: each FSDP unit with parameters (2 blocks and the stage's root on every
+    rank) is all-gathered once per step and kept for all micro-batches (torchtitan under PP). On main the blocks
+    resharded after every micro-batch's forward: 7 gathers per step here, growing with the micro-batches."""
+    ranks = torchrun("pp_gather_worker.py", 4, "model.n_layers=4", "parallel.pp=2", "parallel.dp_shard=2",
+                     "train.micro_batch=1", "train.grad_accum=4")
+    assert all(r["units"] == 3 and r["all_gathers"] == 3 for r in ranks), ranks
+    assert [len(r["losses"]) for r in ranks] == [0, 0, 4, 4], ranks  # the last stage's ranks compute the loss

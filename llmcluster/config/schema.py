@@ -168,7 +168,7 @@ class ParallelConfig(Section):
     pp_virtual_stages: int | None = Field(None, ge=1)  # stages per pp rank; None: 1 (1F1B), 2 (interleaved)
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
     ac_every: int = Field(2, ge=1)             # selective: checkpoint every k-th block
-    fsdp_reshard_after_forward: bool = True    # false: ZeRO-2-like (gathered weights kept for backward)
+    fsdp_reshard_after_forward: bool = True    # false: ZeRO-2-like (gathered weights kept for backward); pp > 1: false
 
     @model_validator(mode="after")
     def _degrees(self):

@@ -120,8 +120,12 @@ def build_pipeline(cfg: JobConfig, dims: ParallelDims, env: DistEnv, seed: int |
     parts = [_Stage(model, split[s], s == 0, s == n_stages - 1, cfg.data.seq_len) for s in mine]
     if dims.fsdp:
         dp_mesh = fsdp_mesh(mesh, dims)
+        # The schedule runs each stage forward once per micro-batch: blocks resharded after forward would be
+        # gathered again for every micro-batch's forward and backward. Kept gathered for the whole step (as
+        # torchtitan under PP; the stage resharded them after the last backward): one all-gather per block
+        # per step, whatever parallel.fsdp_reshard_after_forward says.
         for part in parts:
-            apply_fsdp(part, dp_mesh, env.device, cfg.train.precision, cfg.parallel.fsdp_reshard_after_forward)
+            apply_fsdp(part, dp_mesh, env.device, cfg.train.precision, reshard=False)
 
     model.to_empty(device=env.device)
     _init_held_weights(model, spare, seed)
