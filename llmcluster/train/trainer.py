@@ -30,6 +30,7 @@ from llmcluster.paths import resolve_storage_root
 from llmcluster.storage.layout import Storage, sha256_file
 from llmcluster.train import distributed as D
 from llmcluster.train.checkpoint import Checkpointer
+from llmcluster.train.gc_cadence import GarbageCollection
 from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
 from llmcluster.train.health import (BusyTimer, CollectiveFailure, FaultInjector, LossSpikeDetector, SampleLog,
                                      is_collective_error, slow_ranks, young_daly_steps)
@@ -308,7 +309,8 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------------
     def fit(self) -> int:
         try:
-            return self._fit()
+            with GarbageCollection(self.cfg.train.gc_interval) as self.gc:  # at the same steps on every rank
+                return self._fit()
         except Exception as e:  # a hung (dist.timeout_s) or dead peer: one line naming step and rank
             if self.env.distributed and is_collective_error(e):
                 raise CollectiveFailure(self.step, self.env.rank, self.cfg.dist.timeout_s, e) from None
@@ -338,6 +340,7 @@ class Trainer:
         busy: list[float] = []
         while self.step < last_step:
             t0 = time.perf_counter()
+            self.gc.step(self.step + 1)
             loss, norm, applied = self.train_step()
             self.step += 1
             dt = time.perf_counter() - t0

@@ -1,0 +1,45 @@
+"""What the training loop does on the host between the device's work, in process (the CLI's own path, CPU, fp32):
+Python's garbage collection at a fixed step cadence (`train.gc_interval`), and one host read of the step's
+numbers before the optimizer step (on a GPU each read of a device tensor waits for the queued kernels)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from conftest import cli_inprocess, overrides, read_metrics
+from llmcluster.train.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+
+def train(capsys, root, run: str, *sets: str) -> list[dict]:
+    proc = cli_inprocess(capsys, "train", "--config", "llm_tiny", "--root", root,
+                         *overrides("train.steps=6", "checkpoint.interval_steps=1000", f"run.name={run}", *sets))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return read_metrics(root, run)
+
+
+def record_steps(monkeypatch) -> list[tuple[int, bool]]:
+    """(step, whether Python's automatic gc was on) for every train_step the run makes."""
+    steps: list[tuple[int, bool]] = []
+    step = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", lambda self: steps.append((self.step + 1, gc.isenabled())) or step(self))
+    return steps
+
+
+@pytest.mark.parametrize("interval, collected", [(2, [0, 2, 4, 6]), (0, [])])
+def test_gc_interval_collects_generation_1_on_cadence(capsys, monkeypatch, tiny_root, interval, collected):
+    """interval 2: automatic gc off during the run, one collection at the start (0) and before steps 2, 4, 6,
+    on again afterwards; 0: automatic gc left on, no collection of ours."""
+    steps = record_steps(monkeypatch)
+    calls: list[tuple[int, int]] = []
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append((len(steps) + 1 if steps else 0,
+                                                                           generation)) or collect(generation))
+    train(capsys, tiny_root, f"gc{interval}", f"train.gc_interval={interval}")
+    assert [s for s, _ in steps] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, g in calls if g == 1] == collected, calls
+    assert all(enabled == (interval == 0) for _, enabled in steps), steps
+    assert gc.isenabled()
