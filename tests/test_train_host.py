@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+import torch
 
 from conftest import cli_inprocess, overrides, read_metrics
 from llmcluster.train.trainer import Trainer
@@ -43,3 +44,33 @@ def test_gc_interval_collects_generation_1_on_cadence(capsys, monkeypatch, tiny_
     assert [s for s, g in calls if g == 1] == collected, calls
     assert all(enabled == (interval == 0) for _, enabled in steps), steps
     assert gc.isenabled()
+
+
+def test_one_host_read_before_the_optimizer_step(capsys, monkeypatch, tiny_root):
+    """Reads of floating-point tensors to the host (item, tolist, float(), bool(), int()) in each step before the
+    optimizer steps: the loss and the grad norm read together, once (main read them one at a time). The
+    optimizer's own reads (AdamW's step count on CPU) come after and are not counted."""
+    steps = record_steps(monkeypatch)
+    reads: dict[int, int] = {}
+    counting = [False]
+
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *a, **k):
+            if counting[0] and self.is_floating_point():
+                reads[len(steps)] = reads.get(len(steps), 0) + 1
+            return original(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    for name in ("item", "tolist", "__float__", "__bool__", "__int__"):
+        counted(name)
+    step = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", lambda self: counting.__setitem__(0, True) or step(self))
+    scaler_step = torch.amp.GradScaler.step
+    monkeypatch.setattr(torch.amp.GradScaler, "step",
+                        lambda self, *a, **k: counting.__setitem__(0, False) or scaler_step(self, *a, **k))
+    records = train(capsys, tiny_root, "reads")
+    counting[0] = False
+    assert reads == {s: 1 for s in range(1, 7)}, reads
+    assert [r["step"] for r in records] == list(range(1, 7)) and all(r["loss"] > 0 for r in records), records

@@ -227,7 +227,7 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         norm = clip_grad_norm(model.parameters(), max_norm, self.pipe.pp_group if self.pipe else None)
-        loss_v, norm_v = float(loss), float(norm)
+        loss_v, norm_v = torch.stack([loss.float(), norm.float()]).tolist()  # the step's one host sync
         self.busy_s = self.inject.busy_time(self.step + 1, self.busy_timer.seconds())   # read after the sync
         self.lr_used = self.optimizer.param_groups[0]["lr"]
         finite = math.isfinite(loss_v) and (math.isfinite(norm_v) or self.scaler.is_enabled())
