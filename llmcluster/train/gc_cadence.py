@@ -1,8 +1,8 @@
 """Python's garbage collection at a fixed step cadence (`train.gc_interval`), as torchtitan's GarbageCollection.
 
 Automatic collection runs whenever allocations cross a threshold, which lands at a different moment on each rank:
-a rank paused in a collection (hundreds of ms for an old generation over a large heap) holds up every collective
-the others wait in, step after step at random. With an interval, automatic collection is off for the run and
+a rank paused in a collection (long for an old generation over a large heap) holds up every collective the
+others wait in, step after step at random. With an interval, automatic collection is off for the run and
 every rank collects the young generations (0 and 1) at the same steps, where the stall costs each rank the same.
 Generation 2 is left to the end of the run: its objects (modules, the dataset) live that long anyway.
 0 keeps Python's automatic collection.
