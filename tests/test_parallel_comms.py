@@ -1,6 +1,6 @@
 """What the parallel layouts communicate, on CPU with real processes (torchrun + gloo, fp32), beside the numbers
-they compute: the TP loss on vocabulary-sharded logits (`loss_parallel`), and FSDP under PP keeping each stage's
-blocks gathered for the whole step. Each worker prints one JSON line per rank."""
+they compute: the TP loss on vocabulary-sharded logits (`loss_parallel`, also on a pipeline's last stage), and
+FSDP under PP keeping each stage's blocks gathered for the whole step. Each worker prints one JSON line per rank."""
 
 from __future__ import annotations
 
@@ -48,3 +48,17 @@ def test_pp_times_fsdp_gathers_each_block_once_per_step():
                      "train.micro_batch=1", "train.grad_accum=4")
     assert all(r["units"] == 3 and r["all_gathers"] == 3 for r in ranks), ranks
     assert [len(r["losses"]) for r in ranks] == [0, 0, 4, 4], ranks  # the last stage's ranks compute the loss
+
+
+def test_pp_times_tp_last_stage_loss_on_vocabulary_sharded_logits():
+    """pp=2 × tp=2: the last stage's head output stays sharded on the vocabulary into the loss (the schedule runs
+    under `loss_parallel`) and the schedule records plain losses, the same on both TP ranks. The numbers against
+    one process: tests/test_pipeline.py::test_pp2_times_tp2_matches_one_process."""
+    ranks = torchrun("pp_gather_worker.py", 4, "model.n_layers=4", "parallel.pp=2", "parallel.dp_shard=1",
+                     "parallel.tp=2", "train.micro_batch=1", "train.grad_accum=2")
+    first, last = ranks[:2], ranks[2:]  # the pp dimension is the outermost of the mesh
+    assert all("head_type" not in r and r["losses"] == [] for r in first), first
+    for r in last:
+        head = r["head_type"], r["head_placements"], r["head_local_shape"]
+        assert head == ("DTensor", ["S(2)"], [1, 32, 160]) and r["loss_types"] == ["Tensor"], r
+    assert last[0]["losses"] == last[1]["losses"] and len(last[0]["losses"]) == 2, last

@@ -19,9 +19,8 @@ from llmcluster.train.distributed import DistEnv, ParallelDims
 
 def uses_loss_parallel(dims: ParallelDims) -> bool:
     """TP keeps the logits sharded on the vocabulary into the loss (torch's `loss_parallel`, as torchtitan):
-    no TP rank gathers the B·T·V logits or computes the whole softmax. Under PP the last stage's logits stay
-    replicated: the schedule calls the loss outside the model, on plain tensors."""
-    return dims.tp > 1 and dims.pp == 1
+    no TP rank gathers the B·T·V logits or computes the whole softmax (with PP: the last stage's)."""
+    return dims.tp > 1
 
 
 def loss_context(dims: ParallelDims):
@@ -66,13 +65,13 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = False) -> None:
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
         })
     if loss_parallel:
-        model.register_forward_hook(_plain_output)
+        model.register_forward_hook(lambda module, args, out: plain(out))
 
 
-def _plain_output(module: nn.Module, args, out):
-    """The model's result as a plain tensor: the loss (replicated, read locally: no communication) or, when
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A model's result as a plain tensor: the loss (replicated, read locally: no communication) or, when
     called without targets, the logits gathered whole."""
-    return out.full_tensor() if hasattr(out, "full_tensor") else out
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def apply_ac(model: nn.Module, mode: str, every: int) -> None:
