@@ -138,6 +138,9 @@ class TrainConfig(Section):
     # the whole B·T·V in fp32 (a 128k vocabulary); 1: in one piece
     loss_chunks: int = Field(1, ge=1)
     allow_tf32: bool = True                    # CUDA: fp32 matmuls and convolutions on TF32 tensor cores
+    # Python's gc at the same steps on every rank, every this many (generation 1; train/gc_cadence.py); 0: its
+    # automatic collection, at a different moment on each rank
+    gc_interval: int = Field(50, ge=0)
     threads: int | None = Field(None, ge=1)    # torch intra-op threads per rank (CPU); None: cores / ranks
     max_bad_steps: int = Field(5, ge=1)        # non-finite steps in a row before the run stops
     spike_zscore: float | None = Field(None, gt=0)  # loss z-score over the window that counts as a spike
@@ -168,7 +171,7 @@ class ParallelConfig(Section):
     pp_virtual_stages: int | None = Field(None, ge=1)  # stages per pp rank; None: 1 (1F1B), 2 (interleaved)
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
     ac_every: int = Field(2, ge=1)             # selective: checkpoint every k-th block
-    fsdp_reshard_after_forward: bool = True    # false: ZeRO-2-like (gathered weights kept for backward)
+    fsdp_reshard_after_forward: bool = True    # false: ZeRO-2-like (gathered weights kept for backward); pp > 1: false
 
     @model_validator(mode="after")
     def _degrees(self):

@@ -290,5 +290,6 @@ class PlanSpec(Section):
 
     def zero_stage_from_keys(self) -> int:
         if self.dp_degrees[1] > 1:
-            return 3 if self.parallel.fsdp_reshard_after_forward else 2
+            # under PP the trainer keeps each stage's blocks gathered for the whole step (train/pipeline.py)
+            return 3 if self.parallel.fsdp_reshard_after_forward and self.parallel.pp == 1 else 2
         return 0

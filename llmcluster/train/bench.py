@@ -35,7 +35,7 @@ from llmcluster.storage.layout import Storage
 from llmcluster.train import distributed as D
 from llmcluster.train.metrics import device_peak_flops, peak_note
 from llmcluster.train.optimizer import build_optimizer
-from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm
+from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, loss_context
 from llmcluster.train.pipeline import bubble_fraction, build_pipeline
 
 
@@ -89,7 +89,7 @@ def run_bench(cfg: JobConfig, root: Path, steps: int, warmup: int) -> dict:
         for i in range(t.grad_accum if pipe is None else 0):
             x, y = batch()
             sync = model.no_sync() if ddp and i < t.grad_accum - 1 else contextlib.nullcontext()
-            with sync:
+            with sync, loss_context(dims)():
                 with autocast(cfg, dims, env.device):
                     loss = model(x, y, t.loss_chunks) / y.numel()  # as the trainer: train.loss_chunks counts
                 (loss / t.grad_accum).backward()

@@ -170,7 +170,7 @@ class BusyTimer:
 
         timer.start()          # step start
         timer.stop()           # end of this rank's own work (before its first gradient collective)
-        ...float(loss)...      # the step's sync
+        ...loss.tolist()...    # the step's sync (loss and grad norm to the host)
         busy_s = timer.seconds()
     """
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import warnings
@@ -16,18 +17,35 @@ from llmcluster.train import compat
 from llmcluster.train.distributed import DistEnv, ParallelDims
 
 
-def apply_tp(model: nn.Module, tp_mesh) -> None:
+def uses_loss_parallel(dims: ParallelDims) -> bool:
+    """TP keeps the logits sharded on the vocabulary into the loss (torch's `loss_parallel`, as torchtitan):
+    no TP rank gathers the B·T·V logits or computes the whole softmax (with PP: the last stage's)."""
+    return dims.tp > 1
+
+
+def loss_context(dims: ParallelDims):
+    """The context that forward *and* backward of the model's loss run in: `loss_parallel` (its cross-entropy
+    on vocabulary-sharded logits and that op's backward) when `uses_loss_parallel`, else nothing."""
+    if uses_loss_parallel(dims):
+        from torch.distributed.tensor.parallel import loss_parallel
+        return loss_parallel
+    return contextlib.nullcontext
+
+
+def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = False) -> None:
     """Megatron-style TP with sequence parallelism on the norms (activations sharded on the sequence
-    between blocks, so the norms and residual adds are not computed tp times over)."""
+    between blocks, so the norms and residual adds are not computed tp times over). `loss_parallel`: the
+    head's output stays a DTensor sharded on the vocabulary (see `uses_loss_parallel`)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
+    head = (ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+            if loss_parallel else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))
     top = {
         "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        # Replicated logits: the loss code stays the same as without TP.
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "lm_head": head,
     }
     # A pipeline stage's rank model lacks the ends it does not hold (train/pipeline.py).
     parallelize_module(model, tp_mesh, {k: v for k, v in top.items() if getattr(model, k) is not None})
@@ -46,6 +64,14 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
         })
+    if loss_parallel:
+        model.register_forward_hook(lambda module, args, out: plain(out))
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A model's result as a plain tensor: the loss (replicated, read locally: no communication) or, when
+    called without targets, the logits gathered whole."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def apply_ac(model: nn.Module, mode: str, every: int) -> None:
@@ -114,7 +140,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, device: torch.device, precision: str, 
 def apply_tp_ac_compile(model: nn.Module, cfg: JobConfig, dims: ParallelDims, mesh, device) -> None:
     """TP -> AC -> compile, in place and in this order (torchtitan's), before FSDP wraps the result."""
     if dims.tp > 1:
-        apply_tp(model, mesh["tp"])
+        apply_tp(model, mesh["tp"], uses_loss_parallel(dims))
     if cfg.parallel.activation_checkpoint != "none":
         apply_ac(model, cfg.parallel.activation_checkpoint, cfg.parallel.ac_every)
     if cfg.train.compile:

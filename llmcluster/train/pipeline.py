@@ -20,6 +20,7 @@ loss scale then overflows (or not) at the same step as in one process.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,8 @@ from llmcluster.config.stages import stage_layers
 from llmcluster.model.llama import build_model, document_mask
 from llmcluster.train.compat import pp_schedule_kwargs
 from llmcluster.train.distributed import DistEnv, ParallelDims
-from llmcluster.train.parallelize import _fill_own_shard, apply_fsdp, apply_tp_ac_compile, fsdp_mesh
+from llmcluster.train.parallelize import (_fill_own_shard, apply_fsdp, apply_tp_ac_compile, fsdp_mesh, loss_context,
+                                          plain)
 
 
 class _Stage(nn.Module):
@@ -72,6 +74,7 @@ class Pipeline:
     has_first: bool
     has_last: bool
     n_microbatches: int
+    loss_ctx: object = contextlib.nullcontext   # TP: loss_parallel around the schedule's forwards and backwards
 
     def step(self, x: torch.Tensor, y: torch.Tensor, train: bool = True) -> list[torch.Tensor]:
         """One pass over the rank's whole batch (n_microbatches × micro-batch), which every pp rank reads. The
@@ -87,7 +90,8 @@ class Pipeline:
         target = y if self.has_last else None
         kwargs = {"tokens": x} if self.model.cfg.doc_mask_id is not None else {}
         run = self.schedule.step if train else self.schedule.eval
-        run(*args, target=target, losses=losses if self.has_last else None, **kwargs)
+        with self.loss_ctx():
+            run(*args, target=target, losses=losses if self.has_last else None, **kwargs)
         return losses
 
 
@@ -120,8 +124,12 @@ def build_pipeline(cfg: JobConfig, dims: ParallelDims, env: DistEnv, seed: int |
     parts = [_Stage(model, split[s], s == 0, s == n_stages - 1, cfg.data.seq_len) for s in mine]
     if dims.fsdp:
         dp_mesh = fsdp_mesh(mesh, dims)
+        # The schedule runs each stage forward once per micro-batch: blocks resharded after forward would be
+        # gathered again for every micro-batch's forward and backward. Kept gathered for the whole step (as
+        # torchtitan under PP; the stage resharded them after the last backward): one all-gather per block
+        # per step, whatever parallel.fsdp_reshard_after_forward says.
         for part in parts:
-            apply_fsdp(part, dp_mesh, env.device, cfg.train.precision, cfg.parallel.fsdp_reshard_after_forward)
+            apply_fsdp(part, dp_mesh, env.device, cfg.train.precision, reshard=False)
 
     model.to_empty(device=env.device)
     _init_held_weights(model, spare, seed)
@@ -129,12 +137,16 @@ def build_pipeline(cfg: JobConfig, dims: ParallelDims, env: DistEnv, seed: int |
     pp_group = mesh["pp"].get_group()
     stages = [PipelineStage(part, s, n_stages, env.device, group=pp_group) for part, s in zip(parts, mine)]
     m = cfg.train.grad_accum
+    # Under TP the last stage's logits are sharded on the vocabulary and `loss_fn` computes on them under
+    # loss_parallel; the schedule (its loss list, the trainer's sums) gets the replicated loss as a plain tensor.
+    fn = loss_fn
+    loss_fn = lambda logits, y: plain(fn(logits, y))  # noqa: E731
     if dims.pp_schedule == "1F1B":
         schedule = Schedule1F1B(stages[0], n_microbatches=m, loss_fn=loss_fn, **pp_schedule_kwargs(Schedule1F1B))
     else:
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn,
                                            **pp_schedule_kwargs(ScheduleInterleaved1F1B))
-    return Pipeline(schedule, stages, model, pp_group, 0 in mine, n_stages - 1 in mine, m)
+    return Pipeline(schedule, stages, model, pp_group, 0 in mine, n_stages - 1 in mine, m, loss_context(dims))
 
 
 def _init_held_weights(model: nn.Module, spare: dict[str, nn.Module], seed: int | None) -> None:

@@ -30,12 +30,13 @@ from llmcluster.paths import resolve_storage_root
 from llmcluster.storage.layout import Storage, sha256_file
 from llmcluster.train import distributed as D
 from llmcluster.train.checkpoint import Checkpointer
+from llmcluster.train.gc_cadence import GarbageCollection
 from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
 from llmcluster.train.health import (BusyTimer, CollectiveFailure, FaultInjector, LossSpikeDetector, SampleLog,
                                      is_collective_error, slow_ranks, young_daly_steps)
 from llmcluster.train.metrics import MetricsLog, device_peak_flops, peak_note
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
-from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm
+from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, loss_context
 from llmcluster.train.pipeline import bubble_fraction, build_pipeline, grad_scaler
 from llmcluster.train import exit_reason
 from llmcluster.train.signals import PreemptionFlag
@@ -102,6 +103,7 @@ class Trainer:
             self.model = self.raw_model = self.pipe.model  # this rank's part, with the full model's names
         else:
             self.model, self.raw_model = build_parallel_model(cfg, dims, env, cfg.run.seed)
+        self.loss_ctx = loss_context(dims)  # TP: the loss on vocabulary-sharded logits, forward and backward
         self.optimizer = build_optimizer(self.model, t, env.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.scaler = grad_scaler(env.device, t.precision == "fp16", self.pipe)
@@ -211,7 +213,7 @@ class Trainer:
             last = i == accum - 1
             # DDP: all-reduce gradients once per optimizer step, not per micro-batch.
             sync = model.no_sync() if self.dims.ddp and not last else contextlib.nullcontext()
-            with sync:
+            with sync, self.loss_ctx():
                 with self.autocast():
                     loss = self._loss(model(x, y, cfg.train.loss_chunks), y)
                 if last:  # this rank's own work up to its first gradient all-reduce (DDP): straggler signal
@@ -225,7 +227,7 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         norm = clip_grad_norm(model.parameters(), max_norm, self.pipe.pp_group if self.pipe else None)
-        loss_v, norm_v = float(loss), float(norm)
+        loss_v, norm_v = torch.stack([loss.float(), norm.float()]).tolist()  # the step's one host sync
         self.busy_s = self.inject.busy_time(self.step + 1, self.busy_timer.seconds())   # read after the sync
         self.lr_used = self.optimizer.param_groups[0]["lr"]
         finite = math.isfinite(loss_v) and (math.isfinite(norm_v) or self.scaler.is_enabled())
@@ -271,7 +273,7 @@ class Trainer:
             batches = []
         for x, y in batches:
             x, y = x.to(self.env.device), y.to(self.env.device)
-            with self.autocast():
+            with self.autocast(), self.loss_ctx():
                 loss = self.model(x, y, self.cfg.train.loss_chunks)
             total += torch.stack([loss.double(), (y != -100).sum().double()])  # -100: chat data's untrained
         if self.env.distributed:
@@ -307,7 +309,8 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------------
     def fit(self) -> int:
         try:
-            return self._fit()
+            with GarbageCollection(self.cfg.train.gc_interval) as self.gc:  # at the same steps on every rank
+                return self._fit()
         except Exception as e:  # a hung (dist.timeout_s) or dead peer: one line naming step and rank
             if self.env.distributed and is_collective_error(e):
                 raise CollectiveFailure(self.step, self.env.rank, self.cfg.dist.timeout_s, e) from None
@@ -337,6 +340,7 @@ class Trainer:
         busy: list[float] = []
         while self.step < last_step:
             t0 = time.perf_counter()
+            self.gc.step(self.step + 1)
             loss, norm, applied = self.train_step()
             self.step += 1
             dt = time.perf_counter() - t0
