@@ -200,6 +200,19 @@ class CheckpointConfig(Section):
 METRICS_BIND_RE = re.compile(r"(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})")
 
 
+class WandbConfig(Section):
+    project: str = Field(min_length=1, max_length=128)
+    entity: str | None = None
+    mode: Literal["online", "offline", "disabled"] | None = None   # None: $WANDB_MODE, else wandb's default
+
+
+class MlflowConfig(Section):
+    # None: a SQLite store on this node ($LLMCLUSTER_CACHE or ~/.cache/llmcluster/mlflow.db). SQLite locks
+    # do not hold on NFS/Lustre: a sqlite URI under the storage root is refused at start.
+    tracking_uri: str | None = None
+    experiment: str = Field("llmcluster", min_length=1, max_length=256)
+
+
 class LogConfig(Section):
     interval: int = Field(10, ge=1)
     eval_interval: int = Field(100, ge=1)
@@ -211,6 +224,8 @@ class LogConfig(Section):
     metrics_bind: str | None = None
     straggler_factor: float = Field(1.5, gt=1)  # a rank slower than median * factor is named
     sample_log: bool = False                  # logs/<run>/samples-rank<r>.jsonl: global sample ids per step
+    wandb: WandbConfig | None = None          # {project: P}: rank 0 logs to Weights & Biases
+    mlflow: MlflowConfig | None = None        # {tracking_uri: URI, experiment: E}: rank 0 logs to MLflow
 
     @field_validator("metrics_bind")
     @classmethod
