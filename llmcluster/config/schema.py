@@ -212,6 +212,16 @@ class MlflowConfig(Section):
     tracking_uri: str | None = None
     experiment: str = Field("llmcluster", min_length=1, max_length=256)
 
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, v: str | None) -> str | None:
+        # The config is copied into the launch directory, run.json and every sink: no secret may be in it.
+        if v is not None and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@]*@", v):
+            raise ValueError("log.mlflow.tracking_uri must not carry credentials (user:password@): set "
+                             "MLFLOW_TRACKING_USERNAME and "
+                             "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in job.env instead")
+        return v
+
 
 class LogConfig(Section):
     interval: int = Field(10, ge=1)
