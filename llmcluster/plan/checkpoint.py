@@ -27,6 +27,7 @@ class Checkpoint:
     job_mtbf_s: float
     optimal_interval_s: float
     goodput: float
+    badput: dict[str, float]   # the waste by cause, as fractions of wall time (`jobs goodput`'s keys)
 
 
 def checkpoint(plan: PlanSpec, params: float) -> Checkpoint:
@@ -35,7 +36,11 @@ def checkpoint(plan: PlanSpec, params: float) -> Checkpoint:
     write = size / (c.storage_write_GBps * 1e9)
     mtbf = c.node_mtbf_hours * 3600 / c.nodes
     tau = math.sqrt(2 * write * mtbf)
-    waste = write / tau + (tau / 2 + c.restart_minutes * 60) / mtbf
-    return Checkpoint(size_bytes=size, weights_bytes=params * EXPORT_BYTES, write_s=write,
-                      read_s=size / (c.storage_read_GBps * 1e9), job_mtbf_s=mtbf, optimal_interval_s=tau,
-                      goodput=max(0.0, 1 - waste))
+    read = size / (c.storage_read_GBps * 1e9)
+    restart = c.restart_minutes * 60    # the restart R includes reading the checkpoint back
+    badput = {"startup": max(0.0, restart - read) / mtbf, "checkpoint_restore": min(read, restart) / mtbf,
+              "checkpoint_save": write / tau, "eval": 0.0, "lost_progress": tau / 2 / mtbf, "failure": 0.0,
+              "other": 0.0}
+    return Checkpoint(size_bytes=size, weights_bytes=params * EXPORT_BYTES, write_s=write, read_s=read,
+                      job_mtbf_s=mtbf, optimal_interval_s=tau, goodput=max(0.0, 1 - sum(badput.values())),
+                      badput=badput)

@@ -2,7 +2,7 @@
 
 Rank 0 appends one line per lifecycle event — attempt_start (the process's start time), restore_start/end,
 init_done, eval_start/end, save_start/end, checkpointed (a checkpoint became durable), exit — plus a `step`
-heartbeat at the logging cadence. Every line has the time, the attempt number (one more than the attempts
+heartbeat at every step boundary (about 70 bytes a step), so a killed attempt's end is known to a step. Every line has the time, the attempt number (one more than the attempts
 already in the file) and the training step reached. Lifecycle lines are fsynced (a few per checkpoint
 interval); heartbeats are only flushed, which a killed process does not lose.
 

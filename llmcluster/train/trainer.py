@@ -334,6 +334,7 @@ class Trainer:
         self.step_times.append(dt)
         self.recent_dt.append(dt)
         self.busy.append(self.busy_s)
+        self.events.heartbeat(self.step)   # a killed attempt's end, to within a step
 
     def _record(self, loss: float, norm: float, val: dict) -> None:
         """One metrics record (every rank takes part: the step-time gathers are collectives)."""
@@ -351,7 +352,6 @@ class Trainer:
                   "rank_step_time_s": times, "rank_busy_s": busy_times, "bad_steps": self.bad_total, **val}
         self._note_stragglers(busy_times)
         self.metrics.write(record)
-        self.events.heartbeat(self.step)
 
     def _checkpoint(self, final: bool) -> bool:
         """The checkpointer's cadence (checkpoint.interval_steps, retuned by interval=auto); True if saved."""
