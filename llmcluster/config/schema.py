@@ -259,6 +259,21 @@ class DistConfig(Section):
     timeout_s: float = Field(600.0, gt=0)     # a collective that takes longer fails, naming step and rank
 
 
+class EvalConfig(Section):
+    """Downstream evaluation of new checkpoints, each a job of its own (`llmcluster eval --model RUN --step N`)."""
+    tasks: list[str] | None = None          # None: `llmcluster eval`'s shipped local tasks
+    interval_checkpoints: int = Field(1, ge=1)   # every Nth durable checkpoint (the last one always)
+    local: bool = False     # on the local scheduler the job competes for the training's cores: opt in
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_names(cls, v: list[str] | None) -> list[str] | None:
+        for t in v or []:    # a name or a local task YAML's path: never a flag, never a list separator
+            if not t or t.startswith("-") or "," in t or len(t) > 256:
+                raise ValueError(f"eval.tasks: {t!r} is not a task name or path")
+        return v
+
+
 class JobConfig(Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -270,6 +285,7 @@ class JobConfig(Section):
     dist: DistConfig = DistConfig()
     job: JobSpec = JobSpec()
     serve: ServeConfig = ServeConfig()   # read by `serve plan` only
+    eval: EvalConfig | None = None       # downstream evaluation jobs per new checkpoint (issue 28)
 
     @model_validator(mode="after")
     def _cross(self):

@@ -32,6 +32,7 @@ from llmcluster.paths import resolve_storage_root
 from llmcluster.storage.layout import Storage, sha256_file
 from llmcluster.train import distributed as D
 from llmcluster.train.checkpoint import Checkpointer
+from llmcluster.train.downstream import Downstream, pending_steps
 from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
 from llmcluster.train.health import (BusyTimer, CollectiveFailure, FaultInjector, LossSpikeDetector, SampleLog,
                                      is_collective_error, slow_ranks, young_daly_steps)
@@ -148,6 +149,8 @@ class Trainer:
                                         self.step, env.is_main)
         if env.is_main:
             self.metrics.start(run_info(cfg, root, self.dataset_digest, env.device))
+        self.downstream = Downstream(cfg, root, self.storage.run_logs(cfg.run.name), env.is_main, self.log)
+        self.ckpt.protected = lambda: pending_steps(self.storage.run_logs(cfg.run.name)) if cfg.eval else set()
         self.events.emit("init_done", self.step)
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -378,7 +381,9 @@ class Trainer:
     def _log_saved(self, path: Path | None) -> None:
         if path is None:
             return
-        self.events.emit("checkpointed", self.step, ckpt=int(path.name.rsplit("_", 1)[-1]))
+        step = int(path.name.rsplit("_", 1)[-1])
+        self.events.emit("checkpointed", self.step, ckpt=step)
+        self.downstream.checkpointed(step, final=step == self.cfg.train.steps)
         self.metrics.checkpoint(self.step, self.ckpt.last_save_s or 0.0)
         self.log(f"checkpoint {path} ({self.ckpt.last_write_s:.2f} s)")
 
