@@ -140,7 +140,7 @@ def render(result: dict, plan: dict | None = None, width: int = 60) -> str:
     lines.append(head)
     for k, v in rows:
         share = v / wall if wall > 0 else 0.0
-        p = "" if not plan else f"{(plan.get('goodput') if k == 'productive' else plan['badput'].get(k, 0.0)):>9.1%}"
+        p = "" if not plan else f"{(plan['goodput'] if k == 'productive' else plan['badput'].get(k, 0.0)):>9.2%}"
         lines.append(f"  {k:<20}{v:>10.2f}{share:>9.1%}{p}")
     bar = "".join(BAR[k] * round(width * v / wall if wall > 0 else 0) for k, v in rows)
     lines.append(f"  [{bar[:width]:<{width}}]  " + ", ".join(f"{c} {k}" for k, c in BAR.items()))
