@@ -102,3 +102,20 @@ def test_plan_json_predicts_the_same_buckets():
     assert math.isclose(r["goodput"] + sum(r["badput"].values()), 1.0)
     assert math.isclose(sum(r["badput_s"].values()), (1 - r["goodput"]) * r["wall_s"])
     assert r["badput"]["lost_progress"] > 0 and r["badput"]["checkpoint_save"] > 0
+
+
+def test_the_plans_model_fed_with_the_runs_own_measurements():
+    """C, R, MTBF and the interval measured from the events give Young/Daly's prediction per bucket."""
+    from llmcluster.launch.goodput import model
+
+    events = [ev(0, 1, "attempt_start", 0), ev(2, 1, "init_done", 0), ev(3, 1, "step", 1),
+              ev(5, 1, "save_start", 1), ev(6, 1, "save_end", 1), ev(8, 1, "step", 2),
+              ev(10, 1, "save_start", 2), ev(11, 1, "save_end", 2), ev(13, 1, "step", 3),     # killed
+              ev(15, 2, "attempt_start", 0), ev(17, 2, "restore_start", 0), ev(18, 2, "restore_end", 2),
+              ev(19, 2, "init_done", 2), ev(25, 2, "exit", 3, reason="completed")]
+    m = model(events, goodput(events)["wall_s"])
+    assert m["inputs"] == {"write_s": 1, "restart_s": 4, "read_s": 1, "mtbf_s": 23, "interval_s": 5}
+    assert m["badput"]["startup"] == pytest.approx(3 / 23) and m["badput"]["lost_progress"] == pytest.approx(2.5 / 23)
+    assert m["badput"]["checkpoint_save"] == pytest.approx(1 / 5)
+    assert m["goodput"] == pytest.approx(1 - 3 / 23 - 1 / 23 - 1 / 5 - 2.5 / 23)
+    assert model(EVENTS_TWO, 35) is None      # one save per attempt: no interval to feed it

@@ -50,11 +50,14 @@ def goodput(args) -> int:
 
         t = analyse(load_plan(args.plan, [], cluster=args.cluster))["time"]
         plan = result["plan"] = {"goodput": t["goodput"], "badput": t["badput"]}
+    # beside it: the plan's prediction, else the same model fed with this run's own C, R, MTBF and interval
+    label = "plan" if plan else "model"
+    plan = plan or result["model"]
     if args.textfile:
         gp.write_textfile(result, Path(args.textfile))
     if args.plot:
-        result["plot"] = str(gp.plot(result, Path(args.plot), plan))
-    print(json.dumps(result) if args.json else gp.render(result, plan))
+        result["plot"] = str(gp.plot(result, Path(args.plot), plan, label))
+    print(json.dumps(result) if args.json else gp.render(result, plan, label=label))
     return 0
 
 

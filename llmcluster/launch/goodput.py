@@ -106,13 +106,52 @@ def goodput(events: list[dict]) -> dict:
             "unaccounted_s": wall - productive - total_bad}
 
 
+def _spans(att: list[dict], start: str, end: str) -> list[float]:
+    """Durations from each `start` event to the next `end` event of one attempt."""
+    out, t0 = [], None
+    for e in att:
+        if e["event"] == start:
+            t0 = e["t"]
+        elif e["event"] == end and t0 is not None:
+            out.append(e["t"] - t0)
+            t0 = None
+    return out
+
+
+def model(events: list[dict], wall_s: float) -> dict | None:
+    """What the planner's Young/Daly model predicts for this run, fed with the run's own measurements:
+    C the median save, the restart R the median time from a later attempt's start to its init_done (the
+    restore within it), M the attempts' wall time per interruption (every attempt that did not complete),
+    τ the median time between two saves of one attempt. None without an interruption or two saves."""
+    from llmcluster.plan.checkpoint import badput_model
+
+    atts = attempts(events)
+    saves = [d for a in atts for d in _spans(a, "save_start", "save_end")]
+    gaps: list[float] = []
+    for att in atts:
+        t = [e["t"] for e in att if e["event"] == "save_start"]
+        gaps += [b - a for a, b in zip(t, t[1:])]
+    starts = [d for a in atts[1:] for d in _spans(a, "attempt_start", "init_done")]
+    interrupted = sum(1 for a in atts if not any(e["event"] == "exit" and e.get("reason") == "completed" for e in a))
+    if not (saves and gaps and starts and interrupted):
+        return None
+    inputs = {"write_s": statistics.median(saves), "restart_s": statistics.median(starts),
+              "read_s": statistics.median([d for a in atts for d in _spans(a, "restore_start", "restore_end")] or [0]),
+              "mtbf_s": wall_s / interrupted, "interval_s": statistics.median(gaps)}
+    bad = badput_model(**inputs)
+    return {"goodput": max(0.0, 1 - sum(bad.values())), "badput": bad, "inputs": inputs}
+
+
 def run_goodput(root: Path, run: str) -> dict:
     from llmcluster.storage.layout import Storage
 
     path = Storage(root).run_logs(run) / EVENTS
     if not path.is_file():
         raise UserError(f"run {run!r}: no {path} (runs record events.jsonl since issue 28's trainer)")
-    return {"run": run, **goodput(read_events(path))}
+    events = read_events(path)
+    result = {"run": run, **goodput(events)}
+    result["model"] = model(events, result["wall_s"])
+    return result
 
 
 def write_textfile(result: dict, path: Path) -> None:
@@ -130,13 +169,14 @@ def write_textfile(result: dict, path: Path) -> None:
     write_to_textfile(str(path), reg)
 
 
-def render(result: dict, plan: dict | None = None, width: int = 60) -> str:
-    """A table of seconds and shares, and a stacked bar (one letter per bucket) of the wall time."""
+def render(result: dict, plan: dict | None = None, width: int = 60, label: str = "plan") -> str:
+    """A table of seconds and shares (beside a prediction's shares, headed `label`), and a stacked bar
+    (one letter per bucket) of the wall time."""
     wall = result["wall_s"]
     rows = [("productive", result["productive_s"])] + [(k, result["badput_s"][k]) for k in BUCKETS]
     lines = [f"run {result['run']}: {result['attempts']} attempt(s), wall {wall:.1f} s, "
              f"goodput {result['goodput']:.1%} (queued apart: {result['queued_s']:.1f} s)"]
-    head = f"  {'bucket':<20}{'seconds':>10}{'share':>9}" + (f"{'plan':>9}" if plan else "")
+    head = f"  {'bucket':<20}{'seconds':>10}{'share':>9}" + (f"{label:>9}" if plan else "")
     lines.append(head)
     for k, v in rows:
         share = v / wall if wall > 0 else 0.0
@@ -147,7 +187,7 @@ def render(result: dict, plan: dict | None = None, width: int = 60) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict, out_dir: Path, plan: dict | None = None) -> Path:
+def plot(result: dict, out_dir: Path, plan: dict | None = None, label: str = "plan") -> Path:
     """goodput.png: one stacked bar of shares for the run, beside the plan's prediction when given."""
     import matplotlib
 
@@ -157,7 +197,7 @@ def plot(result: dict, out_dir: Path, plan: dict | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     cols = {"measured": {"productive": result["goodput"], **result["badput"]}}
     if plan:
-        cols["plan"] = {"productive": plan["goodput"], **plan["badput"]}
+        cols[label] = {"productive": plan["goodput"], **plan["badput"]}
     fig, ax = plt.subplots(figsize=(5, 4))
     bottom = dict.fromkeys(cols, 0.0)
     for k in ("productive", *BUCKETS):
