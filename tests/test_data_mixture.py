@@ -73,3 +73,15 @@ def test_mixture_of_different_tokenizers_is_refused(capsys, root, tiny_root):
     proc = cli_inprocess(capsys, "train", "--config", "llm_tiny", "--root", root,
                          *overrides("data.mixture={a: 1, nope: 1}", "run.name=bad"))
     assert_one_line_error(proc, "'nope'", "not found")
+
+
+def test_validation_loss_per_mixture_source(root):
+    """Each source is evaluated on its own validation windows (issue 28); val_loss pools their tokens."""
+    run_cli("train", "--config", "llm_tiny", "--root", root,
+            *overrides(*MIX, "train.steps=4", "log.eval_interval=2", "run.name=mixval"), check=True)
+    evals = [r for r in read_metrics(root, "mixval") if "val_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    for r in evals:
+        by = r["val_loss_by_source"]
+        assert set(by) == {"a", "b"} and by["a"] != by["b"]
+        assert min(by.values()) <= r["val_loss"] <= max(by.values())

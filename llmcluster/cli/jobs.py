@@ -1,4 +1,4 @@
-"""`llmcluster jobs list|status|logs|cancel`: the jobs `llmcluster launch` started (any scheduler)."""
+"""`llmcluster jobs list|status|logs|cancel|goodput`: the jobs `llmcluster launch` started (any scheduler)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,43 @@ def register(sub) -> None:
         if name == "status":
             q.add_argument("--json", action="store_true")
         q.set_defaults(func=run)
+    g = jsub.add_parser("goodput", help="where the run's time went: productive training and badput by cause")
+    g.add_argument("job", metavar="RUN", help="the run name")
+    add_root_arg(g)
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--plan", metavar="FILE", help="set the plan's predicted breakdown beside it (a plan YAML or name)")
+    g.add_argument("--cluster", metavar="FILE|NAME", help="the cluster of --plan (as `llmcluster plan --cluster`)")
+    g.add_argument("--plot", metavar="DIR", help="write goodput.png (a stacked bar, and the plan's) into DIR")
+    g.add_argument("--textfile", metavar="FILE",
+                   help="write the breakdown as Prometheus gauges for node_exporter's textfile collector")
+    g.set_defaults(func=goodput)
+
+
+def goodput(args) -> int:
+    import json
+    from pathlib import Path
+
+    from llmcluster.launch import goodput as gp
+    from llmcluster.paths import resolve_storage_root
+    from llmcluster.storage.layout import check_run_name
+
+    result = gp.run_goodput(resolve_storage_root(args.root), check_run_name(args.job))
+    plan = None
+    if args.plan:
+        from llmcluster.plan.analyse import analyse
+        from llmcluster.plan.load import load_plan
+
+        t = analyse(load_plan(args.plan, [], cluster=args.cluster))["time"]
+        plan = result["plan"] = {"goodput": t["goodput"], "badput": t["badput"]}
+    # beside it: the plan's prediction, else the same model fed with this run's own C, R, MTBF and interval
+    label = "plan" if plan else "model"
+    plan = plan or result["model"]
+    if args.textfile:
+        gp.write_textfile(result, Path(args.textfile))
+    if args.plot:
+        result["plot"] = str(gp.plot(result, Path(args.plot), plan, label))
+    print(json.dumps(result) if args.json else gp.render(result, plan, label=label))
+    return 0
 
 
 def run(args) -> int:

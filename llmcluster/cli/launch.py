@@ -62,7 +62,8 @@ def run(args) -> int:
     cfg = load_job_config(args.config, args.overrides)
     cfg = cfg.model_copy(update={"job": job_with_cluster_defaults(cfg.job, cluster, args.scheduler)})
     root = resolve_storage_root(args.root, cfg.run.storage or cluster.storage.root)
-    spec = build_spec(cfg, args, root, cluster.scheduler.kubernetes.host_paths)
+    spec = build_spec(cfg, args, root, cluster.scheduler.kubernetes.host_paths,
+                      None if resolved.is_default else cluster.name)
     if "nodes" in cluster.model_fields_set and spec.job.nodes > cluster.node_count:
         raise UserError(f"job.nodes ({spec.job.nodes}) is more than cluster {cluster.name} has ({cluster.node_count})")
     gpu = args.gpu or (cluster.hardware.gpu if cluster.hardware.gpu != CPU_ONLY else None)

@@ -81,14 +81,26 @@ def _section_fields(schema: type[BaseModel], path: list[str]) -> tuple[type[Base
         field = _field(cls, part)
         if field is None:
             return None, []
-        ann = field.annotation
-        cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        cls = _model_of(field.annotation)
     if cls is None:
         return None, []
     keys = []
     for name, f in cls.model_fields.items():
         keys.append(f.alias or name)
     return cls, keys
+
+
+def _model_of(ann) -> type[BaseModel] | None:
+    """The section class an annotation names, also through `Section | None` (an optional section such as
+    log.wandb, which `--set log.wandb.project=P` turns on)."""
+    import types
+    import typing
+
+    union = typing.get_origin(ann) in (typing.Union, types.UnionType)
+    for a in (*typing.get_args(ann),) if union else (ann,):
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+    return None
 
 
 def _field(cls: type[BaseModel], key: str):

@@ -203,6 +203,29 @@ class CheckpointConfig(Section):
 METRICS_BIND_RE = re.compile(r"(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})")
 
 
+class WandbConfig(Section):
+    project: str = Field(min_length=1, max_length=128)
+    entity: str | None = None
+    mode: Literal["online", "offline", "disabled"] | None = None   # None: $WANDB_MODE, else wandb's default
+
+
+class MlflowConfig(Section):
+    # None: a SQLite store on this node ($LLMCLUSTER_CACHE or ~/.cache/llmcluster/mlflow.db). SQLite locks
+    # do not hold on NFS/Lustre: a sqlite URI under the storage root is refused at start.
+    tracking_uri: str | None = None
+    experiment: str = Field("llmcluster", min_length=1, max_length=256)
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, v: str | None) -> str | None:
+        # The config is copied into the launch directory, run.json and every sink: no secret may be in it.
+        if v is not None and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@]*@", v):
+            raise ValueError("log.mlflow.tracking_uri must not carry credentials (user:password@): set "
+                             "MLFLOW_TRACKING_USERNAME and "
+                             "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in job.env instead")
+        return v
+
+
 class LogConfig(Section):
     interval: int = Field(10, ge=1)
     eval_interval: int = Field(100, ge=1)
@@ -214,6 +237,8 @@ class LogConfig(Section):
     metrics_bind: str | None = None
     straggler_factor: float = Field(1.5, gt=1)  # a rank slower than median * factor is named
     sample_log: bool = False                  # logs/<run>/samples-rank<r>.jsonl: global sample ids per step
+    wandb: WandbConfig | None = None          # {project: P}: rank 0 logs to Weights & Biases
+    mlflow: MlflowConfig | None = None        # {tracking_uri: URI, experiment: E}: rank 0 logs to MLflow
 
     @field_validator("metrics_bind")
     @classmethod
@@ -237,6 +262,21 @@ class DistConfig(Section):
     timeout_s: float = Field(600.0, gt=0)     # a collective that takes longer fails, naming step and rank
 
 
+class EvalConfig(Section):
+    """Downstream evaluation of new checkpoints, each a job of its own (`llmcluster eval --model RUN --step N`)."""
+    tasks: list[str] | None = None          # None: `llmcluster eval`'s shipped local tasks
+    interval_checkpoints: int = Field(1, ge=1)   # every Nth durable checkpoint (the last one always)
+    local: bool = False     # on the local scheduler the job competes for the training's cores: opt in
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_names(cls, v: list[str] | None) -> list[str] | None:
+        for t in v or []:    # a name or a local task YAML's path: never a flag, never a list separator
+            if not t or t.startswith("-") or "," in t or len(t) > 256:
+                raise ValueError(f"eval.tasks: {t!r} is not a task name or path")
+        return v
+
+
 class JobConfig(Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -248,6 +288,7 @@ class JobConfig(Section):
     dist: DistConfig = DistConfig()
     job: JobSpec = JobSpec()
     serve: ServeConfig = ServeConfig()   # read by `serve plan` only
+    eval: EvalConfig | None = None       # downstream evaluation jobs per new checkpoint (issue 28)
 
     @model_validator(mode="after")
     def _cross(self):

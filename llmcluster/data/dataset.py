@@ -158,6 +158,7 @@ class Sampler:
 
     def __init__(self, ds: Dataset, seq_len: int, seed: int, name: str | None = None):
         self.name = name or ds.path.name
+        self.ds = ds   # a mixture evaluates each source on its own validation windows
         self.index = WindowIndex(ds.shards["train"], seq_len, ds.masks["train"] if ds.masks else None)
         if self.index.total == 0:
             raise UserError(f"dataset {ds.path}: no training sequence of {seq_len + 1} tokens "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,18 @@ def refuse_if_active(spec: LaunchSpec, old: dict | None) -> None:
                         "`llmcluster jobs cancel` it first, or pass --force to launch a second one")
 
 
+def code_version() -> str | None:
+    """`git describe --always --dirty` of the checkout this package runs from, or None (an installed
+    wheel, no git): what the launch record and each run's run.json name as the code that ran."""
+    src = Path(__file__).resolve().parents[2]
+    try:
+        p = subprocess.run(["git", "-C", str(src), "describe", "--always", "--dirty", "--tags"],
+                           capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (p.stdout.strip() or None) if p.returncode == 0 else None
+
+
 def _write_once(path: Path, text: str, mode: int) -> None:
     with open(path, "x") as f:            # "x": a launch directory is never written twice
         f.write(text)
@@ -79,7 +92,8 @@ def launch(spec: LaunchSpec, *, dry_run: bool, apply: bool = False, force: bool 
     _write_once(spec.config_path, spec.config_yaml, 0o440)
     record = {"run": spec.run, "scheduler": spec.scheduler, "launch": spec.launch_id, "artifact": str(artifact),
               "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "nodes": spec.job.nodes,
-              "procs_per_node": spec.job.procs, "world_size": spec.job.world_size}
+              "procs_per_node": spec.job.procs, "world_size": spec.job.world_size,
+              "code_version": code_version(), "cluster": spec.cluster}
     if old and old.get("job_id"):
         record["previous_job_ids"] = old.get("previous_job_ids", []) + [old["job_id"]]
     return sched.submit(spec, artifact, record, lambda r: write_record(logs, r), apply=apply)

@@ -60,6 +60,7 @@ class LaunchSpec:
     storage: str = ""              # the storage root as the ranks see it
     metrics_port: int | None = None  # the port of log.metrics_bind (rank r serves it + its local rank)
     host_paths: tuple[str, ...] = ()  # the cluster's scheduler.kubernetes.host_paths (never the job's own)
+    cluster: str | None = None     # the cluster spec's name (recorded in job.json for the run's trackers)
 
     @property
     def logs(self) -> Path:
@@ -155,7 +156,8 @@ def next_launch_id(logs: Path) -> int:
     return max(ids, default=0) + 1
 
 
-def build_spec(cfg, args, root: Path, host_paths: list[str] | tuple[str, ...] = ()) -> LaunchSpec:
+def build_spec(cfg, args, root: Path, host_paths: list[str] | tuple[str, ...] = (),
+               cluster: str | None = None) -> LaunchSpec:
     """The LaunchSpec for `llmcluster launch` from the validated JobConfig and the parsed flags; host_paths
     from the cluster spec."""
     import yaml
@@ -186,6 +188,7 @@ def build_spec(cfg, args, root: Path, host_paths: list[str] | tuple[str, ...] = 
                       python=check_text(python, "python"), generic=generic,
                       config_yaml=yaml.safe_dump(saved_config_dict(cfg), sort_keys=False),
                       overrides=list(args.overrides), launch_id=launch_id, storage=storage,
-                      metrics_port=cfg.log.metrics[1] if cfg.log.metrics else None, host_paths=tuple(host_paths))
+                      metrics_port=cfg.log.metrics[1] if cfg.log.metrics else None, host_paths=tuple(host_paths),
+                      cluster=cluster)
     sched.check(spec)
     return spec

@@ -49,6 +49,8 @@ def analyse(plan: PlanSpec, bench: list[CalRow] | None = None) -> dict[str, Any]
     st = step_time(plan, eff)
     ck = checkpoint(plan, n)
     goodput = plan.training.goodput or ck.goodput
+    # the same keys as `jobs goodput` measures; a goodput given in the plan leaves its waste unexplained
+    badput = ck.badput if not plan.training.goodput else {**dict.fromkeys(ck.badput, 0.0), "other": 1 - goodput}
     cluster_tps = st.tokens_per_s_per_gpu * plan.world * goodput
     wall_s = plan.training.tokens / cluster_tps
     gpu_hours = wall_s / 3600 * plan.world
@@ -84,7 +86,8 @@ def analyse(plan: PlanSpec, bench: list[CalRow] | None = None) -> dict[str, Any]
                     "links_GBps": {"tp": links.tp.busbw_GBps, "dp": links.dp.busbw_GBps,
                                    "pp": links.pp.busbw_GBps}},
         "time": {"tokens": plan.training.tokens, "goodput": goodput, "wall_s": wall_s,
-                 "days": wall_s / 86400, "gpu_hours": gpu_hours},
+                 "days": wall_s / 86400, "gpu_hours": gpu_hours, "badput": badput,
+                 "badput_s": {k: v * wall_s for k, v in badput.items()}},
         "checkpoint": {"size_bytes": ck.size_bytes, "weights_bytes": ck.weights_bytes, "write_s": ck.write_s,
                        "read_s": ck.read_s, "job_mtbf_s": ck.job_mtbf_s,
                        "optimal_interval_s": ck.optimal_interval_s},

@@ -27,6 +27,16 @@ class Checkpoint:
     job_mtbf_s: float
     optimal_interval_s: float
     goodput: float
+    badput: dict[str, float]   # the waste by cause, as fractions of wall time (`jobs goodput`'s keys)
+
+
+def badput_model(write_s: float, read_s: float, restart_s: float, mtbf_s: float, interval_s: float) -> dict[str, float]:
+    """Young/Daly's waste by cause, as fractions of wall time, under `jobs goodput`'s keys: writing
+    (C/τ), the work lost per failure (τ/2 per M) and the restart R per M, of which reading the checkpoint
+    back is `checkpoint_restore` and the rest `startup`."""
+    return {"startup": max(0.0, restart_s - read_s) / mtbf_s, "checkpoint_restore": min(read_s, restart_s) / mtbf_s,
+            "checkpoint_save": write_s / interval_s, "eval": 0.0, "lost_progress": interval_s / 2 / mtbf_s,
+            "failure": 0.0, "other": 0.0}
 
 
 def checkpoint(plan: PlanSpec, params: float) -> Checkpoint:
@@ -35,7 +45,8 @@ def checkpoint(plan: PlanSpec, params: float) -> Checkpoint:
     write = size / (c.storage_write_GBps * 1e9)
     mtbf = c.node_mtbf_hours * 3600 / c.nodes
     tau = math.sqrt(2 * write * mtbf)
-    waste = write / tau + (tau / 2 + c.restart_minutes * 60) / mtbf
-    return Checkpoint(size_bytes=size, weights_bytes=params * EXPORT_BYTES, write_s=write,
-                      read_s=size / (c.storage_read_GBps * 1e9), job_mtbf_s=mtbf, optimal_interval_s=tau,
-                      goodput=max(0.0, 1 - waste))
+    read = size / (c.storage_read_GBps * 1e9)
+    badput = badput_model(write, read, c.restart_minutes * 60, mtbf, tau)
+    return Checkpoint(size_bytes=size, weights_bytes=params * EXPORT_BYTES, write_s=write, read_s=read,
+                      job_mtbf_s=mtbf, optimal_interval_s=tau, goodput=max(0.0, 1 - sum(badput.values())),
+                      badput=badput)

@@ -131,6 +131,7 @@ class Checkpointer:
                  dist_timeout_s: float | None = None):
         self.storage, self.run, self.rank, self.world = storage, run, rank, world_size
         self.keep_last, self.keep_every, self.log = keep_last, keep_every, log
+        self.protected = set   # () -> steps retention must keep (a pending downstream evaluation reads them)
         self.dir = storage.run_checkpoints(run)
         self.last_save_s: float | None = None   # time training was blocked by the last save (Young/Daly C)
         self.last_write_s: float | None = None  # start of the last save to its completion marker
@@ -377,6 +378,7 @@ class Checkpointer:
         keep = set(complete[-self.keep_last:]) | {written}
         if self.keep_every:
             keep |= {s for s in complete if s % self.keep_every == 0}
+        keep |= self.protected()
         for s, d, _ok in steps:
             if s < written and s not in keep:
                 shutil.rmtree(d, ignore_errors=True)

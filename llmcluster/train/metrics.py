@@ -1,4 +1,5 @@
-"""What a run reports: metrics.jsonl, TensorBoard, the progress line/bar, MFU and the device peak."""
+"""MFU's denominator: the device peak (datasheet on GPU, measured on CPU). The records go out through
+tracking.MetricsProcessor."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import json
 import os
 import platform
 import socket
-import sys
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -95,70 +95,3 @@ def device_peak_flops(device: torch.device, precision: str) -> tuple[float, str]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     return measured_cpu_peak_flops(dtype, torch.get_num_threads()), \
         f"measured CPU {precision} matmul peak ({torch.get_num_threads()} threads, best seen on this machine)"
-
-
-class MetricsLog:
-    """Rank 0's record of the run: one JSON object per logged step, plus TensorBoard and a live view."""
-
-    def __init__(self, log_dir: Path, total_steps: int, start_step: int, tensorboard: bool, progress: bool):
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.path = log_dir / "metrics.jsonl"
-        self.file = open(self.path, "a", buffering=1)
-        self.total = total_steps
-        self.start_step = start_step
-        self.t0 = time.time()
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(log_dir / "tensorboard"))
-            except ImportError:
-                print("warning: log.tensorboard=true but tensorboard is not installed", file=sys.stderr)
-        self.bar = None
-        if progress and sys.stderr.isatty():
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
-            self.task = self.bar.add_task("train", total=total_steps, completed=start_step, info="")
-            self.bar.start()
-
-    def eta_s(self, step: int) -> float:
-        done = step - self.start_step
-        return (time.time() - self.t0) / done * (self.total - step) if done > 0 else float("nan")
-
-    def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(k, v, record["step"])
-        info = " ".join(self._fmt(record))
-        if self.bar is not None:
-            self.bar.update(self.task, completed=record["step"], info=info)
-        else:
-            eta = self.eta_s(record["step"])
-            eta_txt = f" eta {eta / 60:.1f}m" if eta == eta else ""
-            print(f"step {record['step']}/{self.total} {info}{eta_txt}", flush=True)
-
-    @staticmethod
-    def _fmt(r: dict) -> list[str]:
-        out = [f"loss {r['loss']:.4f}"]
-        if "val_loss" in r:
-            out.append(f"val {r['val_loss']:.4f}")
-        out += [f"lr {r['lr']:.2e}", f"{r['tokens_per_s']:,.0f} tok/s", f"mfu {100 * r['mfu']:.1f}%"]
-        return out
-
-    def message(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.console.print(text)
-        else:
-            print(text, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-        if self.tb is not None:
-            self.tb.close()
-        self.file.close()

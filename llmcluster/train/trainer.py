@@ -2,7 +2,10 @@
 
     build model (seeded, identical on every rank) → parallelize → optimizer + schedule → resume
     → for each step: micro-batches from the sampler → forward/backward (autocast) → clip → step
-    → log / eval / checkpoint / preemption check at the step boundary.
+    → at the step boundary the evaluator, the metrics processor and the checkpointer, each on its own
+      cadence → preemption check.
+
+Rank 0 records the run's lifecycle in logs/<run>/events.jsonl (train/events.py) for `jobs goodput`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import hashlib
 import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import torch.distributed as dist
 
 from llmcluster.config.load import load_job_config, saved_config_dict
 from llmcluster.config.schema import JobConfig
-from llmcluster.data.dataset import META, data_sources, eval_batches, open_training_data
+from llmcluster.data.dataset import META, data_sources, open_training_data
 from llmcluster.errors import EXIT_PREEMPTED, UserError
 from llmcluster.model import flops_per_token, param_count
 from llmcluster.model.llama import cross_entropy_sum
@@ -30,16 +32,20 @@ from llmcluster.paths import resolve_storage_root
 from llmcluster.storage.layout import Storage, sha256_file
 from llmcluster.train import distributed as D
 from llmcluster.train.checkpoint import Checkpointer
+from llmcluster.train.downstream import Downstream, pending_steps
 from llmcluster.train.gc_cadence import GarbageCollection
 from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
 from llmcluster.train.health import (BusyTimer, CollectiveFailure, FaultInjector, LossSpikeDetector, SampleLog,
                                      is_collective_error, slow_ranks, young_daly_steps)
-from llmcluster.train.metrics import MetricsLog, device_peak_flops, peak_note
+from llmcluster.train.evaluate import Evaluator
+from llmcluster.train.events import EventLog
+from llmcluster.train.metrics import device_peak_flops, peak_note
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
 from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, loss_context
 from llmcluster.train.pipeline import bubble_fraction, build_pipeline, grad_scaler
 from llmcluster.train import exit_reason
 from llmcluster.train.signals import PreemptionFlag
+from llmcluster.train.tracking import MetricsProcessor, run_info
 
 
 class BadStepLimit(UserError):
@@ -73,15 +79,18 @@ class Trainer:
 
         # Storage and data first: bad input fails before any expensive work.
         fresh = self.storage.require_run_dirs(cfg.run.name)  # removed again (if still empty) when refused
+        self.metrics = None
         # One writer per run, decided before anything expensive: a second one is refused within seconds.
         self.ckpt = Checkpointer(self.storage, cfg.run.name, env.rank, env.world_size,
                                  cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, log=self.log,
                                  lock_stale_s=cfg.checkpoint.lock_stale_s, dist_timeout_s=cfg.dist.timeout_s)
         self.ckpt.claim()
+        self.events = EventLog(self.storage.run_logs(cfg.run.name), env.is_main)
         try:
             self._build(resume)
         except BaseException:
             self.ckpt.close()
+            self.events.close()
             self.storage.remove_if_empty(fresh)
             raise
 
@@ -114,12 +123,13 @@ class Trainer:
         self.spikes = LossSpikeDetector(t.spike_window, t.spike_zscore)
         self.inject = FaultInjector(env.rank)
         self.busy_timer = BusyTimer(env.device)   # straggler signal: device time on CUDA, host time on CPU
-        self.ckpt_every = cfg.checkpoint.interval_steps  # interval=auto retunes it after each checkpoint
+        self.ckpt.every = cfg.checkpoint.interval_steps  # interval=auto retunes it after each checkpoint
         self.sample_log = SampleLog(self.storage.run_logs(cfg.run.name), env.rank) if cfg.log.sample_log else None
         path = self.ckpt.find_resume(resume)
         if path is None and t.init_from:  # a checkpoint, when there is one, supersedes the starting weights
             load_hf_weights(self.raw_model, Path(t.init_from))
         if path is not None:
+            self.events.emit("restore_start")
             state = self.ckpt.load(path, self.model, self.optimizer)
             self._check_dataset(path, state.get("dataset_digest"))
             self.step = int(state["step"])
@@ -130,27 +140,25 @@ class Trainer:
             self.bad_total = int(state.get("bad_steps", 0))
             self.spikes.load_state_dict(state.get("loss_window"))
             self.resumed_from = path
+            self.events.emit("restore_end", self.step)
         self.ckpt.prepare_start(resume, path, self.step)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops, self.peak_source = device_peak_flops(env.device, t.precision)
         self.preempt = PreemptionFlag().install()
-        self.metrics = None
+        self.evaluator = Evaluator(cfg, env, dims, self.model, self.pipe, self.autocast, self.dataset, self.sampler,
+                                   self.events)
+        self.metrics = MetricsProcessor(cfg, root, self.storage.run_logs(cfg.run.name), env.rank, env.local_rank,
+                                        self.step, env.is_main)
         if env.is_main:
-            self.metrics = MetricsLog(self.storage.run_logs(cfg.run.name), t.steps, self.step,
-                                      cfg.log.tensorboard, cfg.log.progress)
-        self.prom = None
-        if cfg.log.metrics is not None:    # HOST:PORT; rank r serves PORT + its local rank (0: rank 0, any)
-            host, port = cfg.log.metrics
-            serve = port + env.local_rank if port else (0 if env.is_main else None)
-            self.prom = _train_metrics(cfg.run.name, env.rank, serve, host)
+            self.metrics.start(run_info(cfg, root, self.dataset_digest, env.device))
+        self.downstream = Downstream(cfg, root, self.storage.run_logs(cfg.run.name), env.is_main, self.log)
+        self.ckpt.protected = lambda: pending_steps(self.storage.run_logs(cfg.run.name)) if cfg.eval else set()
+        self.events.emit("init_done", self.step)
 
     # -- helpers -----------------------------------------------------------------------------------
     def log(self, text: str) -> None:
         if self.env.is_main:
-            if getattr(self, "metrics", None) is not None:
-                self.metrics.message(text)
-            else:
-                print(text, flush=True)
+            self.metrics.message(text) if getattr(self, "metrics", None) else print(text, flush=True)
 
     def _check_dataset(self, path: Path, digest: str | None) -> None:
         """Resuming over a dataset rebuilt under the same name would continue the sampler's position in
@@ -262,42 +270,8 @@ class Trainer:
             total += loss.detach().float() * unscale
         return total, ids
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        self.model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
-        batches = eval_batches(self.dataset, self.cfg.data.seq_len, self.cfg.log.eval_batches,
-                               self.cfg.train.micro_batch, self.dp_rank, self.dp_size)
-        if self.pipe is not None:
-            total += self._pipeline_eval(list(batches))
-            batches = []
-        for x, y in batches:
-            x, y = x.to(self.env.device), y.to(self.env.device)
-            with self.autocast(), self.loss_ctx():
-                loss = self.model(x, y, self.cfg.train.loss_chunks)
-            total += torch.stack([loss.double(), (y != -100).sum().double()])  # -100: chat data's untrained
-        if self.env.distributed:
-            dist.all_reduce(total)
-        self.model.train()
-        return float(total[0] / total[1].clamp(min=1))
-
-    def _pipeline_eval(self, batches: list) -> torch.Tensor:
-        """[loss sum, tokens] of the validation batches, run grad_accum at a time through the schedule's
-        forward-only pass; a short last group is padded with copies whose losses are dropped."""
-        total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
-        m = self.pipe.n_microbatches
-        for g in range(0, len(batches), m):
-            group = batches[g:g + m]
-            real = len(group)
-            group = group + [group[-1]] * (m - real)
-            x = torch.cat([b[0] for b in group]).to(self.env.device)
-            y = torch.cat([b[1] for b in group]).to(self.env.device)
-            with self.autocast():
-                losses = self.pipe.step(x, y, train=False)
-            for (_, yb), loss in zip(group[:real], losses[:real]):
-                total += torch.stack([loss.double() * yb.numel(),
-                                      torch.tensor(yb.numel(), dtype=torch.float64, device=self.env.device)])
-        return total
+        return self.evaluator(self.step)["val_loss"]
 
     def _bubble_note(self) -> str:
         d = self.dims
@@ -317,69 +291,27 @@ class Trainer:
             raise
 
     def _fit(self) -> int:
-        cfg, env = self.cfg, self.env
-        t = cfg.train
+        cfg, t = self.cfg, self.cfg.train
         last_step = min(t.steps, t.stop_at) if t.stop_at else t.steps
         if self.step >= last_step:
             self.log(f"run {cfg.run.name}: already at step {self.step} of {last_step}; nothing to do")
             return 0
-        for note in self.notes:
-            self.log(note)
-        if self.resumed_from:
-            self.log(f"resumed from {self.resumed_from} (step {self.step})")
-        self.log(f"run {cfg.run.name}: {self.dims.describe()}, device {env.device}, {t.precision}, "
-                 f"{param_count(cfg.model) / 1e6:.2f}M params, global batch {self.global_batch} × {cfg.data.seq_len} "
-                 f"tokens; MFU vs {peak_note(self.peak_flops, self.peak_source)}{self._bubble_note()}")
-        if self.step == 0:  # the baseline the validation curve is read against
-            self.log(f"step 0 val {self.evaluate():.4f} (untrained; a uniform guess over the vocabulary "
-                     f"scores {math.log(cfg.model.vocab_size):.4f})")
-        tokens_per_step = self.global_batch * cfg.data.seq_len
+        self._announce()
         self.model.train()
-        step_times: list[float] = []
-        recent_dt: collections.deque[float] = collections.deque(maxlen=20)
-        busy: list[float] = []
         while self.step < last_step:
             t0 = time.perf_counter()
             self.gc.step(self.step + 1)
             loss, norm, applied = self.train_step()
             self.step += 1
-            dt = time.perf_counter() - t0
-            step_times.append(dt)
-            recent_dt.append(dt)
-            busy.append(self.busy_s)
+            self._time_step(time.perf_counter() - t0)
             self._check_bad_step(loss, norm, applied)
-            tps = tokens_per_step / dt
-            mfu = self.flops_per_token * tps / (self.peak_flops * env.world_size) if self.peak_flops else 0.0
             final = self.step == last_step
-            do_eval = self.step % cfg.log.eval_interval == 0 or self.step == t.steps
-            if self.step % cfg.log.interval == 0 or do_eval or final:
-                times = D.gather_floats(statistics.median(step_times), env)
-                busy_times = D.gather_floats(statistics.median(busy), env)
-                step_times.clear()
-                busy.clear()
-                record = {"step": self.step, "loss": loss, "lr": self.lr_used,
-                          "grad_norm": norm, "tokens_per_s": tps, "mfu": mfu, "step_time_s": dt,
-                          "tokens_seen": self.sampler.consumed * cfg.data.seq_len,
-                          "tokens_by_source": self.sampler.tokens_by_source(),
-                          "rank_step_time_s": times, "rank_busy_s": busy_times, "bad_steps": self.bad_total}
-                if do_eval:
-                    record["val_loss"] = self.evaluate()
-                self._note_stragglers(busy_times)
-                if self.metrics:
-                    self.metrics.write(record)
-                if self.prom:
-                    self.prom.step(self.step, loss, record["lr"], tps, mfu, dt)
-                    if env.is_main:
-                        self.prom.rank_step_times(times)
-            saved = final or self.step % self.ckpt_every == 0
-            if saved:
-                self.save(async_=cfg.checkpoint.async_save and not final)
-                if cfg.checkpoint.interval == "auto":
-                    self._auto_interval(statistics.median(recent_dt))
-            elif self.ckpt.pending:
-                self._log_saved(self.ckpt.poll())
+            val = self.evaluator(self.step) if self.evaluator.due(self.step) else {}
+            if self.metrics.due(self.step) or val or final:
+                self._record(loss, norm, val)
+            saved = self._checkpoint(final)
             # One agreement per step: 2 = rank 0 lost the owner lock (stop, write nothing), 1 = a stop signal.
-            stop = D.all_reduce_max(2.0 if self.ckpt.heartbeat() else 1.0 if self.preempt.set else 0.0, env)
+            stop = D.all_reduce_max(2.0 if self.ckpt.heartbeat() else 1.0 if self.preempt.set else 0.0, self.env)
             if stop >= 2:
                 raise self.ckpt.lost_error()
             if stop > 0:
@@ -388,9 +320,62 @@ class Trainer:
                  f"{self.storage.run_checkpoints(cfg.run.name)}")
         return 0
 
+    def _announce(self) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        for note in self.notes:
+            self.log(note)
+        if self.resumed_from:
+            self.log(f"resumed from {self.resumed_from} (step {self.step})")
+        self.log(f"run {cfg.run.name}: {self.dims.describe()}, device {self.env.device}, {t.precision}, "
+                 f"{param_count(cfg.model) / 1e6:.2f}M params, global batch {self.global_batch} × {cfg.data.seq_len} "
+                 f"tokens; MFU vs {peak_note(self.peak_flops, self.peak_source)}{self._bubble_note()}")
+        if self.step == 0:  # the baseline the validation curve is read against
+            self.log(f"step 0 val {self.evaluate():.4f} (untrained; a uniform guess over the vocabulary "
+                     f"scores {math.log(cfg.model.vocab_size):.4f})")
+        self.step_times: list[float] = []   # since the last record (their median is reported)
+        self.busy: list[float] = []
+        self.recent_dt: collections.deque[float] = collections.deque(maxlen=20)   # interval=auto's step time
+
+    def _time_step(self, dt: float) -> None:
+        self.dt = dt
+        self.step_times.append(dt)
+        self.recent_dt.append(dt)
+        self.busy.append(self.busy_s)
+        self.events.heartbeat(self.step)   # a killed attempt's end, to within a step
+
+    def _record(self, loss: float, norm: float, val: dict) -> None:
+        """One metrics record (every rank takes part: the step-time gathers are collectives)."""
+        cfg, env = self.cfg, self.env
+        tps = self.global_batch * cfg.data.seq_len / self.dt
+        mfu = self.flops_per_token * tps / (self.peak_flops * env.world_size) if self.peak_flops else 0.0
+        times = D.gather_floats(statistics.median(self.step_times), env)
+        busy_times = D.gather_floats(statistics.median(self.busy), env)
+        self.step_times.clear()
+        self.busy.clear()
+        record = {"step": self.step, "loss": loss, "lr": self.lr_used,
+                  "grad_norm": norm, "tokens_per_s": tps, "mfu": mfu, "step_time_s": self.dt,
+                  "tokens_seen": self.sampler.consumed * cfg.data.seq_len,
+                  "tokens_by_source": self.sampler.tokens_by_source(),
+                  "rank_step_time_s": times, "rank_busy_s": busy_times, "bad_steps": self.bad_total, **val}
+        self._note_stragglers(busy_times)
+        self.metrics.write(record)
+
+    def _checkpoint(self, final: bool) -> bool:
+        """The checkpointer's cadence (checkpoint.interval_steps, retuned by interval=auto); True if saved."""
+        if final or self.step % self.ckpt.every == 0:
+            self.save(async_=self.cfg.checkpoint.async_save and not final)
+            if self.cfg.checkpoint.interval == "auto":
+                self._auto_interval(statistics.median(self.recent_dt))
+            return True
+        if self.ckpt.pending:
+            self._log_saved(self.ckpt.poll())
+        return False
+
     def save(self, deadline: float | None = None, async_: bool = False) -> Path | None:
         self._log_saved(self.ckpt.wait_pending())
+        self.events.emit("save_start", self.step, ckpt=self.step)
         path = self.ckpt.save(self.step, self.model, self.optimizer, self.train_state(), deadline, async_)
+        self.events.emit("save_end", self.step, ckpt=self.step, ok=path is not None or async_)
         if async_:
             self.log(f"checkpoint step_{self.step}: writing in the background "
                      f"(training blocked {self.ckpt.last_save_s:.2f} s)")
@@ -400,8 +385,10 @@ class Trainer:
     def _log_saved(self, path: Path | None) -> None:
         if path is None:
             return
-        if self.prom:
-            self.prom.checkpoint(self.step, self.ckpt.last_save_s or 0.0, time.time())
+        step = int(path.name.rsplit("_", 1)[-1])
+        self.events.emit("checkpointed", self.step, ckpt=step)
+        self.downstream.checkpointed(step, final=step == self.cfg.train.steps)
+        self.metrics.checkpoint(self.step, self.ckpt.last_save_s or 0.0)
         self.log(f"checkpoint {path} ({self.ckpt.last_write_s:.2f} s)")
 
     def _preempted(self, saved: bool) -> int:
@@ -422,10 +409,10 @@ class Trainer:
         c, m = self.ckpt.last_save_s or 0.0, self.cfg.checkpoint.mtbf_hours * 3600
         optimum_s, steps = young_daly_steps(c, m, step_s)
         steps = int(D.all_reduce_max(float(steps) if self.env.is_main else 0.0, self.env))
-        if steps != self.ckpt_every:
+        if steps != self.ckpt.every:
             self.log(f"checkpoint interval auto: sqrt(2 × C {c:.3f} s × MTBF {m:.4g} s) = {optimum_s:.3f} s "
                      f"= every {steps} steps of {step_s:.4f} s")
-            self.ckpt_every = steps
+            self.ckpt.every = steps
 
     def _check_bad_step(self, loss: float, norm: float, applied: bool) -> None:
         if applied:
@@ -433,8 +420,7 @@ class Trainer:
             return
         self.bad_in_row += 1
         self.bad_total += 1
-        if self.prom:
-            self.prom.bad_step()
+        self.metrics.bad_step()
         self.log(f"warning: step {self.step}: non-finite loss {loss} or grad norm {norm}: update skipped "
                  f"({self.bad_in_row} in a row)")
         if self.bad_in_row >= self.cfg.train.max_bad_steps:
@@ -446,29 +432,19 @@ class Trainer:
         if len(times) < 2:
             return
         med, slow = slow_ranks(times, self.cfg.log.straggler_factor)
-        if self.prom and self.env.is_main:
-            self.prom.straggler(slow[0] if slow else None)
+        self.metrics.straggler(slow[0] if slow else None)
         for r in slow:
             self.log(f"warning: straggler: rank {r} compute time {times[r]:.3f}s vs median {med:.3f}s")
 
-    def close(self) -> None:
+    def close(self, reason: str | None = None) -> None:
+        """`reason`: how the attempt ended (exit_reason's words), recorded as its last event."""
         self.preempt.uninstall()
         self.ckpt.close()
         if self.sample_log:
             self.sample_log.close()
-        if self.metrics:
-            self.metrics.close()
-        if self.prom:
-            self.prom.close()
-
-
-def _train_metrics(run: str, rank: int, port: int | None, host: str):
-    try:
-        from llmcluster.monitor.train_metrics import TrainMetrics
-    except ImportError:
-        print("warning: log.metrics_bind is set but the monitor package is unavailable", file=sys.stderr)
-        return None
-    return TrainMetrics(run, rank, port, bind=host)
+        self.metrics.status = {"completed": "FINISHED", "preempted": "PREEMPTED"}.get(reason, "FAILED")
+        self.metrics.close()
+        self.events.close(reason)
 
 
 def train_cli(args) -> int:
@@ -476,16 +452,19 @@ def train_cli(args) -> int:
     root = resolve_storage_root(args.root, cfg.run.storage)
     trainer = None
     ok = False
+    reason = "failed"
     try:
         trainer = Trainer(cfg, root, resume=args.resume)
         code = trainer.fit()
         ok = True
-        exit_reason.write("preempted" if code == EXIT_PREEMPTED else "completed")
+        reason = "preempted" if code == EXIT_PREEMPTED else "completed"
+        exit_reason.write(reason)
         return code
     except CollectiveFailure as e:   # a peer died: a restart (or a requeue onto other nodes) may cure it
         exit_reason.write("failed", f"{type(e).__name__}: {e}")
         raise
     except UserError as e:      # bad config, the non-finite-step limit: a requeue would repeat it
+        reason = "fatal"
         exit_reason.write("fatal", str(e))
         raise
     except BaseException as e:  # NCCL timeout, a lost peer, ...: the launcher may requeue
@@ -493,5 +472,5 @@ def train_cli(args) -> int:
         raise
     finally:
         if trainer is not None:
-            trainer.close()
+            trainer.close(reason)
         D.shutdown(barrier=ok)  # after a failure a peer may be gone: no barrier, which could hang or raise

@@ -1,0 +1,216 @@
+"""`llmcluster jobs goodput RUN`: where a run's allocated time went, from its own logs/<run>/events.jsonl.
+
+Each attempt (a process group of the run: a torchrun restart, a requeue, a resume by hand) runs from its
+process's start to its last line: its exit, or for a killed attempt its last event or per-step heartbeat.
+The time between one attempt's end and the next one's start is `queued_s`, reported apart: it is neither
+productive nor badput of the job. The attempts' own time, `wall_s`, is split by the event that closes each
+interval between two consecutive lines:
+  - a training step's interval (up to its heartbeat, or to the eval/save that starts at that step) is
+    productive if the step reached a checkpoint the run went on from (the next attempt's restored step; the
+    last attempt's last durable checkpoint, or all of it if it completed), else `lost_progress`;
+  - up to init_done, restore_start and a step at or below the attempt's starting step: `startup`;
+  - restore_start → restore_end: `checkpoint_restore`; save_start → save_end: `checkpoint_save` (what
+    training was blocked: an async save's background write overlaps training); eval_start → eval_end: `eval`;
+  - the last step boundary → a failed exit: `failure` (the step in flight, and noticing the failure);
+  - anything else (shutdown after the last checkpoint, an unknown event): `other`.
+So productive_s + sum(badput_s) == wall_s exactly. No torch here: the head node runs this.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from llmcluster.errors import UserError
+from llmcluster.train.events import EVENTS, read_events
+
+BUCKETS = ("startup", "checkpoint_restore", "checkpoint_save", "eval", "lost_progress", "failure", "other")
+BAR = {"productive": "#", "startup": "s", "checkpoint_restore": "r", "checkpoint_save": "c", "eval": "e",
+       "lost_progress": "l", "failure": "f", "other": "o"}   # the text bar's letters
+_STEP_END = {"step", "eval_start", "save_start", "checkpointed"}   # closes an interval of training at `step`
+_SPANS = {"eval_end": "eval", "save_end": "checkpoint_save", "restore_end": "checkpoint_restore",
+          "init_done": "startup", "restore_start": "startup"}
+
+
+def attempts(events: list[dict]) -> list[list[dict]]:
+    """The run's attempts in order, each its events in time order."""
+    by: dict[int, list[dict]] = {}
+    for e in events:
+        by.setdefault(e["attempt"], []).append(e)
+    return [sorted(by[a], key=lambda e: e["t"]) for a in sorted(by)]
+
+
+def _start_step(att: list[dict]) -> int | None:
+    """The step an attempt trained from (after its restore), or None if it died before init_done."""
+    return next((e["step"] for e in att if e["event"] in ("init_done", "restore_end")), None)
+
+
+def _kept(atts: list[list[dict]], i: int) -> float:
+    """The last step of attempt i whose progress the run kept: the step the next attempt that got going
+    restored; for the last attempt, all of them if it completed, else its last durable checkpoint."""
+    for later in atts[i + 1:]:
+        s = _start_step(later)
+        if s is not None:
+            return s
+    att = atts[i]
+    if any(e["event"] == "exit" and e.get("reason") == "completed" for e in att):
+        return float("inf")
+    return max((e.get("ckpt", e["step"]) for e in att if e["event"] == "checkpointed"), default=0)
+
+
+def goodput(events: list[dict]) -> dict:
+    atts = attempts(events)
+    if not atts:
+        raise UserError("no events recorded for this run (events.jsonl is written by the trainer's rank 0)")
+    bad = dict.fromkeys(BUCKETS, 0.0)
+    productive = wall = queued = 0.0
+    step_times: list[float] = []
+    recomputed = 0
+    prev_end = None
+    for i, att in enumerate(atts):
+        start, end = att[0]["t"], att[-1]["t"]
+        wall += end - start
+        if prev_end is not None:
+            queued += max(0.0, start - prev_end)
+        prev_end = end
+        s0 = _start_step(att)
+        first = s0 if s0 is not None else float("inf")
+        kept = _kept(atts, i)
+        lost_steps = set()
+        for a, b in zip(att, att[1:]):
+            dt = b["t"] - a["t"]
+            ev, k = b["event"], b["step"]
+            if ev in _STEP_END and k > first:
+                if ev == "step" and a["event"] == "step" and a["step"] == k - 1:
+                    step_times.append(dt)
+                if k <= kept:
+                    productive += dt
+                else:
+                    bad["lost_progress"] += dt
+                    lost_steps.add(k)
+            elif ev in _STEP_END:
+                bad["startup"] += dt
+            elif ev in _SPANS:
+                bad[_SPANS[ev]] += dt
+            elif ev == "exit" and b.get("reason") in ("failed", "fatal"):
+                bad["failure"] += dt
+            else:
+                bad["other"] += dt
+        recomputed += len(lost_steps)
+    total_bad = sum(bad.values())
+    return {"wall_s": wall, "productive_s": productive, "goodput": productive / wall if wall > 0 else 0.0,
+            "queued_s": queued, "badput_s": bad,
+            "badput": {k: v / wall if wall > 0 else 0.0 for k, v in bad.items()},
+            "attempts": len(atts), "recomputed_steps": recomputed,
+            "step_time_s": statistics.median(step_times) if step_times else None,
+            "unaccounted_s": wall - productive - total_bad}
+
+
+def _spans(att: list[dict], start: str, end: str) -> list[float]:
+    """Durations from each `start` event to the next `end` event of one attempt."""
+    out, t0 = [], None
+    for e in att:
+        if e["event"] == start:
+            t0 = e["t"]
+        elif e["event"] == end and t0 is not None:
+            out.append(e["t"] - t0)
+            t0 = None
+    return out
+
+
+def model(events: list[dict], wall_s: float) -> dict | None:
+    """What the planner's Young/Daly model predicts for this run, fed with the run's own measurements:
+    C the median save, the restart R the median time from a later attempt's start to its init_done (the
+    restore within it), M the attempts' wall time per interruption (every attempt that did not complete),
+    τ the median time between two saves of one attempt. None without an interruption or two saves."""
+    from llmcluster.plan.checkpoint import badput_model
+
+    atts = attempts(events)
+    saves = [d for a in atts for d in _spans(a, "save_start", "save_end")]
+    gaps: list[float] = []
+    for att in atts:
+        t = [e["t"] for e in att if e["event"] == "save_start"]
+        gaps += [b - a for a, b in zip(t, t[1:])]
+    starts = [d for a in atts[1:] for d in _spans(a, "attempt_start", "init_done")]
+    interrupted = sum(1 for a in atts if not any(e["event"] == "exit" and e.get("reason") == "completed" for e in a))
+    if not (saves and gaps and starts and interrupted):
+        return None
+    inputs = {"write_s": statistics.median(saves), "restart_s": statistics.median(starts),
+              "read_s": statistics.median([d for a in atts for d in _spans(a, "restore_start", "restore_end")] or [0]),
+              "mtbf_s": wall_s / interrupted, "interval_s": statistics.median(gaps)}
+    bad = badput_model(**inputs)
+    return {"goodput": max(0.0, 1 - sum(bad.values())), "badput": bad, "inputs": inputs}
+
+
+def run_goodput(root: Path, run: str) -> dict:
+    from llmcluster.storage.layout import Storage
+
+    path = Storage(root).run_logs(run) / EVENTS
+    if not path.is_file():
+        raise UserError(f"run {run!r}: no {path} (runs record events.jsonl since issue 28's trainer)")
+    events = read_events(path)
+    result = {"run": run, **goodput(events)}
+    result["model"] = model(events, result["wall_s"])
+    return result
+
+
+def write_textfile(result: dict, path: Path) -> None:
+    """The breakdown as a Prometheus textfile (node_exporter's textfile collector reads it; atomic)."""
+    from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
+
+    reg = CollectorRegistry()
+    secs = Gauge("llmcluster_goodput_seconds", "Attempts' wall time of a run by where it went", ["run", "bucket"],
+                 registry=reg)
+    for k in ("productive", *BUCKETS):
+        secs.labels(result["run"], k).set(result["productive_s"] if k == "productive" else result["badput_s"][k])
+    secs.labels(result["run"], "queued").set(result["queued_s"])
+    Gauge("llmcluster_goodput_ratio", "Productive share of the attempts' wall time", ["run"],
+          registry=reg).labels(result["run"]).set(result["goodput"])
+    write_to_textfile(str(path), reg)
+
+
+def render(result: dict, plan: dict | None = None, width: int = 60, label: str = "plan") -> str:
+    """A table of seconds and shares (beside a prediction's shares, headed `label`), and a stacked bar
+    (one letter per bucket) of the wall time."""
+    wall = result["wall_s"]
+    rows = [("productive", result["productive_s"])] + [(k, result["badput_s"][k]) for k in BUCKETS]
+    lines = [f"run {result['run']}: {result['attempts']} attempt(s), wall {wall:.1f} s, "
+             f"goodput {result['goodput']:.1%} (queued apart: {result['queued_s']:.1f} s)"]
+    head = f"  {'bucket':<20}{'seconds':>10}{'share':>9}" + (f"{label:>9}" if plan else "")
+    lines.append(head)
+    for k, v in rows:
+        share = v / wall if wall > 0 else 0.0
+        p = "" if not plan else f"{(plan['goodput'] if k == 'productive' else plan['badput'].get(k, 0.0)):>9.2%}"
+        lines.append(f"  {k:<20}{v:>10.2f}{share:>9.1%}{p}")
+    bar = "".join(BAR[k] * round(width * v / wall if wall > 0 else 0) for k, v in rows)
+    lines.append(f"  [{bar[:width]:<{width}}]  " + ", ".join(f"{c} {k}" for k, c in BAR.items()))
+    return "\n".join(lines)
+
+
+def plot(result: dict, out_dir: Path, plan: dict | None = None, label: str = "plan") -> Path:
+    """goodput.png: one stacked bar of shares for the run, beside the plan's prediction when given."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cols = {"measured": {"productive": result["goodput"], **result["badput"]}}
+    if plan:
+        cols[label] = {"productive": plan["goodput"], **plan["badput"]}
+    fig, ax = plt.subplots(figsize=(5, 4))
+    bottom = dict.fromkeys(cols, 0.0)
+    for k in ("productive", *BUCKETS):
+        vals = [cols[c].get(k, 0.0) * 100 for c in cols]
+        ax.bar(list(cols), vals, bottom=[bottom[c] for c in cols], label=k)
+        for c, v in zip(cols, vals):
+            bottom[c] += v
+    ax.set_ylabel("% of attempts' wall time")
+    ax.set_title(f"{result['run']}: goodput")
+    ax.legend(fontsize=7)
+    path = out_dir / "goodput.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+

@@ -1,0 +1,148 @@
+"""The `eval:` section: each new durable checkpoint (every `eval.interval_checkpoints`-th, and the last one)
+is evaluated downstream by a job of its own, `llmcluster eval --model RUN --step N [--tasks ...]`, submitted
+by rank 0 to the scheduler the run itself runs on (read from its environment: a Slurm job, a Kubernetes
+pod, else local). On the local scheduler the job shares the training's cores, so it runs only when
+`eval.local: true`; on Slurm it is an sbatch job of its own; Kubernetes is not supported yet (said once).
+
+A submitted evaluation is pending until `logs/<run>/eval.jsonl` has a line for its step or its job has
+ended: `logs/<run>/eval/pending/step_<N>.json` records it, and checkpoint retention keeps a step whose
+evaluation is pending (`pending_steps`). No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PENDING = "pending"
+
+
+def eval_argv(run: str, step: int, root: Path, tasks: list[str] | None) -> list[str]:
+    """The evaluation job's command (a list: nothing of the config is ever put through a shell)."""
+    argv = [sys.executable, "-m", "llmcluster", "eval", "--model", run, "--step", str(step), "--root", str(root)]
+    return argv + (["--tasks", ",".join(tasks)] if tasks else [])
+
+
+def _results_steps(logs: Path) -> set[int]:
+    """Steps with a result line in eval.jsonl (written by `llmcluster eval` when it finishes)."""
+    out: set[int] = set()
+    try:
+        lines = (logs / "eval.jsonl").read_text(errors="replace").splitlines()
+    except OSError:
+        return out
+    for ln in lines:
+        try:
+            r = json.loads(ln)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and isinstance(r.get("step"), int):
+            out.add(r["step"])
+    return out
+
+
+def _local_alive(pid: object, step: int) -> bool:
+    """The pid is alive and is still our evaluation of `step` (a pid can be reused)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"eval" in argv and str(step).encode() in argv
+
+
+def _slurm_active(job_id: object) -> bool:
+    from llmcluster.launch.scheduler import ACTIVE_STATES
+
+    if not isinstance(job_id, str) or not job_id.isdigit():
+        return False
+    try:
+        p = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return True      # unknown: keep the checkpoint rather than delete what may still be read
+    return p.stdout.strip() in ACTIVE_STATES
+
+
+def pending_steps(logs: Path) -> set[int]:
+    """Checkpoint steps whose downstream evaluation has neither a result nor ended."""
+    folder = logs / "eval" / PENDING
+    if not folder.is_dir():
+        return set()
+    done = _results_steps(logs)
+    out = set()
+    for f in folder.glob("step_*.json"):
+        try:
+            rec = json.loads(f.read_text())
+            step = int(rec["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if step in done:
+            continue
+        alive = _slurm_active(rec.get("job_id")) if rec.get("scheduler") == "slurm" else \
+            _local_alive(rec.get("pid"), step)
+        if alive:
+            out.add(step)
+    return out
+
+
+class Downstream:
+    """Rank 0's submitter; `checkpointed(step)` after each durable checkpoint. Disabled: a no-op."""
+
+    def __init__(self, cfg, root: Path, logs: Path, enabled: bool, log=print, environ=os.environ):
+        self.cfg, self.root, self.logs, self.log = cfg.eval, root, logs, log
+        self.run = cfg.run.name
+        self.scheduler = ("slurm" if environ.get("SLURM_JOB_ID") else
+                          "k8s" if environ.get("KUBERNETES_SERVICE_HOST") else "local")
+        self.count = 0
+        self.enabled = enabled and self.cfg is not None
+        if self.enabled and self.scheduler == "local" and not self.cfg.local:
+            self.log("eval: downstream evaluation jobs are off on the local scheduler (they compete for the "
+                     "training's cores): set eval.local=true to run them")
+            self.enabled = False
+        elif self.enabled and self.scheduler not in ("local", "slurm"):
+            self.log(f"eval: submitting evaluation jobs on {self.scheduler} is not supported yet: run "
+                     "`llmcluster eval --model RUN --step N` for the checkpoints you want")
+            self.enabled = False
+
+    def checkpointed(self, step: int, final: bool = False) -> None:
+        if not self.enabled:
+            return
+        self.count += 1
+        if self.count % self.cfg.interval_checkpoints and not final:
+            return
+        argv = eval_argv(self.run, step, self.root, self.cfg.tasks)
+        folder = self.logs / "eval" / PENDING
+        folder.mkdir(parents=True, exist_ok=True)
+        out = self.logs / "eval" / f"job-step_{step}.log"
+        rec = {"step": step, "scheduler": self.scheduler, "argv": argv,
+               "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        try:
+            rec.update(self._submit(argv, out, step))
+        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+            self.log(f"warning: eval: could not submit the evaluation of step {step}: {e}")
+            return
+        tmp = folder / f".step_{step}.json.tmp"
+        tmp.write_text(json.dumps(rec) + "\n")
+        os.replace(tmp, folder / f"step_{step}.json")
+        self.log(f"eval: step {step} submitted ({rec.get('job_id')}); results in {self.logs / 'eval.jsonl'}")
+
+    def _submit(self, argv: list[str], out: Path, step: int) -> dict:
+        if self.scheduler == "local":
+            with open(out, "ab") as f:   # its own session: a Ctrl-C to the training does not reach it
+                p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+            return {"job_id": f"local-{p.pid}", "pid": p.pid}
+        from llmcluster.launch.spec import sh_join
+
+        script = out.with_suffix(".sh")
+        script.write_text(f"#!/bin/bash\n# llmcluster: downstream evaluation of {self.run} step {step}\n"
+                          f"exec {sh_join(argv)}\n")
+        p = subprocess.run(["sbatch", "--parsable", f"--job-name={self.run}-eval-{step}", f"--output={out}",
+                            "--nodes=1", str(script)], capture_output=True, text=True, timeout=60)
+        if p.returncode != 0:
+            raise RuntimeError(p.stderr.strip() or f"sbatch exited {p.returncode}")
+        return {"job_id": p.stdout.strip().split(";")[0]}

@@ -1,0 +1,100 @@
+"""The `eval:` section (issue 28): a downstream evaluation job per new checkpoint, and retention that never
+deletes a checkpoint whose evaluation is pending.
+
+The evaluation job itself is `llmcluster eval` (lm-evaluation-harness in its own venv, tested with it);
+here a sleeping stand-in process takes its place (its command line carries `eval` and the step, as the
+real one's does), so that "pending" is a real live process and "ended" a real exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_one_line_error, run_cli
+from llmcluster.config import load_job_config
+from llmcluster.storage.layout import Storage
+from llmcluster.train import downstream
+from llmcluster.train.checkpoint import Checkpointer
+from llmcluster.train.downstream import Downstream, pending_steps
+
+
+def stand_in(argv: list[str], seconds: float = 60) -> list[str]:
+    """A process that looks like the evaluation of argv's step (its arguments kept), alive for `seconds`."""
+    return [sys.executable, "-c", f"import time; time.sleep({seconds})", *argv[3:]]
+
+
+def cfg(*sets: str):
+    return load_job_config(None, ["run.name=r", *sets])
+
+
+def test_submits_every_nth_checkpoint_and_the_last(tmp_path, monkeypatch):
+    real = downstream.eval_argv
+    monkeypatch.setattr(downstream, "eval_argv", lambda *a: stand_in(real(*a)))
+    logs = tmp_path / "logs" / "r"
+    d = Downstream(cfg("eval.tasks=[arc_easy, ./my_task.yaml]", "eval.interval_checkpoints=2", "eval.local=true"),
+                   tmp_path, logs, True, log=lambda s: None, environ={})
+    for step, final in ((10, False), (20, False), (30, False), (35, True)):
+        d.checkpointed(step, final)
+    markers = {m["step"]: m for m in (json.loads(f.read_text()) for f in (logs / "eval" / "pending").glob("*.json"))}
+    assert sorted(markers) == [20, 35]
+    argv = real("r", 20, tmp_path, ["arc_easy", "./my_task.yaml"])
+    assert argv[3:] == ["eval", "--model", "r", "--step", "20", "--root", str(tmp_path),
+                        "--tasks", "arc_easy,./my_task.yaml"]
+    assert markers[20]["argv"][3:] == argv[3:] and markers[20]["scheduler"] == "local"
+    assert pending_steps(logs) == {20, 35}
+    # a result line ends step 20's pending state; the end of 35's job ends it too (a failed evaluation)
+    (logs / "eval.jsonl").write_text(json.dumps({"step": 20, "tasks": {}}) + "\n")
+    assert pending_steps(logs) == {35}
+    subprocess.run(["kill", str(markers[35]["pid"])], check=True)
+    assert _wait(lambda: pending_steps(logs) == set())
+
+
+def _wait(pred, timeout=10.0):
+    import time
+
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_local_scheduler_needs_the_opt_in(tmp_path):
+    said = []
+    d = Downstream(cfg("eval.tasks=[arc_easy]"), tmp_path, tmp_path / "logs", True, log=said.append, environ={})
+    d.checkpointed(10, True)
+    assert not (tmp_path / "logs" / "eval").exists() and "eval.local=true" in said[0]
+
+
+def test_retention_keeps_a_checkpoint_with_a_pending_evaluation(tmp_path):
+    root = tmp_path / "s"
+    storage = Storage(root)
+    for step in (2, 4, 6, 8):
+        d = storage.run_checkpoints("r") / f"step_{step}"
+        d.mkdir(parents=True)
+        (d / "COMPLETE.json").write_text("{}")
+    logs = storage.run_logs("r")
+    (logs / "eval" / "pending").mkdir(parents=True)
+    job = subprocess.Popen(stand_in(downstream.eval_argv("r", 4, root, None)))
+    try:
+        (logs / "eval" / "pending" / "step_4.json").write_text(json.dumps({"step": 4, "scheduler": "local",
+                                                                            "pid": job.pid}))
+        ck = Checkpointer(storage, "r", 0, 1, keep_last=1, log=lambda s: None)
+        ck.protected = lambda: pending_steps(logs)
+        ck.prune(8)
+        assert [s for s, _, _ in storage.checkpoint_steps("r")] == [4, 8]   # 2 and 6 go; 4 is being evaluated
+    finally:
+        job.kill()
+        job.wait()
+    ck.prune(8)
+    assert [s for s, _, _ in storage.checkpoint_steps("r")] == [8]      # its evaluation ended
+
+
+def test_bad_task_names_are_one_line(tmp_path):
+    p = run_cli("train", "-c", "llm_tiny", "--root", tmp_path, "--set", "eval.tasks=[--output, x]")
+    assert_one_line_error(p, "eval.tasks")

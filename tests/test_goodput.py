@@ -1,0 +1,121 @@
+"""`jobs goodput` on synthetic events.jsonl files (issue 28): every second of the attempts' wall time lands
+in exactly one bucket, time between attempts is queued (not badput), progress past the checkpoint the next
+attempt restored is lost, and `plan --json` predicts the same keys."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_one_line_error, run_cli
+from llmcluster.launch.goodput import BUCKETS, goodput
+from llmcluster.train.events import EVENTS
+
+
+def ev(t, attempt, event, step, **kw):
+    return {"t": t, "attempt": attempt, "event": event, "step": step, **kw}
+
+
+# attempt 1: 10 s startup, steps 1-4, a 2 s save of step 4, steps 5-7, then killed (no exit line).
+# attempt 2, 6 s later: restores step 4 (5 s startup, 2 s restore, 1 s to init_done), a 2 s eval, steps 5-8,
+# a 1 s save of step 8, 1 s to exit.
+EVENTS_TWO = [
+    ev(0, 1, "attempt_start", 0), ev(10, 1, "init_done", 0),
+    *[ev(10 + k, 1, "step", k) for k in range(1, 5)],
+    ev(14, 1, "save_start", 4, ckpt=4), ev(16, 1, "save_end", 4, ckpt=4), ev(16, 1, "checkpointed", 4, ckpt=4),
+    *[ev(12 + k, 1, "step", k) for k in range(5, 8)],
+    ev(25, 2, "attempt_start", 0), ev(30, 2, "restore_start", 0), ev(32, 2, "restore_end", 4),
+    ev(33, 2, "init_done", 4), ev(33, 2, "eval_start", 4), ev(35, 2, "eval_end", 4),
+    *[ev(31 + k, 2, "step", k) for k in range(5, 9)],
+    ev(39, 2, "save_start", 8, ckpt=8), ev(40, 2, "save_end", 8, ckpt=8), ev(40, 2, "checkpointed", 8, ckpt=8),
+    ev(41, 2, "exit", 8, reason="completed"),
+]
+
+
+def test_buckets_of_a_killed_and_a_resumed_attempt():
+    g = goodput(EVENTS_TWO)
+    assert g["attempts"] == 2 and g["wall_s"] == 35 and g["queued_s"] == 6
+    assert g["productive_s"] == 8
+    assert g["badput_s"] == {"startup": 16, "checkpoint_restore": 2, "checkpoint_save": 3, "eval": 2,
+                             "lost_progress": 3, "failure": 0, "other": 1}
+    assert g["productive_s"] + sum(g["badput_s"].values()) == g["wall_s"] and g["unaccounted_s"] == 0
+    assert g["recomputed_steps"] == 3 and g["step_time_s"] == 1
+    assert math.isclose(g["goodput"], 8 / 35)
+
+
+def test_failed_exit_tail_and_unfinished_last_attempt():
+    """A failed exit's tail (the step in flight, the failure's detection) is `failure`; the last attempt
+    of a run that has not finished keeps only what its last durable checkpoint holds."""
+    events = [ev(0, 1, "attempt_start", 0), ev(1, 1, "init_done", 0),
+              *[ev(1 + k, 1, "step", k) for k in range(1, 4)],
+              ev(4, 1, "save_start", 3, ckpt=3), ev(5, 1, "save_end", 3, ckpt=3),
+              ev(5, 1, "checkpointed", 3, ckpt=3), ev(6, 1, "step", 4), ev(7, 1, "step", 5),
+              ev(10, 1, "exit", 5, reason="failed")]
+    g = goodput(events)
+    assert g["productive_s"] == 3 and g["badput_s"]["lost_progress"] == 2 and g["badput_s"]["failure"] == 3
+    assert g["badput_s"]["startup"] == 1 and g["badput_s"]["checkpoint_save"] == 1 and g["wall_s"] == 10
+
+
+def test_an_attempt_that_died_in_startup_is_all_startup_and_the_next_restore_decides():
+    events = [ev(0, 1, "attempt_start", 0), ev(3, 1, "restore_start", 0),   # killed while restoring
+              ev(10, 2, "attempt_start", 0), ev(11, 2, "init_done", 0), ev(12, 2, "step", 1),
+              ev(13, 2, "exit", 1, reason="completed")]
+    g = goodput(events)
+    assert g["badput_s"]["startup"] == 4 and g["queued_s"] == 7 and g["productive_s"] == 1
+
+
+def write_events(root: Path, run: str, events: list[dict], junk: str = "") -> None:
+    logs = root / "logs" / run
+    logs.mkdir(parents=True)
+    (logs / EVENTS).write_text("".join(json.dumps(e) + "\n" for e in events) + junk)
+
+
+def test_cli_json_text_textfile_and_plot(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    root = tmp_path / "s"
+    write_events(root, "r", EVENTS_TWO, junk='{"t": 99, "attempt": 2, "ev')    # a line cut by a crash: skipped
+    p = run_cli("jobs", "goodput", "r", "--root", root, "--json", "--plan", "seed-a100-7b",
+                "--textfile", tmp_path / "g.prom", "--plot", tmp_path / "plots", check=True)
+    out = json.loads(p.stdout)
+    assert out["wall_s"] == 35 and out["badput_s"]["other"] == 1 and out["goodput"] == pytest.approx(8 / 35)
+    assert set(out["plan"]["badput"]) == set(out["badput_s"]) == set(BUCKETS)
+    assert (tmp_path / "plots" / "goodput.png").stat().st_size > 1000
+    fams = {f.name: f for f in text_string_to_metric_families((tmp_path / "g.prom").read_text())}
+    secs = {s.labels["bucket"]: s.value for s in fams["llmcluster_goodput_seconds"].samples}
+    assert secs["productive"] == 8 and secs["lost_progress"] == 3 and secs["queued"] == 6
+    assert fams["llmcluster_goodput_ratio"].samples[0].value == pytest.approx(8 / 35)
+    text = run_cli("jobs", "goodput", "r", "--root", root, check=True).stdout
+    assert "goodput 22.9%" in text and "lost_progress" in text and "[" in text
+
+
+def test_cli_unknown_run_is_one_line(tmp_path):
+    assert_one_line_error(run_cli("jobs", "goodput", "nope", "--root", tmp_path), "events.jsonl")
+
+
+def test_plan_json_predicts_the_same_buckets():
+    r = json.loads(run_cli("plan", "seed-a100-7b", "--json", check=True).stdout)["time"]
+    assert set(r["badput"]) == set(BUCKETS) == set(r["badput_s"])
+    assert math.isclose(r["goodput"] + sum(r["badput"].values()), 1.0)
+    assert math.isclose(sum(r["badput_s"].values()), (1 - r["goodput"]) * r["wall_s"])
+    assert r["badput"]["lost_progress"] > 0 and r["badput"]["checkpoint_save"] > 0
+
+
+def test_the_plans_model_fed_with_the_runs_own_measurements():
+    """C, R, MTBF and the interval measured from the events give Young/Daly's prediction per bucket."""
+    from llmcluster.launch.goodput import model
+
+    events = [ev(0, 1, "attempt_start", 0), ev(2, 1, "init_done", 0), ev(3, 1, "step", 1),
+              ev(5, 1, "save_start", 1), ev(6, 1, "save_end", 1), ev(8, 1, "step", 2),
+              ev(10, 1, "save_start", 2), ev(11, 1, "save_end", 2), ev(13, 1, "step", 3),     # killed
+              ev(15, 2, "attempt_start", 0), ev(17, 2, "restore_start", 0), ev(18, 2, "restore_end", 2),
+              ev(19, 2, "init_done", 2), ev(25, 2, "exit", 3, reason="completed")]
+    m = model(events, goodput(events)["wall_s"])
+    assert m["inputs"] == {"write_s": 1, "restart_s": 4, "read_s": 1, "mtbf_s": 23, "interval_s": 5}
+    assert m["badput"]["startup"] == pytest.approx(3 / 23) and m["badput"]["lost_progress"] == pytest.approx(2.5 / 23)
+    assert m["badput"]["checkpoint_save"] == pytest.approx(1 / 5)
+    assert m["goodput"] == pytest.approx(1 - 3 / 23 - 1 / 23 - 1 / 5 - 2.5 / 23)
+    assert model(EVENTS_TWO, 35) is None      # one save per attempt: no interval to feed it
