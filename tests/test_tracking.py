@@ -12,15 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlflow   # the test extra installs both: a missing one fails here, never skips
 import pytest
+import wandb
 
 from conftest import REPO, assert_one_line_error, run_cli
 from faultkit import make_dataset, sets, train_env
 from llmcluster.train.tracking import scalars
 
 pytestmark = pytest.mark.slow
-wandb = pytest.importorskip("wandb", reason="the test extra installs wandb")
-mlflow = pytest.importorskip("mlflow", reason="the test extra installs mlflow-skinny")
 
 OVER = dict(train__steps=6, checkpoint__interval_steps=3, log__interval=2, log__eval_interval=3,
             log__tensorboard=True, log__wandb__project="llmcluster-test", log__mlflow__experiment="track")
