@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -40,8 +41,8 @@ def test_statistics_of_recorded_timings():
     assert p["output_tokens_per_s"] == 15 / 2 and p["total_tokens_per_s"] == (15 + 30) / 2
     assert p["ttft_ms"]["mean"] == pytest.approx(200) and p["ttft_ms"]["p50"] == pytest.approx(200)
     assert p["ttft_ms"]["p99"] == pytest.approx(200 + 0.98 * 100)   # 98% of the way from 200 to 300 ms
-    # TPOT: (end - first token) / 4 = (gaps + 1 ms) / 4
-    tpots = sorted([(0.08 + 0.001) / 4, (0.12 + 0.001) / 4, (0.12 + 0.001) / 4])
+    # TPOT: (last token - first token) / 4 = the gaps' mean
+    tpots = [0.08 / 4, 0.12 / 4, 0.12 / 4]
     assert p["tpot_ms"]["mean"] == pytest.approx(1e3 * sum(tpots) / 3)
     itl = sorted([0.02] * 4 + [0.03] * 4 + [0.01, 0.01, 0.05, 0.05])
     assert p["itl_ms"]["p50"] == pytest.approx(1e3 * float(np.percentile(itl, 50)))
@@ -132,7 +133,7 @@ def test_bench_against_the_vllm_server(vllm_server):
     from conftest import run_cli
 
     proc = run_cli("serve", "bench", "--endpoint", vllm_server.base_url, "--name", "bench-test", "--concurrency",
-                   "1,2", "--requests", "4", "--output-len", "8", "--cluster", "rtx4090-box",
+                   "1,2", "--requests", "4", "--input-len", "16", "--output-len", "8", "--cluster", "rtx4090-box",
                    "--root", vllm_server.root, "--json", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout)
@@ -146,3 +147,24 @@ def test_bench_against_the_vllm_server(vllm_server):
     dec = r["decode"]
     assert dec["gpu"] == "RTX4090" and dec["plan_bound_tokens_per_s"] > 0
     assert dec["efficiency"] == pytest.approx(dec["tokens_per_s"] / dec["plan_bound_tokens_per_s"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_benchmark_into_the_same_record(vllm_server):
+    """--engine-python: vLLM's own `vllm bench serve` (through the CPU build's metadata shim) measures, and its
+    result lands in the same record's fields."""
+    from conftest import REPO, run_cli
+
+    engine = subprocess.run(["bash", "scripts/vllm_venv.sh"], cwd=REPO, capture_output=True, text=True,
+                            check=True).stdout.splitlines()[-1]
+    proc = run_cli("serve", "bench", "--endpoint", vllm_server.base_url, "--name", "bench-vllm", "--concurrency",
+                   "2", "--requests", "4", "--input-len", "16", "--output-len", "8", "--engine-python", engine,
+                   "--root", vllm_server.root, "--json", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert r["settings"]["client"].startswith("vllm bench serve") and r["settings"]["input_unit"] == "tokens"
+    (p,) = r["results"]
+    assert (p["concurrency"], p["completed"], p["errors"]) == (2, 4, [])
+    assert p["output_tokens_per_s"] > 0 and 0 < p["ttft_ms"]["p50"] <= p["ttft_ms"]["p99"] <= p["e2e_ms"]["p99"]
+    assert r["decode"]["tokens_per_s"] == pytest.approx(1e3 / p["tpot_ms"]["mean"])

@@ -80,7 +80,8 @@ def _register_bench(actions) -> None:
     b.add_argument("--concurrency", type=_concurrencies, default=[1, 2, 4], metavar="1,2,4",
                    help="requests in flight, a sweep point each (default 1,2,4)")
     b.add_argument("--requests", type=_count, default=16, metavar="K", help="requests per sweep point (default 16)")
-    b.add_argument("--input-words", type=_count, default=32, metavar="N", help="prompt length in words (default 32)")
+    b.add_argument("--input-len", type=_count, default=32, metavar="N",
+                   help="prompt length: words with the project's client, tokens with vLLM's benchmark (default 32)")
     b.add_argument("--output-len", type=_count, default=32, metavar="N",
                    help="tokens generated per request, end of sequence ignored (default 32)")
     b.add_argument("--cluster", metavar="FILE|NAME",
@@ -88,6 +89,9 @@ def _register_bench(actions) -> None:
                         "(what `serve plan --calibrate` reads)")
     b.add_argument("--plan-model", metavar="RUN_OR_PATH_OR_PRESET",
                    help="the model to plan (default: the directory the endpoint reports serving)")
+    b.add_argument("--engine-python", metavar="PY",
+                   help="measure with vLLM's own benchmark (`vllm bench serve`) run by this Python (e.g. the one "
+                        "scripts/vllm_venv.sh prints); default: the project's client, which needs no engine")
     b.add_argument("--json", action="store_true", help="print the record as one JSON object")
     add_config_args(b, required=False)
     add_root_arg(b)
@@ -97,6 +101,7 @@ def _register_bench(actions) -> None:
 def run_bench(args) -> int:
     import json
     import sys
+    from pathlib import Path
 
     from llmcluster.config.load import load_job_config
     from llmcluster.errors import UserError
@@ -132,7 +137,10 @@ def run_bench(args) -> int:
               f"TPOT mean {_ms(p['tpot_ms']['mean'])}, e2e p50 {_ms(p['e2e_ms']['p50'])}",
               file=sys.stderr if args.json else sys.stdout)
 
-    result = bench(ep, model, args.concurrency, args.requests, args.input_words, args.output_len, progress)
+    root = entry.get("root")
+    tokenizer = root if isinstance(root, str) and Path(root, "tokenizer.json").is_file() else None
+    result = bench(ep, model, args.concurrency, args.requests, args.input_len, args.output_len, progress,
+                   args.engine_python, tokenizer)
     result["name"] = name
     result["decode"] = decode_efficiency(result["results"], plan)
     out, png = write(result, logs)

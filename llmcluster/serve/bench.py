@@ -3,11 +3,13 @@
 The project's own client (stdlib threads + http.client, so it runs from a head node without the engine): each
 request streams /v1/completions with greedy decoding and a fixed output length (vLLM's `ignore_eos`), and the
 arrival time of every streamed chunk is kept. From those timings, per concurrency:
-- TTFT: request sent -> first token; TPOT: (end - first token) / (output tokens - 1), a request's mean decode step;
+- TTFT: request sent -> first token; TPOT: (last token - first token) / (output tokens - 1), a request's mean
+  decode step (vLLM's benchmark's definitions);
   ITL: the gaps between chunks; end-to-end latency. Each as mean, p50, p99 (linear interpolation, numpy's default).
 - request and token throughput: completed requests and output (and prompt + output) tokens over the sweep
   point's wall time.
 Every prompt is distinct (a prefix cache would otherwise answer most of the prefill). One warm-up request first.
+With `--engine-python`, vLLM's own benchmark measures instead (vllm_bench.py), into the same record.
 
 The decode rate of one sequence, 1000 / mean TPOT at the lowest concurrency, is set against `serve plan`'s memory
 bandwidth bound for the model on the cluster (`--cluster`): that ratio is the decode efficiency `serve plan
@@ -19,6 +21,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -54,6 +57,7 @@ class Endpoint:
             raise UserError(f"--endpoint {url!r}: not a port number") from None
         self.url, self.scheme, self.host = url, u.scheme, u.hostname
         self.path = u.path.rstrip("/") or "/v1"
+        self.server = f"{u.scheme}://{u.netloc}"
         self.timeout = timeout
 
     def _conn(self) -> http.client.HTTPConnection:
@@ -134,7 +138,7 @@ def summary(xs: list[float]) -> dict[str, float | None]:
 def point_stats(timings: list[Timing], concurrency: int, wall_s: float) -> dict:
     """The figures of one sweep point from its requests' timings and its wall time."""
     ok = [t for t in timings if t.error is None]
-    tpot = [(t.e2e - t.chunks[0]) / (t.output_tokens - 1) for t in ok if t.output_tokens > 1]
+    tpot = [(t.chunks[-1] - t.chunks[0]) / (t.output_tokens - 1) for t in ok if t.output_tokens > 1]
     out_tokens = sum(t.output_tokens for t in ok)
     return {
         "concurrency": concurrency, "requests": len(timings), "completed": len(ok),
@@ -180,22 +184,37 @@ def decode_efficiency(points: list[dict], plan: dict | None) -> dict:
     return out
 
 
-def bench(ep: Endpoint, model: str, concurrencies: list[int], requests: int, input_words: int, output_len: int,
-          progress=lambda msg: None) -> dict:
-    warm = ep.complete(model, prompt(-1, input_words), min(output_len, 4))   # first-request set-up, uncounted
-    if warm.error:
-        raise UserError(f"--endpoint {ep.url}: the warm-up request failed ({warm.error})")
+def bench(ep: Endpoint, model: str, concurrencies: list[int], requests: int, input_len: int, output_len: int,
+          progress=lambda point: None, engine_python: str | None = None, tokenizer: str | None = None) -> dict:
+    """The sweep: the project's client (input_len in words), or vLLM's benchmark run by `engine_python` (input_len
+    in tokens of `tokenizer`, the served model's directory)."""
+    if engine_python is None:
+        warm = ep.complete(model, prompt(-1, input_len), min(output_len, 4))   # first-request set-up, uncounted
+        if warm.error:
+            raise UserError(f"--endpoint {ep.url}: the warm-up request failed ({warm.error})")
+    elif shutil.which(engine_python) is None:
+        raise UserError(f"--engine-python {engine_python}: not an executable")
+    elif tokenizer is None:
+        raise UserError("--engine-python: vLLM's benchmark tokenizes with the served model's tokenizer, and the "
+                        "endpoint's model directory is not readable here")
     points, first = [], 0
     for c in concurrencies:
-        timings, wall = run_point(ep, model, c, requests, input_words, output_len, first)
-        first += requests
-        p = point_stats(timings, c, wall)
-        p["timings"] = [asdict(t) for t in timings]
+        if engine_python is None:
+            timings, wall = run_point(ep, model, c, requests, input_len, output_len, first)
+            first += requests
+            p = point_stats(timings, c, wall)
+            p["timings"] = [asdict(t) for t in timings]
+        else:
+            from llmcluster.serve.vllm_bench import run_vllm_bench
+
+            p = run_vllm_bench(engine_python, ep.server, model, tokenizer, c, requests, input_len, output_len)
         points.append(p)
         progress(p)
+    client = "llmcluster (http.client threads)" if engine_python is None else f"vllm bench serve ({engine_python})"
     return {"format": FORMAT, "endpoint": ep.url, "model": model,
-            "settings": {"concurrency": concurrencies, "requests": requests, "input_words": input_words,
-                         "output_len": output_len, "client": "llmcluster (http.client threads)"},
+            "settings": {"concurrency": concurrencies, "requests": requests, "output_len": output_len,
+                         "input_len": input_len, "input_unit": "words" if engine_python is None else "tokens",
+                         "client": client},
             "results": points}
 
 
