@@ -133,8 +133,8 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
     try:
         tmp.mkdir(parents=True)
         _write(tmp / "config.json", json.dumps({**base, **hf_config(cfg.model, eos_id, bos_id)}, indent=2))
-        # No sampling fields: vLLM applies generation_config.json's as every request's defaults, so a client's
-        # greedy request (no temperature given) would sample. The end of a chat turn stops generation too.
+        # No sampling fields: vLLM applies generation_config.json's as the defaults of every request that does
+        # not set them, silently replacing the API's. The end of a chat turn stops generation too.
         _write(tmp / "generation_config.json", json.dumps(
             {"bos_token_id": eos_id if bos_id is None else bos_id,
              "eos_token_id": eos_id if turn_id in (None, eos_id) else [eos_id, turn_id]}))

@@ -41,8 +41,8 @@ def engine_warnings(m: ServedModel, cpu: bool) -> list[str]:
     sampling = [k for k in SAMPLING_FIELDS if k in gen]
     if sampling and gen.get("do_sample", True) is not False:
         out.append(f"{d / 'generation_config.json'}: {', '.join(f'{k}={gen[k]}' for k in sampling)} become the "
-                   "default of every request that does not set them (a greedy client would sample); "
-                   "re-export, or remove them")
+                   "default of every request that does not set them, in place of the API's; re-export, or "
+                   "remove them")
     conf = _json(d / "tokenizer_config.json")
     if (d / "tokenizer_config.json").is_file() and not conf.get("chat_template"):
         out.append(f"{m.name}: no chat template in tokenizer_config.json: /v1/chat/completions will answer 400 "
