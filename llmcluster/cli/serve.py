@@ -116,7 +116,7 @@ def run_bench(args) -> int:
     if entry is None:
         raise UserError(f"--model {args.model}: the endpoint serves {', '.join(str(m['id']) for m in served)}")
     model = entry["id"]
-    name = check_run_name(args.name or f"serve-{model}")
+    name = check_run_name(args.name or f"serve-{model.rstrip('/').rsplit('/', 1)[-1]}")   # org/model: model
     logs = Storage(resolve_storage_root(args.root, job.run.storage)).run_logs(name)
     plan = None
     if args.cluster:   # before the load: a bad --cluster or model is said at once
