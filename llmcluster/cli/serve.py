@@ -1,4 +1,5 @@
-"""`llmcluster serve plan`: size vLLM serving for a model on the cluster's GPUs (pure Python, no torch)."""
+"""`llmcluster serve plan`: size vLLM serving for a model on the cluster's GPUs (pure Python, no torch);
+`serve bench`: load an endpoint and measure it."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ def register(sub) -> None:
     plan.add_argument("--cluster", metavar="FILE|NAME",
                       help="cluster spec (default: $LLMCLUSTER_CLUSTER, else ./cluster.yaml)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    plan.add_argument("--calibrate", nargs="+", default=[], metavar="BENCH_JSON",
+                      help="scale the decode bounds by the efficiency `serve bench` measured on this GPU")
     add_config_args(plan, required=False)
     add_root_arg(plan)
     plan.set_defaults(func=run_plan)
+    _register_bench(actions)
 
 
 def run_plan(args) -> int:
@@ -32,6 +36,10 @@ def run_plan(args) -> int:
     job = load_job_config(args.config, args.overrides)
     model = resolve_model(args.model, args.root, job.run.storage)
     result = serve_plan(model, Box.from_cluster(load_cluster(args.cluster).spec), job.serve)
+    if args.calibrate and "refusal" not in result:
+        from llmcluster.serve.bench import apply_calibration
+
+        apply_calibration(result, args.calibrate)
     if args.json:
         print(json.dumps(result))
     if "refusal" in result:
@@ -41,3 +49,115 @@ def run_plan(args) -> int:
 
         render(result)
     return 0
+
+
+def _concurrencies(text: str) -> list[int]:
+    import argparse
+
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1 or max(out) > 1024:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of integers 1..1024")
+    return sorted(set(out))
+
+
+def _count(text: str) -> int:
+    import argparse
+
+    if not text.isdigit() or not 1 <= int(text) <= 100_000:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer 1..100000")
+    return int(text)
+
+
+def _register_bench(actions) -> None:
+    b = actions.add_parser("bench", help="load an OpenAI endpoint (vLLM): TTFT, TPOT/ITL, latency, throughput")
+    b.add_argument("--endpoint", required=True, metavar="URL", help="the API base, e.g. http://HOST:PORT/v1")
+    b.add_argument("--name", help="the serving job whose logs/<name>/ gets bench-<time>.json and .png "
+                                  "(default: serve-<model>, as `serve start` names it)")
+    b.add_argument("--model", help="the served model name (default: the endpoint's first, GET /v1/models)")
+    b.add_argument("--concurrency", type=_concurrencies, default=[1, 2, 4], metavar="1,2,4",
+                   help="requests in flight, a sweep point each (default 1,2,4)")
+    b.add_argument("--requests", type=_count, default=16, metavar="K", help="requests per sweep point (default 16)")
+    b.add_argument("--input-len", type=_count, default=32, metavar="N",
+                   help="prompt length: words with the project's client, tokens with vLLM's benchmark (default 32)")
+    b.add_argument("--output-len", type=_count, default=32, metavar="N",
+                   help="tokens generated per request, end of sequence ignored (default 32)")
+    b.add_argument("--cluster", metavar="FILE|NAME",
+                   help="plan the model on this cluster and record the decode rate as a share of its bound "
+                        "(what `serve plan --calibrate` reads)")
+    b.add_argument("--plan-model", metavar="RUN_OR_PATH_OR_PRESET",
+                   help="the model to plan (default: the directory the endpoint reports serving)")
+    b.add_argument("--engine-python", metavar="PY",
+                   help="measure with vLLM's own benchmark (`vllm bench serve`) run by this Python (e.g. the one "
+                        "scripts/vllm_venv.sh prints); default: the project's client, which needs no engine")
+    b.add_argument("--json", action="store_true", help="print the record as one JSON object")
+    add_config_args(b, required=False)
+    add_root_arg(b)
+    b.set_defaults(func=run_bench)
+
+
+def run_bench(args) -> int:
+    import json
+    import sys
+    from pathlib import Path
+
+    from llmcluster.config.load import load_job_config
+    from llmcluster.errors import UserError
+    from llmcluster.paths import resolve_storage_root
+    from llmcluster.serve.bench import Endpoint, bench, decode_efficiency, write
+    from llmcluster.storage.layout import Storage, check_run_name
+
+    job = load_job_config(args.config, args.overrides)
+    ep = Endpoint(args.endpoint)
+    served = ep.models()
+    entry = next((m for m in served if m["id"] == args.model), None) if args.model else served[0]
+    if entry is None:
+        raise UserError(f"--model {args.model}: the endpoint serves {', '.join(str(m['id']) for m in served)}")
+    model = entry["id"]
+    name = check_run_name(args.name or f"serve-{model.rstrip('/').rsplit('/', 1)[-1]}")   # org/model: model
+    logs = Storage(resolve_storage_root(args.root, job.run.storage)).run_logs(name)
+    plan = None
+    if args.cluster:   # before the load: a bad --cluster or model is said at once
+        from llmcluster.config.cluster_load import load_cluster
+        from llmcluster.serve.model import resolve_model
+        from llmcluster.serve.plan import Box, serve_plan
+
+        ref = args.plan_model or entry.get("root")
+        if not isinstance(ref, str):
+            raise UserError("--cluster: the endpoint does not say which directory it serves; give --plan-model")
+        plan = serve_plan(resolve_model(ref, args.root, job.run.storage),
+                          Box.from_cluster(load_cluster(args.cluster).spec), job.serve)
+
+    def progress(p: dict) -> None:
+        print(f"concurrency {p['concurrency']}: {p['completed']}/{p['requests']} ok, "
+              f"{p['request_throughput_per_s']:.2f} req/s, {p['output_tokens_per_s']:.1f} output tokens/s, "
+              f"TTFT p50 {_ms(p['ttft_ms']['p50'])} p99 {_ms(p['ttft_ms']['p99'])}, "
+              f"TPOT mean {_ms(p['tpot_ms']['mean'])}, e2e p50 {_ms(p['e2e_ms']['p50'])}",
+              file=sys.stderr if args.json else sys.stdout)
+
+    root = entry.get("root")
+    tokenizer = root if isinstance(root, str) and Path(root, "tokenizer.json").is_file() else None
+    result = bench(ep, model, args.concurrency, args.requests, args.input_len, args.output_len, progress,
+                   args.engine_python, tokenizer)
+    result["name"] = name
+    result["decode"] = decode_efficiency(result["results"], plan)
+    out, png = write(result, logs)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    dec = result["decode"]
+    if dec["efficiency"] is not None:
+        print(f"decode {dec['tokens_per_s']:,.1f} tokens/s for one sequence = {100 * dec['efficiency']:.3g}% of "
+              f"the plan's {dec['plan_bound_tokens_per_s']:,.0f} on {dec['gpu']} (serve plan --calibrate {out})")
+    print(f"wrote {out}, {png}")
+    failed = sum(p["requests"] - p["completed"] for p in result["results"])
+    if failed:
+        errors = sorted({e for p in result["results"] for e in p["errors"]})
+        print(f"error: {failed} requests failed ({'; '.join(errors)[:300]})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.1f} ms"

@@ -37,6 +37,10 @@ def render(r: dict[str, Any]) -> None:
         ("prefill", f"{th['prefill_tokens_per_s_bound']:,.0f} tokens/s (compute); "
                     f"{th['ttft_bound_ms']:,.0f} ms for a {sv['max_model_len']:,}-token prompt"),
     ]))
+    if "decode_efficiency" in th:
+        con.print(f"calibrated: decode {th['decode_tokens_per_s_expected']:,.0f} tokens/s for one sequence, "
+                  f"{th['decode_batch_tokens_per_s_expected']:,.0f} for a full batch "
+                  f"({th['decode_efficiency']:.1%} of the bounds, {th['calibrated_from']})")
     for note in r["notes"]:
         con.print(f"note: {note}")
 
