@@ -108,14 +108,19 @@ def test_the_plans_model_fed_with_the_runs_own_measurements():
     """C, R, MTBF and the interval measured from the events give Young/Daly's prediction per bucket."""
     from llmcluster.launch.goodput import model
 
-    events = [ev(0, 1, "attempt_start", 0), ev(2, 1, "init_done", 0), ev(3, 1, "step", 1),
-              ev(5, 1, "save_start", 1), ev(6, 1, "save_end", 1), ev(8, 1, "step", 2),
-              ev(10, 1, "save_start", 2), ev(11, 1, "save_end", 2), ev(13, 1, "step", 3),     # killed
-              ev(15, 2, "attempt_start", 0), ev(17, 2, "restore_start", 0), ev(18, 2, "restore_end", 2),
-              ev(19, 2, "init_done", 2), ev(25, 2, "exit", 3, reason="completed")]
-    m = model(events, goodput(events)["wall_s"])
-    assert m["inputs"] == {"write_s": 1, "restart_s": 4, "read_s": 1, "mtbf_s": 23, "interval_s": 5}
-    assert m["badput"]["startup"] == pytest.approx(3 / 23) and m["badput"]["lost_progress"] == pytest.approx(2.5 / 23)
-    assert m["badput"]["checkpoint_save"] == pytest.approx(1 / 5)
-    assert m["goodput"] == pytest.approx(1 - 3 / 23 - 1 / 23 - 1 / 5 - 2.5 / 23)
-    assert model(EVENTS_TWO, 35) is None      # one save per attempt: no interval to feed it
+    events = [ev(0, 1, "attempt_start", 0), ev(2, 1, "init_done", 0), *[ev(2 + k, 1, "step", k) for k in (1, 2)],
+              ev(4, 1, "save_start", 2, ckpt=2), ev(5, 1, "save_end", 2), ev(5, 1, "checkpointed", 2, ckpt=2),
+              *[ev(3 + k, 1, "step", k) for k in (3, 4)],
+              ev(7, 1, "save_start", 4, ckpt=4), ev(8, 1, "save_end", 4), ev(8, 1, "checkpointed", 4, ckpt=4),
+              ev(9, 1, "step", 5),                                                                   # killed
+              ev(11, 2, "attempt_start", 0), ev(13, 2, "restore_start", 0), ev(14, 2, "restore_end", 4),
+              ev(15, 2, "init_done", 4), ev(16, 2, "step", 5), ev(17, 2, "exit", 5, reason="completed")]
+    g = goodput(events)
+    assert g["wall_s"] == 15 and g["step_time_s"] == 1
+    m = model(events, g)
+    assert m["inputs"] == {"write_s": 1, "restart_s": 4, "read_s": 1, "mtbf_s": 15, "interval_s": 2}
+    assert m["badput"]["startup"] == pytest.approx(3 / 15) and m["badput"]["lost_progress"] == pytest.approx(1 / 15)
+    assert m["badput"]["checkpoint_save"] == pytest.approx(1 / 2)
+    assert m["goodput"] == pytest.approx(1 - 3 / 15 - 1 / 15 - 1 / 2 - 1 / 15)
+    assert model(EVENTS_TWO, goodput(EVENTS_TWO)) is not None
+    assert model(EVENTS_TWO[:12], goodput(EVENTS_TWO[:12])) is None     # one attempt, never interrupted twice

@@ -74,7 +74,7 @@ def chaos(tmp_path_factory):
     last = run(torchrun_cmd(2, *args), timeout=300, **ENV)
     assert last.returncode == 0, last.stdout[-3000:] + last.stderr[-3000:]
     g = json.loads(run_cli("jobs", "goodput", "gp", "--root", root, "--json", check=True).stdout)
-    print(run_cli("jobs", "goodput", "gp", "--root", root, "--plan", "seed-a100-7b").stdout)
+    print(run_cli("jobs", "goodput", "gp", "--root", root).stdout)   # beside the model fed with its own C, R, M, τ
     return {"root": root, "g": g}
 
 

@@ -219,7 +219,7 @@ class MlflowConfig(Section):
     @classmethod
     def _no_credentials(cls, v: str | None) -> str | None:
         # The config is copied into the launch directory, run.json and every sink: no secret may be in it.
-        if v is not None and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@]*@", v):
+        if v is not None and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/@]*@.*", v, re.DOTALL):
             raise ValueError("log.mlflow.tracking_uri must not carry credentials (user:password@): set "
                              "MLFLOW_TRACKING_USERNAME and "
                              "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in job.env instead")

@@ -118,26 +118,25 @@ def _spans(att: list[dict], start: str, end: str) -> list[float]:
     return out
 
 
-def model(events: list[dict], wall_s: float) -> dict | None:
+def model(events: list[dict], result: dict) -> dict | None:
     """What the planner's Young/Daly model predicts for this run, fed with the run's own measurements:
     C the median save, the restart R the median time from a later attempt's start to its init_done (the
     restore within it), M the attempts' wall time per interruption (every attempt that did not complete),
-    τ the median time between two saves of one attempt. None without an interruption or two saves."""
+    τ the checkpoint interval: the widest step gap between two durable checkpoints (a preemption's or the
+    last step's save comes early) × the median step. None without an interruption or two checkpoints."""
     from llmcluster.plan.checkpoint import badput_model
 
     atts = attempts(events)
     saves = [d for a in atts for d in _spans(a, "save_start", "save_end")]
-    gaps: list[float] = []
-    for att in atts:
-        t = [e["t"] for e in att if e["event"] == "save_start"]
-        gaps += [b - a for a, b in zip(t, t[1:])]
+    ckpts = sorted({e.get("ckpt", e["step"]) for e in events if e["event"] == "checkpointed"})
+    gap = max((b - a for a, b in zip(ckpts, ckpts[1:])), default=0)
     starts = [d for a in atts[1:] for d in _spans(a, "attempt_start", "init_done")]
     interrupted = sum(1 for a in atts if not any(e["event"] == "exit" and e.get("reason") == "completed" for e in a))
-    if not (saves and gaps and starts and interrupted):
+    if not (saves and gap and starts and interrupted and result["step_time_s"]):
         return None
     inputs = {"write_s": statistics.median(saves), "restart_s": statistics.median(starts),
               "read_s": statistics.median([d for a in atts for d in _spans(a, "restore_start", "restore_end")] or [0]),
-              "mtbf_s": wall_s / interrupted, "interval_s": statistics.median(gaps)}
+              "mtbf_s": result["wall_s"] / interrupted, "interval_s": gap * result["step_time_s"]}
     bad = badput_model(**inputs)
     return {"goodput": max(0.0, 1 - sum(bad.values())), "badput": bad, "inputs": inputs}
 
@@ -150,7 +149,7 @@ def run_goodput(root: Path, run: str) -> dict:
         raise UserError(f"run {run!r}: no {path} (runs record events.jsonl since issue 28's trainer)")
     events = read_events(path)
     result = {"run": run, **goodput(events)}
-    result["model"] = model(events, result["wall_s"])
+    result["model"] = model(events, result)
     return result
 
 
