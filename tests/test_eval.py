@@ -124,8 +124,9 @@ def test_a_checkpoint_step_is_exported_apart_and_compare_tabulates_and_plots(tra
     run_cli("eval", "--model", RUN, "--step", "400", "--tasks", "llmc_stdlib_mc", "--limit", "40",
             "--root", trained, env=blocked.env(), check=True, timeout=1500)
     table = run_cli("eval", "--compare", RUN, "--root", trained, "--plot", tmp_path, check=True).stdout
-    lines = [ln for ln in table.splitlines() if ln.strip().startswith(RUN)]
-    assert [ln.split()[2] for ln in lines] == ["200", "400"], table   # the newest record per step, by step
+    cells = [[c.strip() for c in ln.split("│")] for ln in table.splitlines() if f"│ {RUN} " in ln]
+    assert [c[2] for c in cells] == ["200", "400"], table   # the newest record per step, ordered by step
+    assert [c[3] for c in cells] == [f"{200 * 16 * 64:,}", f"{400 * 16 * 64:,}"], table
     assert "stdlib_mc" in table and "acc" in table
     assert (tmp_path / "eval_compare.png").stat().st_size > 1000
     rows = json.loads(run_cli("eval", "--compare", f"{RUN}:200", "--root", trained, "--json", check=True).stdout)
@@ -205,3 +206,35 @@ def test_shipped_tasks_are_held_out_from_the_tests_training_data():
             rec = json.loads(line)
             assert rec["source"] in source["held_out_files"]
             assert rec["source"].split("/")[0] not in ("json", "email")
+
+
+def test_an_endpoint_that_does_not_serve_the_name_is_refused_before_the_harness(capsys, tmp_path):
+    """`--endpoint` asks the server's /v1/models first: nothing listening, or another model, is one line."""
+    import http.server
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    (export / "tokenizer.json").write_text("{}")
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):   # noqa: N802
+            body = json.dumps({"data": [{"id": "other"}]}).encode() if self.path == "/v1/models" else b""
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        args = ["eval", "--name", "a", "--model", export, "--root", tmp_path]
+        assert_one_line_error(cli_inprocess(capsys, *args, "--endpoint", url), "serves other, not --name a")
+        server.shutdown()
+        server.server_close()
+        assert_one_line_error(cli_inprocess(capsys, *args, "--endpoint", url + "/v1"), "no model list from")
+    finally:
+        server.server_close()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from llmcluster.errors import RunFailure, UserError
@@ -35,7 +34,7 @@ def harness_python() -> str:
     if not VENV_SCRIPT.is_file():
         raise UserError(f"lm-evaluation-harness: set ${PYTHON_ENV} to a python with lm_eval[api,hf]==0.4.13 "
                         f"(a checkout builds one with scripts/lmeval_venv.sh)")
-    proc = subprocess.run(["bash", str(VENV_SCRIPT)], stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
+    proc = subprocess.run(["bash", str(VENV_SCRIPT)], stdout=subprocess.PIPE, text=True)   # its notes: our stderr
     lines = proc.stdout.strip().splitlines()
     if proc.returncode or not lines:
         raise RunFailure(f"could not build the lm-evaluation-harness venv ({VENV_SCRIPT}: exit {proc.returncode})")
