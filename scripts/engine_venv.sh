@@ -17,7 +17,7 @@ case $ENGINE in
           # needs none of them (../shared notes: `operator torchvision::nms does not exist`, libnvrtc.so.13).
           REMOVE=(torchvision torchaudio torchcodec)
           CHECK="import vllm, vllm.entrypoints.openai.api_server" ;;
-    lmeval) PKGS=("lm_eval[api]==0.4.13" "transformers>=4.44")
+    lmeval) PKGS=("lm_eval[api,hf]==0.4.13" "transformers>=4.44")   # hf: accelerate, which `--model hf` imports
           REMOVE=()
           CHECK="import lm_eval, transformers" ;;
     *) echo "error: unknown engine '$ENGINE' (vllm or lmeval)" >&2; exit 2 ;;

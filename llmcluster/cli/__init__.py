@@ -15,7 +15,7 @@ from llmcluster.errors import EXIT_INTERRUPTED, EXIT_USAGE, RunFailure, UserErro
 
 # (module under llmcluster.cli, in --help order)
 _COMMAND_MODULES = (
-    "storage", "data", "train", "bench", "export", "generate",
+    "storage", "data", "train", "bench", "export", "generate", "eval",
     "cluster", "plan", "serve", "launch", "jobs", "validate", "monitor", "provision",
 )
 

@@ -1,0 +1,187 @@
+"""`llmcluster eval`: what is evaluated, and where its results go.
+
+A model is an export directory, a run's export (models/<run>/), or a checkpoint step of a run, exported to a
+temporary directory of its own (removed after) with the export code; or a served endpoint, read through the
+harness's `local-completions` with the run's export as tokenizer. The harness's JSON and samples go to
+logs/<run>/eval/step_<N>/ and one line per evaluation to logs/<run>/eval.jsonl: scores and their stderr, each
+task's version and digests, and the model's step, tokens seen and dataset digest (from the checkpoint's
+train_state.json, the record the trainer keeps of what it trained on).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmcluster.errors import UserError
+from llmcluster.eval import harness
+from llmcluster.eval.tasks import resolve, write_include_dir
+from llmcluster.storage.layout import Storage, check_run_name
+
+EVAL_LOG = "eval.jsonl"
+
+
+@dataclass
+class Target:
+    run: str
+    step: int | None
+    model_dir: Path                 # the weights read (hf), or the tokenizer of the served model (endpoint)
+    source: str                     # what the record names: the export, or the checkpoint exported for this
+    endpoint: str | None = None
+    tokens: int | None = None       # tokens the model had trained on at `step`
+    dataset_digest: str | None = None
+
+
+def eval_dir(root: Path, run: str, step: int | None) -> Path:
+    return Storage(root).run_logs(run) / "eval" / (f"step_{step}" if step is not None else "step_unknown")
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _provenance(target: Target, checkpoint: Path | None) -> Target:
+    """Tokens seen and dataset digest from the checkpoint's train_state.json, when it is still there."""
+    from llmcluster.train.checkpoint import TRAIN_STATE
+
+    state = _read_json(checkpoint / TRAIN_STATE) if checkpoint else None
+    if state:
+        try:
+            target.tokens = int(state["sampler"]["consumed"]) * int(state["config"]["data"]["seq_len"])
+        except (KeyError, TypeError, ValueError):
+            pass
+        digest = state.get("dataset_digest")
+        target.dataset_digest = digest if isinstance(digest, str) else None
+    return target
+
+
+def _from_export(d: Path, run: str | None) -> Target:
+    from llmcluster.export.hf import EXPORT_MARKER, is_our_export
+
+    if not (d / "config.json").is_file():
+        raise UserError(f"no exported model at {d} (run `llmcluster export --run NAME` first, or give --step N)")
+    marker = _read_json(d / EXPORT_MARKER) if is_our_export(d) else None
+    step = marker.get("step") if marker else None
+    name = run or (marker.get("run") if marker else None) or d.resolve().name
+    checkpoint = Path(marker["checkpoint"]) if marker and isinstance(marker.get("checkpoint"), str) else None
+    return _provenance(Target(check_run_name(name), step if isinstance(step, int) else None, d, str(d.resolve())),
+                       checkpoint)
+
+
+def _is_path(model: str) -> bool:
+    """`--model` names an export directory, not a run (as `generate --model` reads it)."""
+    return (Path(model) / "config.json").is_file() or "/" in model
+
+
+def _export_dir(st: Storage, model: str) -> Path:
+    return Path(model) if _is_path(model) else st.model_dir(model)
+
+
+def resolve_target(root: Path, model: str | None, step: int | None, endpoint: str | None, name: str | None,
+                   scratch: Path) -> Target:
+    st = Storage(root)
+    if endpoint is not None:
+        if not name:
+            raise UserError("--endpoint needs --name: the model name the server serves (and the run it is)")
+        if step is not None:
+            raise UserError("--step exports a checkpoint to evaluate; a served endpoint is the export it serves")
+        url = harness.endpoint_completions_url(endpoint)
+        d = _export_dir(st, model or name)
+        if not (d / "tokenizer.json").is_file():
+            raise UserError(f"--endpoint: the served model's tokenizer is read from its export: none at {d} "
+                            f"(give --model EXPORT_DIR)")
+        target = _from_export(d, name)
+        harness.check_endpoint(url, name)
+        target.endpoint = url
+        return target
+    if not model:
+        raise UserError("give --model RUN_OR_PATH, --endpoint URL --name N, or --compare RUN[:STEP] ...")
+    if _is_path(model) and step is not None:
+        raise UserError(f"--step N picks a checkpoint of a run: give the run's name, not the export {model}")
+    if step is None:
+        return _from_export(_export_dir(st, model), None if _is_path(model) else model)
+    run = check_run_name(model)
+    from llmcluster.export.hf import export
+
+    out = export(root, run, step, scratch / "model")   # refuses a missing or unverified checkpoint in one line
+    return _provenance(Target(run, step, out, str(st.step_dir(run, step))), st.step_dir(run, step))
+
+
+def evaluate(root: Path, model: str | None = None, step: int | None = None, endpoint: str | None = None,
+             name: str | None = None, tasks: str | None = None, batch_size: int = 16,
+             limit: int | None = None) -> dict:
+    """Run the tasks on the model; returns the record appended to logs/<run>/eval.jsonl."""
+    if batch_size < 1 or (limit is not None and limit < 1):
+        raise UserError("--batch-size and --limit must be at least 1")
+    chosen = resolve(tasks)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="llmcluster-eval-") as tmp:
+        scratch = Path(tmp)
+        target = resolve_target(root, model, step, endpoint, name, scratch)
+        out = Storage(root).require_writable(eval_dir(root, target.run, target.step))
+        cfg = _read_json(target.model_dir / "config.json") or {}
+        model_args = harness.model_arguments(target.model_dir, target.endpoint, name,
+                                             int(cfg.get("max_position_embeddings") or 2048))
+        python = harness.harness_python()
+        log = out / f"harness_{time.strftime('%Y-%m-%dT%H-%M-%S')}.log"   # kept, failed or not
+        results_file = harness.run_harness(python, model_args, [t.name for t in chosen],
+                                           write_include_dir(chosen, scratch / "tasks"), scratch / "out", log,
+                                           batch_size, limit)
+        for f in results_file.parent.iterdir():   # results_<time>.json and samples_<task>_<time>.jsonl
+            shutil.move(str(f), out / f.name)
+    results = json.loads((out / results_file.name).read_text())
+    per_task = harness.scores(results)
+    for t in chosen:
+        per_task.setdefault(t.name, {}).update(task_digest=t.digest, chance=t.chance)
+    record = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "run": target.run, "step": target.step,
+        "tokens": target.tokens, "dataset_digest": target.dataset_digest,
+        "model": target.source,
+        "endpoint": target.endpoint, "backend": "local-completions" if target.endpoint else "hf",
+        "harness": {"lm_eval": results.get("lm_eval_version"), "transformers": results.get("transformers_version"),
+                    "results": str((out / results_file.name).relative_to(root)),
+                    "log": str(log.relative_to(root)), "limit": limit},
+        "tasks": per_task, "wall_s": round(time.monotonic() - t0, 1),
+    }
+    with open(Storage(root).run_logs(target.run) / EVAL_LOG, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+
+def summary_lines(record: dict) -> list[str]:
+    step = "?" if record["step"] is None else record["step"]
+    tokens = "" if record["tokens"] is None else f" ({record['tokens']:,} tokens)"
+    lines = [f"eval {record['run']} step {step}{tokens} via {record['endpoint'] or record['backend']}: "
+             f"{record['wall_s']:.0f} s"]
+    for task, r in sorted(record["tasks"].items()):
+        parts = []
+        for metric, v in sorted(r.get("metrics", {}).items()):
+            se = r.get("stderr", {}).get(metric)
+            parts.append(f"{metric} {v:.4f}" + (f" ± {se:.4f}" if isinstance(se, (int, float)) else ""))
+        chance = f" (chance {r['chance']:g})" if r.get("chance") else ""
+        lines.append(f"  {task}: {', '.join(parts)}{chance}  n={r.get('n')}")
+    lines.append(f"results in {Path(record['harness']['results']).parent}/, one line in "
+                 f"logs/{record['run']}/{EVAL_LOG}")
+    return lines
+
+
+def eval_cli(root: str | None, **kw) -> int:
+    from llmcluster.paths import resolve_storage_root
+
+    as_json = kw.pop("as_json", False)
+    record = evaluate(resolve_storage_root(root), **kw)
+    if as_json:
+        print(json.dumps(record, indent=1))
+    else:
+        print("\n".join(summary_lines(record)))
+    sys.stdout.flush()
+    return 0

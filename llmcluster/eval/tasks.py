@@ -1,0 +1,99 @@
+"""Which tasks an evaluation runs: the shipped local tasks (assets/eval_tasks, built by
+scripts/build_eval_tasks.py from held-out stdlib files), local task YAML files, or harness task names.
+
+Each shipped task is a YAML + a JSONL. The YAML names its JSONL relative to itself; the harness (through
+`datasets`) would read it relative to the working directory, so each evaluation writes the YAMLs it runs into an
+include directory of its own with the JSONL's absolute path. A task's digest (sha256 of its YAML and data) goes
+into eval.jsonl beside the harness's version, so two scores are comparable only when their digests agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from llmcluster.errors import UserError
+from llmcluster.paths import asset_dir
+
+TASKS_DIR = asset_dir("eval_tasks")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str                  # what the harness calls it (--tasks NAME)
+    digest: str | None         # sha256 of the YAML (+ its shipped JSONL); None: a harness task (its own hash)
+    yaml_text: str | None      # the YAML to write into the include directory; None: the harness knows it
+    chance: float | None       # a multiple-choice task's chance accuracy (metadata.chance), for the printout
+
+
+def shipped() -> list[str]:
+    return sorted(p.stem for p in TASKS_DIR.glob("*.yaml"))
+
+
+def _load_yaml(path: Path, where: str) -> dict:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:   # a `!function` tag lands here: code is not run from a task file
+        raise UserError(f"--tasks {where}: not a task YAML we can read as data ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("task"), str) or not _NAME.fullmatch(doc["task"]):
+        raise UserError(f"--tasks {where}: no `task: NAME` in it")
+    return doc
+
+
+def _shipped_task(name: str) -> Task:
+    src = TASKS_DIR / f"{name}.yaml"
+    doc = _load_yaml(src, name)
+    files = doc["dataset_kwargs"]["data_files"]
+    h = hashlib.sha256(src.read_bytes())
+    for split, rel in sorted(files.items()):
+        data = TASKS_DIR / rel
+        h.update(data.read_bytes())
+        files[split] = str(data)
+    chance = (doc.get("metadata") or {}).get("chance")
+    return Task(name, h.hexdigest(), yaml.safe_dump(doc, sort_keys=False), chance)
+
+
+def _file_task(path: Path, spec: str) -> Task:
+    doc = _load_yaml(path, spec)
+    # written into the include directory as read, so relative data_files resolve as the user's working
+    # directory sees them (the harness runs there)
+    return Task(doc["task"], hashlib.sha256(path.read_bytes()).hexdigest(), path.read_text(),
+                (doc.get("metadata") or {}).get("chance"))
+
+
+def resolve(spec: str | None) -> list[Task]:
+    """`--tasks T,...` (None: every shipped task): shipped names, task YAML files, or harness task names."""
+    names = [s.strip() for s in (spec or ",".join(shipped())).split(",") if s.strip()]
+    if not names:
+        raise UserError("--tasks: give at least one task (shipped: " + ", ".join(shipped()) + ")")
+    out: list[Task] = []
+    for n in names:
+        p = Path(n)
+        if n in shipped():
+            out.append(_shipped_task(n))
+        elif p.suffix in (".yaml", ".yml"):
+            if not p.is_file():
+                raise UserError(f"--tasks {n}: no such task file")
+            out.append(_file_task(p, n))
+        elif _NAME.fullmatch(n):   # the harness's own registry (offline: its data must be in the HF cache)
+            out.append(Task(n, None, None, None))
+        else:
+            raise UserError(f"--tasks {n!r}: not a task name or a .yaml file (shipped: {', '.join(shipped())})")
+    if len({t.name for t in out}) != len(out):
+        raise UserError(f"--tasks {spec}: a task is named twice")
+    return out
+
+
+def write_include_dir(tasks: list[Task], folder: Path) -> Path:
+    """The YAMLs of `tasks` that the harness does not know, in `folder` (for --include_path)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for t in tasks:
+        if t.yaml_text is not None:
+            (folder / f"{t.name}.yaml").write_text(t.yaml_text)
+    return folder
