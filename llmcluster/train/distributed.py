@@ -283,7 +283,8 @@ def native_low_precision(device: torch.device, precision: str) -> bool:
         return False
     if precision == "bf16":
         return "avx512_bf16" in flags or "amx_bf16" in flags
-    return "avx512_fp16" in flags or "amx_fp16" in flags or test_hook(FORCE_CPU_FP16) == "1"
+    # the hook first: set, it says so on stderr even where the CPU has fp16 anyway (avx512_fp16 parts)
+    return test_hook(FORCE_CPU_FP16) == "1" or "avx512_fp16" in flags or "amx_fp16" in flags
 
 
 def precision_note(device: torch.device, precision: str) -> str:
