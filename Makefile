@@ -47,7 +47,7 @@ test: venv sysdeps checkov lmeval
 # pyproject admits, in a second venv outside the clone (scripts/compat_venv.sh: built once per pyproject).
 # torch.compile calls nothing version-dependent, and a cold inductor build on 2 cores outlasts its test's limit:
 # the compile test runs on today's torch only.
-COMPAT_TESTS ?= tests/test_compat.py tests/test_train.py tests/test_parallel.py tests/test_meta_init.py \
+COMPAT_TESTS ?= tests/test_compat.py tests/test_train.py tests/test_parallel.py tests/test_meta_init.py tests/test_parallel_comms.py \
 	tests/test_preset_shapes.py \
 	--deselect tests/test_parallel.py::test_compile_matches_eager
 test-compat:
