@@ -49,9 +49,15 @@ def _local_alive(pid: object, step: int) -> bool:
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
+        # an ended job the training (its parent) has not reaped is a zombie: ended
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+            return False
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, IndexError):
         return False
+    if not raw:   # a process caught in its exec shows no command line yet: alive, keep what it may read
+        return True
+    argv = raw.split(b"\0")
     return b"eval" in argv and str(step).encode() in argv
 
 
@@ -98,6 +104,7 @@ class Downstream:
         self.scheduler = ("slurm" if environ.get("SLURM_JOB_ID") else
                           "k8s" if environ.get("KUBERNETES_SERVICE_HOST") else "local")
         self.count = 0
+        self.procs: list[subprocess.Popen] = []   # local jobs, reaped as they end (poll)
         self.enabled = enabled and self.cfg is not None
         if self.enabled and self.scheduler == "local" and not self.cfg.local:
             self.log("eval: downstream evaluation jobs are off on the local scheduler (they compete for the "
@@ -111,6 +118,7 @@ class Downstream:
     def checkpointed(self, step: int, final: bool = False) -> None:
         if not self.enabled:
             return
+        self.procs = [p for p in self.procs if p.poll() is None]
         self.count += 1
         if self.count % self.cfg.interval_checkpoints and not final:
             return
@@ -135,6 +143,7 @@ class Downstream:
             with open(out, "ab") as f:   # its own session: a Ctrl-C to the training does not reach it
                 p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
+            self.procs.append(p)
             return {"job_id": f"local-{p.pid}", "pid": p.pid}
         from llmcluster.launch.spec import sh_join
 
