@@ -45,6 +45,12 @@ def test_sbatch_like_the_seed_and_valid_bash(tmp_path):
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in script   # a fresh store per restart round
     assert "export NCCL_DEBUG=WARN" in script and "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in script
     assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in script  # GPU job: the allocator preset
+    # and NCCL's flight recorder, dumping into the run's logs when the watchdog finds a hung collective
+    for name, value in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), ("TORCH_FR_BUFFER_SIZE", "2000"),
+                        ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+                        ("TORCH_FR_DUMP_TEMP_FILE", f"{tmp_path}/s/logs/llm-tiny/flight_recorder/rank_"),
+                        ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", f"{tmp_path}/s/logs/llm-tiny/flight_recorder/rank_")):
+        assert f"export {name}={value}" in script, name
     assert '[ "${SLURM_RESTART_COUNT:-0}" -lt 3 ]' in script
     assert not (tmp_path / "s").exists(), "--dry-run wrote files"
 
@@ -346,3 +352,21 @@ def test_cuda_allocator_preset_only_on_gpu_jobs_and_job_env_wins():
     assert "PYTORCH_CUDA_ALLOC_CONF" not in JobSpec(gpus_per_node=0).environment()
     mine = JobSpec(gpus_per_node=8, env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}).environment()
     assert mine["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+
+
+def test_flight_recorder_only_on_gpu_jobs_and_job_env_wins(tmp_path):
+    from llmcluster.config.job import JobSpec
+    from llmcluster.launch.spec import LaunchSpec
+
+    def env(**job):
+        return LaunchSpec(run="r", scheduler="local", root=tmp_path, job=JobSpec(**job), command=[]).rank_env()
+
+    gpu = env(gpus_per_node=8, nccl="none")  # the recorder is not an NCCL tuning preset: always on a GPU job
+    assert gpu["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and gpu["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert gpu["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/logs/r/flight_recorder/rank_"
+    assert not any(k.startswith(("TORCH_FR_", "TORCH_NCCL_TRACE", "TORCH_NCCL_DUMP", "TORCH_NCCL_DEBUG_INFO"))
+                   for k in env(gpus_per_node=0))
+    # a user's setting under either name of a variable wins on every torch: ours is not set under the other
+    mine = env(gpus_per_node=8, env={"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_", "TORCH_FR_BUFFER_SIZE": "0"})
+    assert mine["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/scratch/fr_" and "TORCH_FR_DUMP_TEMP_FILE" not in mine
+    assert mine["TORCH_FR_BUFFER_SIZE"] == "0" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in mine

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from llmcluster.config.job import FLIGHT_RECORDER_FILES
 from llmcluster.config.schema import JobConfig
 from llmcluster.errors import UserError
 from llmcluster.testing import test_hook
@@ -155,6 +156,13 @@ def init_distributed(cfg: JobConfig, need_group: bool = False) -> DistEnv:
     if device.type == "cpu":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(cfg.train.threads or max(1, cores // local_world))
+    if device.type == "cuda":  # torch writes the flight recorder's dump but does not make its directory
+        for dump in {env[k] for k in FLIGHT_RECORDER_FILES if env.get(k)}:
+            try:
+                os.makedirs(os.path.dirname(dump) or ".", exist_ok=True)
+            except OSError as e:  # only the post-mortem is lost: not a reason to refuse the run
+                print(f"warning: no flight recorder dumps: cannot create {os.path.dirname(dump)}: {e}",
+                      file=sys.stderr)
     if under_launcher or need_group:
         backend = cfg.dist.backend
         if backend == "auto":
