@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import assert_one_line_error, cli_env, run_cli
+from conftest import REPO, assert_one_line_error, cli_env, run_cli
 
 HOSTILE = ["x; rm -rf /tmp/pwned", "it's", 'a"b', "$(touch /tmp/pwned)", "`id`", "a\nb"]
 
@@ -370,3 +370,18 @@ def test_flight_recorder_only_on_gpu_jobs_and_job_env_wins(tmp_path):
     mine = env(gpus_per_node=8, env={"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_", "TORCH_FR_BUFFER_SIZE": "0"})
     assert mine["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/scratch/fr_" and "TORCH_FR_DUMP_TEMP_FILE" not in mine
     assert mine["TORCH_FR_BUFFER_SIZE"] == "0" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in mine
+
+
+def test_a_rank_aborted_by_a_signal_leaves_its_python_stacks_beside_the_flight_recorder(tmp_path):
+    """The NCCL watchdog's SIGABRT runs no Python: a GPU rank has faulthandler append its stacks to
+    logs/<run>/flight_recorder/python_rank_<r>.txt (here a real os.abort() in a real process; the rank
+    calls crash_dumps on CUDA only, so the test calls it itself)."""
+    dump = tmp_path / "logs" / "r" / "flight_recorder" / "rank_"
+    code = ("from llmcluster.train.distributed import crash_dumps\n"
+            "def waiting_in_a_collective():\n    import os; os.abort()\n"
+            "crash_dumps(3)\nwaiting_in_a_collective()\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=cli_env(TORCH_FR_DUMP_TEMP_FILE=str(dump), TORCH_NCCL_DEBUG_INFO_TEMP_FILE=str(dump)))
+    assert proc.returncode == -6, proc.stderr
+    stacks = (dump.parent / "python_rank_3.txt").read_text()
+    assert "Fatal Python error: Aborted" in stacks and "waiting_in_a_collective" in stacks
