@@ -7,8 +7,9 @@ embedding at Llama-3-8B width (d 4096, ffn 14336, 32/8 heads, vocab 128256), dra
 - normal_: torch's float32 `normal_` of every whole weight (the old CPU draw; not the same bits on every
           host, shown for its speed only).
 
-Each mode runs in a fresh process on one thread (torchrun's default), so its peak RSS is its own. The ratios are within this run. Prints one
-JSON line.  python benchmarks/init_cost.py [--shards 8] [--layers 1] [--vocab 128256]
+Each mode runs in a fresh process on one thread (torchrun's default), so its peak RSS is its own. The
+ratios are within this run. Prints one JSON line.
+    python benchmarks/init_cost.py [--shards 8] [--layers 1] [--vocab 128256]
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ def shapes(d: int, ffn: int, heads: int, kv: int, vocab: int, layers: int) -> di
     hd = d // heads
     out = {"embed_tokens.weight": (vocab, d)}
     for i in range(layers):
-        out |= {f"layers.{i}.self_attn.q_proj.weight": (d, d), f"layers.{i}.self_attn.k_proj.weight": (kv * hd, d),
-                f"layers.{i}.self_attn.v_proj.weight": (kv * hd, d), f"layers.{i}.self_attn.o_proj.weight": (d, d),
-                f"layers.{i}.mlp.gate_proj.weight": (ffn, d), f"layers.{i}.mlp.up_proj.weight": (ffn, d),
-                f"layers.{i}.mlp.down_proj.weight": (d, ffn)}
+        attn = {"q_proj": (d, d), "k_proj": (kv * hd, d), "v_proj": (kv * hd, d), "o_proj": (d, d)}
+        mlp = {"gate_proj": (ffn, d), "up_proj": (ffn, d), "down_proj": (d, ffn)}
+        out |= {f"layers.{i}.self_attn.{k}.weight": v for k, v in attn.items()}
+        out |= {f"layers.{i}.mlp.{k}.weight": v for k, v in mlp.items()}
     return out
 
 

@@ -10,12 +10,12 @@ checkpointing and compile apply to the rank model's blocks as without PP; FSDP w
 each stage (its own FSDP root, which is what `PipelineStage` expects).
 
 Weights: every rank walks every weight of `Llama.init_weights` but draws only what it holds (each weight's
-values depend on the seed and its name alone), so a run at pp=2 starts from the same weights as one process. The loss is the mean
-over micro-batches of the per-micro-batch mean, which is what gradient accumulation without PP computes: the
-loss function divides each micro-batch's loss by the micro-batch count before backward and the schedule's own
-division of the gradients is off (torchtitan's `scale_grads=False` with a rescaled loss). Dividing before
-backward, not after, keeps the backward's magnitudes those of accumulation without PP: under fp16 the same
-loss scale then overflows (or not) at the same step as in one process.
+values depend on the seed and its name alone), so a run at pp=2 starts from the same weights as one process.
+The loss is the mean over micro-batches of the per-micro-batch mean, which is what gradient accumulation
+without PP computes: the loss function divides each micro-batch's loss by the micro-batch count before
+backward and the schedule's own division of the gradients is off (torchtitan's `scale_grads=False` with a
+rescaled loss). Dividing before backward, not after, keeps the backward's magnitudes those of accumulation
+without PP: under fp16 the same loss scale then overflows (or not) at the same step as in one process.
 """
 
 from __future__ import annotations
