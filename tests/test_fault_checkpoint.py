@@ -117,6 +117,42 @@ def test_async_checkpoints_are_complete_and_match_sync_bitwise(capsys, root, tmp
     assert_same_weights(sync_dir / "step_12", ckpts(root, "async") / "step_12")
 
 
+def test_async_saves_stage_into_one_set_of_host_buffers(tmp_path):
+    """Async staging allocates its host buffers once and every later save copies into the same storages
+    (pinned where CUDA is available; plain on this CPU machine), and what each save wrote is that step's
+    state: the reused buffers hold the new values, not the old ones."""
+    import torch.distributed.checkpoint as dcp
+
+    from llmcluster.storage.layout import Storage
+    from llmcluster.train.checkpoint import Checkpointer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ck = Checkpointer(Storage(tmp_path), "r", 0, 1, keep_last=5, log=lambda *_: None)
+
+    def step_and_save(step):
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ck.save(step, model, opt, {}, async_=True)
+        ck.wait_pending()
+        buffers = ck.staging.buffers
+        ptrs = {k: v.untyped_storage().data_ptr() for k, v in buffers["model"].items()}
+        return buffers, ptrs, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    first, ptrs1, weights1 = step_and_save(1)
+    second, ptrs2, weights2 = step_and_save(2)
+    assert ck.staging.allocations == 1 and second is first and ptrs2 == ptrs1
+    assert ck.staging.pin == torch.cuda.is_available()
+    assert all(torch.equal(second["model"][k], weights2[k]) for k in weights2)
+    for step, weights in ((1, weights1), (2, weights2)):
+        loaded = {k: torch.empty_like(v) for k, v in weights.items()}
+        dcp.load({"model": loaded}, checkpoint_id=ck.dir / f"step_{step}")
+        assert all(torch.equal(loaded[k], weights[k]) for k in weights), step
+    assert not torch.equal(weights1["0.weight"], weights2["0.weight"])
+
+
 def test_auto_interval_is_young_daly_and_logged(capsys, root):
     code, out, err = train(capsys, root, train__steps=12, checkpoint__interval_steps=2,
                            checkpoint__interval="auto", checkpoint__mtbf_hours=0.0002)

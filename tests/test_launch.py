@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import assert_one_line_error, cli_env, run_cli
+from conftest import REPO, assert_one_line_error, cli_env, run_cli
 
 HOSTILE = ["x; rm -rf /tmp/pwned", "it's", 'a"b', "$(touch /tmp/pwned)", "`id`", "a\nb"]
 
@@ -45,6 +45,12 @@ def test_sbatch_like_the_seed_and_valid_bash(tmp_path):
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in script   # a fresh store per restart round
     assert "export NCCL_DEBUG=WARN" in script and "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in script
     assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in script  # GPU job: the allocator preset
+    # and NCCL's flight recorder, dumping into the run's logs when the watchdog finds a hung collective
+    for name, value in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), ("TORCH_FR_BUFFER_SIZE", "2000"),
+                        ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+                        ("TORCH_FR_DUMP_TEMP_FILE", f"{tmp_path}/s/logs/llm-tiny/flight_recorder/rank_"),
+                        ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", f"{tmp_path}/s/logs/llm-tiny/flight_recorder/rank_")):
+        assert f"export {name}={value}" in script, name
     assert '[ "${SLURM_RESTART_COUNT:-0}" -lt 3 ]' in script
     assert not (tmp_path / "s").exists(), "--dry-run wrote files"
 
@@ -346,3 +352,36 @@ def test_cuda_allocator_preset_only_on_gpu_jobs_and_job_env_wins():
     assert "PYTORCH_CUDA_ALLOC_CONF" not in JobSpec(gpus_per_node=0).environment()
     mine = JobSpec(gpus_per_node=8, env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}).environment()
     assert mine["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+
+
+def test_flight_recorder_only_on_gpu_jobs_and_job_env_wins(tmp_path):
+    from llmcluster.config.job import JobSpec
+    from llmcluster.launch.spec import LaunchSpec
+
+    def env(**job):
+        return LaunchSpec(run="r", scheduler="local", root=tmp_path, job=JobSpec(**job), command=[]).rank_env()
+
+    gpu = env(gpus_per_node=8, nccl="none")  # the recorder is not an NCCL tuning preset: always on a GPU job
+    assert gpu["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and gpu["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert gpu["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/logs/r/flight_recorder/rank_"
+    assert not any(k.startswith(("TORCH_FR_", "TORCH_NCCL_TRACE", "TORCH_NCCL_DUMP", "TORCH_NCCL_DEBUG_INFO"))
+                   for k in env(gpus_per_node=0))
+    # a user's setting under either name of a variable wins on every torch: ours is not set under the other
+    mine = env(gpus_per_node=8, env={"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_", "TORCH_FR_BUFFER_SIZE": "0"})
+    assert mine["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/scratch/fr_" and "TORCH_FR_DUMP_TEMP_FILE" not in mine
+    assert mine["TORCH_FR_BUFFER_SIZE"] == "0" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in mine
+
+
+def test_a_rank_aborted_by_a_signal_leaves_its_python_stacks_beside_the_flight_recorder(tmp_path):
+    """The NCCL watchdog's SIGABRT runs no Python: a GPU rank has faulthandler append its stacks to
+    logs/<run>/flight_recorder/python_rank_<r>.txt (here a real os.abort() in a real process; the rank
+    calls crash_dumps on CUDA only, so the test calls it itself)."""
+    dump = tmp_path / "logs" / "r" / "flight_recorder" / "rank_"
+    code = ("from llmcluster.train.distributed import crash_dumps\n"
+            "def waiting_in_a_collective():\n    import os; os.abort()\n"
+            "crash_dumps(3)\nwaiting_in_a_collective()\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=cli_env(TORCH_FR_DUMP_TEMP_FILE=str(dump), TORCH_NCCL_DEBUG_INFO_TEMP_FILE=str(dump)))
+    assert proc.returncode == -6, proc.stderr
+    stacks = (dump.parent / "python_rank_3.txt").read_text()
+    assert "Fatal Python error: Aborted" in stacks and "waiting_in_a_collective" in stacks

@@ -144,3 +144,18 @@ def test_generate_samples_text(capsys, runs):
     assert again.stdout == proc.stdout  # seeded
     missing = cli_inprocess(capsys, "generate", "--model", "nope", "--root", root)
     assert missing.returncode == 2 and "llmcluster export" in missing.stderr
+
+
+def test_fsdp_async_checkpoints_resume_bitwise(tiny_root):
+    """FSDP (DTensor state) with async checkpoints every 2 steps: the staging buffers are reused by each
+    save (tests/test_fault_checkpoint.py checks the reuse itself), and a run stopped at step 4 and resumed
+    from its async checkpoint ends with the weights of an uninterrupted run with sync checkpoints."""
+    fsdp = ["parallel.dp_shard=2", "parallel.dp_replicate=1", "train.steps=8", "checkpoint.interval_steps=2",
+            "train.micro_batch=4"]
+    _ok(torchrun(2, "train", "--config", "llm_tiny", "--root", tiny_root,
+                 *overrides(*fsdp, "run.name=fsdp-sync")))
+    for stop in ("train.stop_at=4", "train.stop_at=8"):
+        _ok(torchrun(2, "train", "--config", "llm_tiny", "--root", tiny_root,
+                     *overrides(*fsdp, "run.name=fsdp-async", "checkpoint.async=true", stop)))
+    sync, resumed = _weights(tiny_root, "fsdp-sync", 8), _weights(tiny_root, "fsdp-async", 8)
+    assert all(torch.equal(sync[k], resumed[k]) for k in sync)

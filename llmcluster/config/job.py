@@ -42,6 +42,15 @@ NCCL_PRESETS: dict[str, dict[str, str]] = {
 # OOMs at a fraction of the memory in use (torchtitan and Megatron runs set it). job.env may override it.
 CUDA_ALLOC_PRESET: dict[str, str] = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
+# NCCL's flight recorder on GPU jobs: a ring of the last collectives per rank, written out when the watchdog
+# finds one past dist.timeout_s, before it aborts the process (SIGABRT: no Python runs after, so this dump is
+# what tells which rank and collective hung; docs/fault-tolerance.md). Both names of each variable: torch
+# 2.6 reads the TORCH_NCCL_ ones, later torch the TORCH_FR_ ones first. The dump path is per run
+# (`LaunchSpec.rank_env`, FLIGHT_RECORDER_DIR under logs/<run>/).
+FLIGHT_RECORDER_BUFFER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+FLIGHT_RECORDER_FILES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+FLIGHT_RECORDER_DIR = "flight_recorder"
+
 
 def time_to_seconds(value: str) -> int:
     m = TIME_RE.fullmatch(value)
@@ -214,7 +223,14 @@ class JobSpec(BaseModel):
         return time_to_seconds(self.time)
 
     def environment(self) -> dict[str, str]:
-        return {**(CUDA_ALLOC_PRESET if self.gpus_per_node else {}), **NCCL_PRESETS[self.nccl], **self.env}
+        gpu = {**CUDA_ALLOC_PRESET, **self.preset_unless_set(FLIGHT_RECORDER_BUFFER, "2000"),
+               "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"} if self.gpus_per_node else {}
+        return {**gpu, **NCCL_PRESETS[self.nccl], **self.env}
+
+    def preset_unless_set(self, names: tuple[str, ...], value: str) -> dict[str, str]:
+        """`value` under every name of one setting, unless job.env sets it under any of them (a torch that
+        reads the newer name first would otherwise prefer our preset to the user's older name)."""
+        return {} if any(n in self.env for n in names) else dict.fromkeys(names, value)
 
 
 REDACTED = "<redacted>"

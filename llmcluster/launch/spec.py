@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmcluster.config.job import JobSpec
+from llmcluster.config.job import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_FILES, JobSpec
 from llmcluster.errors import UserError
 
 SCHEDULERS = ("local", "slurm", "k8s")
@@ -88,6 +88,9 @@ class LaunchSpec:
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         if j.gpus_per_node == 0:
             env.setdefault("OMP_NUM_THREADS", "1")   # CPU ranks: no oversubscription by default
+        else:  # the flight recorder's dumps (torch appends the rank) beside the run's other logs
+            dump = f"{self.storage or self.root}/logs/{self.run}/{FLIGHT_RECORDER_DIR}/rank_"
+            env |= j.preset_unless_set(FLIGHT_RECORDER_FILES, dump)
         return env
 
     def torchrun(self, python: str, endpoint: str, rdzv_id: str, log_dir: str | None,

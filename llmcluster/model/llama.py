@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmcluster.config.schema import ModelConfig
+from llmcluster.model.init import draw as seeded_draw
 
 
 class RMSNorm(nn.Module):
@@ -161,37 +162,38 @@ class Llama(nn.Module):
 
         Normal(0, init_std) everywhere, with the residual output projections scaled by 1/sqrt(2L)
         (GPT-2): each block adds two of them to the residual stream, so its variance stays O(1) with depth.
-        Seeded: each weight is drawn whole, in a fixed order, from one generator on the weights' device type,
-        and handed to `fill(param, full)` (default: copy it in). A caller whose parameters are shards passes a
-        `fill` that keeps its own slice, so the weights do not depend on how the model is split.
+        Seeded: each weight's values are a pure function of (seed, its name, element index), computed on the
+        CPU whatever device the weights are on (`model/init.py`), and handed to `fill(param, draw)` as a
+        `draw(rows=None, cols=None)` of any slice (default: copy the whole weight in). A caller whose
+        parameters are shards passes a `fill` that draws only its own slice, so the weights depend neither on
+        how the model is split nor on the device or host.
         """
-        device = self.rope_cos.device  # where the model is materialised (buffers always are)
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device=device).manual_seed(seed)
-        fill = fill or (lambda t, full: t.copy_(full))
+        fill = fill or (lambda t, draw: t.copy_(draw()))
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
 
-        def normal_(t: torch.Tensor, s: float) -> None:
-            if gen is None:  # in place on whatever the tensor is (a shard, on GPU): fast for big models
+        def normal_(name: str, t: torch.Tensor, s: float) -> None:
+            if seed is None:  # in place on whatever the tensor is (a shard, on GPU): fast for big models
                 nn.init.normal_(t, 0.0, s)
                 return
-            fill(t, torch.empty(t.shape, dtype=torch.float32, device=device).normal_(0.0, s, generator=gen)
-                 .to(t.dtype))
+            fill(t, lambda rows=None, cols=None: seeded_draw(seed, name, tuple(t.shape), s, rows=rows,
+                                                             cols=cols))
 
-        normal_(self.embed_tokens.weight, std)
-        for block in self.layers.values():
-            for lin in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj,
-                        block.mlp.gate_proj, block.mlp.up_proj):
-                normal_(lin.weight, std)
-            normal_(block.self_attn.o_proj.weight, out_std)
-            normal_(block.mlp.down_proj.weight, out_std)
+        normal_("embed_tokens.weight", self.embed_tokens.weight, std)
+        for i, block in self.layers.items():  # names as in the plain model's state dict, whatever wraps it
+            for part, lin, s in (("self_attn.q_proj", block.self_attn.q_proj, std),
+                                 ("self_attn.k_proj", block.self_attn.k_proj, std),
+                                 ("self_attn.v_proj", block.self_attn.v_proj, std),
+                                 ("self_attn.o_proj", block.self_attn.o_proj, out_std),
+                                 ("mlp.gate_proj", block.mlp.gate_proj, std),
+                                 ("mlp.up_proj", block.mlp.up_proj, std),
+                                 ("mlp.down_proj", block.mlp.down_proj, out_std)):
+                normal_(f"layers.{i}.{part}.weight", lin.weight, s)
             block.input_layernorm.reset_parameters()
             block.post_attention_layernorm.reset_parameters()
         self.norm.reset_parameters()
         if not self.cfg.tie_embeddings:
-            normal_(self.lm_head.weight, std)
+            normal_("lm_head.weight", self.lm_head.weight, std)
         cos, sin = rope_cos_sin(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
                                 scaling=self.cfg.rope_scaling)
         self.rope_cos.copy_(cos)

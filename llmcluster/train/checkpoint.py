@@ -46,6 +46,7 @@ from llmcluster.train.distributed import control_group
 from llmcluster.train.ownership import RunLock
 from llmcluster.train.rng import rng_state, set_rng_state
 from llmcluster.train.safe_load import TRAIN_STATE, UnsafeCheckpoint, load_state
+from llmcluster.train.staging import ReusedStaging
 
 CLAIM_POLL_S = 5.0  # rank 0 tells the other ranks this often how the owner lock's judgment stands
 IO_ERROR_HOOK = "LLMCLUSTER_INJECT_IO_ERROR"  # test hook: rank:step[,...] fails that rank's part of that save
@@ -137,6 +138,7 @@ class Checkpointer:
         self.last_write_s: float | None = None  # start of the last save to its completion marker
         self.last_bytes: int | None = None
         self.pending = None                     # an async save in flight: (step, tmp dir, t0, future)
+        self.staging = ReusedStaging()          # async saves' host buffers, made once
         self._group = None
         # The owner lock's hang watchdog: a healthy step's collectives each finish within dist.timeout_s.
         self.lock = RunLock(self.dir, run, lock_stale_s, log, 2 * dist_timeout_s if dist_timeout_s else None)
@@ -252,7 +254,7 @@ class Checkpointer:
                 # A process group of its own: the writer thread's collectives must not interleave with
                 # the training loop's on the default group.
                 with _single_process_is_intended():
-                    future = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp),
+                    future = dcp.async_save(state, storage_writer=self.staging.writer(tmp),
                                             process_group=self._async_group())
                 self.pending = (step, tmp, t0, future)
                 self.last_save_s = time.time() - t0  # the time training was blocked (staging)

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from llmcluster.config.job import FLIGHT_RECORDER_FILES
 from llmcluster.config.schema import JobConfig
 from llmcluster.errors import UserError
 from llmcluster.testing import test_hook
@@ -155,6 +156,8 @@ def init_distributed(cfg: JobConfig, need_group: bool = False) -> DistEnv:
     if device.type == "cpu":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(cfg.train.threads or max(1, cores // local_world))
+    if device.type == "cuda":
+        crash_dumps(rank)
     if under_launcher or need_group:
         backend = cfg.dist.backend
         if backend == "auto":
@@ -170,6 +173,24 @@ def init_distributed(cfg: JobConfig, need_group: bool = False) -> DistEnv:
                                     timeout=timeout)
         _make_control_group()
     return DistEnv(rank, world, local_rank, local_world, device)
+
+
+def crash_dumps(rank: int) -> None:
+    """Where the launcher asked for flight-recorder dumps (GPU jobs), make their directory (torch does not)
+    and have faulthandler append this rank's Python stacks beside them when the process dies of a signal:
+    the NCCL watchdog's SIGABRT runs no Python, so this and the dump are all that tell where the rank was."""
+    for where in {os.path.dirname(os.environ[k]) or "." for k in FLIGHT_RECORDER_FILES if os.environ.get(k)}:
+        try:
+            os.makedirs(where, exist_ok=True)
+            stacks = open(os.path.join(where, f"python_rank_{rank}.txt"), "a")  # noqa: SIM115 (lives with us)
+        except OSError as e:  # only the post-mortem is lost: not a reason to refuse the run
+            print(f"warning: no flight recorder dumps: cannot write to {where}: {e}", file=sys.stderr)
+            continue
+        faulthandler.enable(file=stacks, all_threads=True)
+        _KEEP_OPEN.append(stacks)
+
+
+_KEEP_OPEN: list = []  # faulthandler writes to the file's descriptor: it must stay open
 
 
 def _attempt_store(timeout: timedelta):

@@ -19,6 +19,7 @@ from torch import nn
 from llmcluster.config.load import validate
 from llmcluster.config.schema import JobConfig, ModelConfig
 from llmcluster.errors import UserError
+from llmcluster.train.parallelize import plain_name
 
 # Keys of the model section config.json determines; max_seq_len may be lowered (it only sizes RoPE tables).
 FROM_HF = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "rope_theta",
@@ -109,7 +110,7 @@ def _weight_map(path: Path) -> dict[str, Path]:
 
 def hf_name(name: str) -> str:
     """Our parameter name -> HF's; wrappers (activation checkpointing, compile) add prefixes HF lacks."""
-    name = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+    name = plain_name(name)
     return name if name.startswith("lm_head.") else "model." + name
 
 

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmcluster.config.schema import LoraConfig
+from llmcluster.model import init as seeded
+from llmcluster.train.parallelize import plain_name
 
 
 class LoRALinear(nn.Linear):
@@ -48,15 +50,19 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
 
 @torch.no_grad()
 def init_lora(model: nn.Module, seed: int | None, fill=None) -> None:
-    """A ~ Kaiming-uniform (as PEFT), B = 0. Seeded and drawn whole, in a fixed order, then handed to `fill`
-    (which keeps a shard's own slice), like Llama.init_weights: the adapters do not depend on the mesh."""
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    fill = fill or (lambda t, full: t.copy_(full))
-    for _, m in sorted(lora_modules(model).items()):
+    """A ~ Kaiming-uniform (as PEFT), B = 0. Seeded like Llama.init_weights: A's values are a pure function of
+    (seed, its name, element index) and reach `fill(param, draw)` (which keeps a shard's own slice), so the
+    adapters depend neither on the mesh nor on the device."""
+    fill = fill or (lambda t, draw: t.copy_(draw()))
+    for name, m in sorted(lora_modules(model).items()):
         bound = 1.0 / (m.in_features ** 0.5)  # kaiming_uniform_(a=sqrt(5)) on (rank, in)
-        a = torch.empty(tuple(m.lora_A.shape)).uniform_(-bound, bound, generator=gen)
-        fill(m.lora_A, a.to(device=m.lora_A.device, dtype=m.lora_A.dtype))
-        fill(m.lora_B, torch.zeros(tuple(m.lora_B.shape), device=m.lora_B.device, dtype=m.lora_B.dtype))
+        if seed is None:
+            nn.init.uniform_(m.lora_A, -bound, bound)
+        else:
+            key, shape = f"{plain_name(name)}.lora_A", tuple(m.lora_A.shape)
+            fill(m.lora_A, lambda rows=None, cols=None, key=key, shape=shape, bound=bound:
+                 seeded.draw(seed, key, shape, bound, seeded.uniform_pm1, rows=rows, cols=cols))
+        m.lora_B.zero_()
 
 
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import warnings
@@ -169,6 +170,12 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, env: DistE
     return model
 
 
+def plain_name(name: str) -> str:
+    """A parameter's or module's name in the plain model: without the prefixes that the wrappers add
+    (activation checkpointing, compile)."""
+    return name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The module under DDP (FSDP2, TP, AC and compile modify modules in place or inside `layers`)."""
     return model.module if hasattr(model, "module") and isinstance(model, nn.parallel.DistributedDataParallel) \
@@ -201,13 +208,31 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims, env: DistEnv,
 
 
 @torch.no_grad()
-def _fill_own_shard(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a whole weight into `param`; a DTensor keeps only its own slice (no communication)."""
+def _fill_own_shard(param: torch.Tensor, draw) -> None:
+    """Fill `param` from a seeded `draw(rows, cols)` (see `Llama.init_weights`): a DTensor draws only the rows
+    and columns of its own slice, on the host, and copies them into its local tensor (no communication)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(param, DTensor):
-        full = compat.distribute_local(full, param.device_mesh, param.placements)
-    param.copy_(full)
+        param.to_local().copy_(draw(*shard_indices(param)).view(param.to_local().shape))
+    else:
+        param.copy_(draw())
+
+
+def shard_indices(param) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global row and column indices of the (shape[0], rest) view of a DTensor that this rank holds, in
+    its local order. DTensor itself splits two skinny index tensors (an expanded arange, no copy of the
+    weight), so FSDP's and TP's placements, uneven and strided splits included, are read, not re-derived."""
+    mesh, placements, shape = param.device_mesh, param.placements, tuple(param.shape)
+    if any(getattr(p, "dim", 0) > 1 for p in placements):
+        raise ValueError(f"seeded init splits only dims 0 and 1, not {placements}")
+    n_rows, n_cols = shape[0], param.numel() // shape[0]
+    # Along the dimension not asked for, one element per shard: each rank keeps one.
+    across = [math.prod(mesh.size(i) for i, p in enumerate(placements) if getattr(p, "dim", None) == d)
+              for d in (0, 1)]
+    rows = compat.distribute_local(torch.arange(n_rows)[:, None].expand(n_rows, across[1]), mesh, placements)
+    cols = compat.distribute_local(torch.arange(n_cols)[None, :].expand(across[0], n_cols), mesh, placements)
+    return rows.to_local()[:, 0].cpu(), cols.to_local()[0].cpu()
 
 
 def clip_grad_norm(params, max_norm: float, pp_group=None) -> torch.Tensor:

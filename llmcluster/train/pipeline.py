@@ -9,13 +9,13 @@ has `virtual_stages` of them (stage i on rank i mod pp, Megatron's looped placem
 checkpointing and compile apply to the rank model's blocks as without PP; FSDP wraps each block and then
 each stage (its own FSDP root, which is what `PipelineStage` expects).
 
-Weights: every rank still draws every weight, in the one seeded order of `Llama.init_weights`, and keeps
-only what it holds, so a run at pp=2 starts from the same weights as one process. The loss is the mean
-over micro-batches of the per-micro-batch mean, which is what gradient accumulation without PP computes: the
-loss function divides each micro-batch's loss by the micro-batch count before backward and the schedule's own
-division of the gradients is off (torchtitan's `scale_grads=False` with a rescaled loss). Dividing before
-backward, not after, keeps the backward's magnitudes those of accumulation without PP: under fp16 the same
-loss scale then overflows (or not) at the same step as in one process.
+Weights: every rank walks every weight of `Llama.init_weights` but draws only what it holds (each weight's
+values depend on the seed and its name alone), so a run at pp=2 starts from the same weights as one process.
+The loss is the mean over micro-batches of the per-micro-batch mean, which is what gradient accumulation
+without PP computes: the loss function divides each micro-batch's loss by the micro-batch count before
+backward and the schedule's own division of the gradients is off (torchtitan's `scale_grads=False` with a
+rescaled loss). Dividing before backward, not after, keeps the backward's magnitudes those of accumulation
+without PP: under fp16 the same loss scale then overflows (or not) at the same step as in one process.
 """
 
 from __future__ import annotations
@@ -150,18 +150,18 @@ def build_pipeline(cfg: JobConfig, dims: ParallelDims, env: DistEnv, seed: int |
 
 
 def _init_held_weights(model: nn.Module, spare: dict[str, nn.Module], seed: int | None) -> None:
-    """Run the model's own seeded init over the whole (partly meta) model, keeping what this rank holds."""
+    """Run the model's own seeded init over the whole (partly meta) model, drawing only what this rank holds."""
     for name, module in spare.items():
         if name in ("embed_tokens", "norm", "lm_head"):
             setattr(model, name, module)
         else:
             model.layers[name] = module
     order = sorted(model.layers, key=int)
-    model.layers = nn.ModuleDict({k: model.layers[k] for k in order})  # init draws blocks in index order
+    model.layers = nn.ModuleDict({k: model.layers[k] for k in order})
 
-    def fill(param: torch.Tensor, full: torch.Tensor) -> None:
-        if not param.is_meta:
-            _fill_own_shard(param, full)
+    def fill(param: torch.Tensor, draw) -> None:
+        if not param.is_meta:  # a weight this rank does not hold is never drawn
+            _fill_own_shard(param, draw)
 
     try:
         model.init_weights(seed, fill=fill)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from llmcluster.config.load import load_job_config, saved_config_dict
 from llmcluster.config.schema import JobConfig
 from llmcluster.data.dataset import META, data_sources, open_training_data
+from llmcluster.data.prefetch import Prefetcher
 from llmcluster.errors import EXIT_PREEMPTED, UserError
 from llmcluster.model import flops_per_token, param_count
 from llmcluster.model.llama import cross_entropy_sum
@@ -96,8 +97,9 @@ class Trainer:
 
     def _build(self, resume: str) -> None:
         cfg, env, dims, root, t = self.cfg, self.env, self.dims, self.storage.root, self.cfg.train
-        self.dataset, self.sampler = open_training_data(root, cfg.data, cfg.run.seed, verify=env.is_main,
-                                                        max_vocab=cfg.model.vocab_size)
+        self.dataset, sampler = open_training_data(root, cfg.data, cfg.run.seed, verify=env.is_main,
+                                                   max_vocab=cfg.model.vocab_size)
+        self.sampler = Prefetcher(sampler)  # steps gathered ahead on a thread; position as trained
         # What the run trains on, so that a resume over a rebuilt dataset is refused: meta.json's digest (for a
         # mixture, the digest of every source's, in order).
         digests = [sha256_file(d / META) for _, d, _ in data_sources(root, cfg.data)]
@@ -145,7 +147,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops, self.peak_source = device_peak_flops(env.device, t.precision)
         self.preempt = PreemptionFlag().install()
-        self.evaluator = Evaluator(cfg, env, dims, self.model, self.pipe, self.autocast, self.dataset, self.sampler,
+        self.evaluator = Evaluator(cfg, env, dims, self.model, self.pipe, self.autocast, self.dataset, sampler,
                                    self.events)
         self.metrics = MetricsProcessor(cfg, root, self.storage.run_logs(cfg.run.name), env.rank, env.local_rank,
                                         self.step, env.is_main)
@@ -439,6 +441,7 @@ class Trainer:
     def close(self, reason: str | None = None) -> None:
         """`reason`: how the attempt ended (exit_reason's words), recorded as its last event."""
         self.preempt.uninstall()
+        self.sampler.close()
         self.ckpt.close()
         if self.sample_log:
             self.sample_log.close()
