@@ -105,8 +105,13 @@ def probe_timing(device: torch.device) -> dict:
            ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=256,
                        max_seq_len=64))
     B, T = (4, 2048) if gpu else (2, 64)
+    # Each phase's time on stderr: the first H200 run timed out here with nothing to say where it spent its 15 s.
+    t_start = time.perf_counter()
+    phase = lambda what: print(f"timing: {what} at {time.perf_counter() - t_start:.1f} s", file=sys.stderr,  # noqa: E731
+                               flush=True)
     torch.manual_seed(0)
     model = build_model(cfg, device)  # drawn in place on the device: the seeded CPU draw is not what is timed
+    phase("model built")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=gpu)
     tok = torch.randint(0, cfg.vocab_size, (B, T + 1), device=device)
 
@@ -119,6 +124,7 @@ def probe_timing(device: torch.device) -> dict:
 
     for _ in range(2):  # warm-up: allocator, cuBLAS handles, fused AdamW state
         step()
+    phase("warm-up done")
     host, dev = [], []
     for _ in range(5):
         if gpu:

@@ -19,7 +19,7 @@ SHAPE = ModelConfig(n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, ffn_hidden
 
 def cfg(**parallel) -> JobConfig:
     return JobConfig(model=SHAPE, train=TrainConfig(precision="bf16", device="cuda", lr=1e-3, warmup_steps=0),
-                     parallel={"dp_replicate": 1, "dp_shard": 1, **parallel})
+                     data={"seq_len": SHAPE.max_seq_len}, parallel={"dp_replicate": 1, "dp_shard": 1, **parallel})
 
 
 @pytest.fixture(scope="module")

@@ -95,3 +95,11 @@ def test_gpu_checks_reject_an_unknown_option(script):
     p = subprocess.run(["bash", f"benchmarks/{script}", "--bogus"], cwd=REPO, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 2 and p.stderr.strip().startswith("usage:")
+
+
+def test_the_gpu_tests_configs_validate_here():
+    """tests/test_gpu.py skips without CUDA, so its configs were first validated on the H200, where they failed
+    (data.seq_len over the shape's max_seq_len): build them here, where every run can see them."""
+    from test_gpu import cfg
+
+    assert cfg().data.seq_len <= cfg().model.max_seq_len and cfg(dp_shard=1).parallel.dp_shard == 1
