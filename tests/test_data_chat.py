@@ -43,13 +43,16 @@ def test_default_template_trains_assistant_replies_only(capsys, tmp_path):
     tokens = _read(root, "chat", "shards", "<u2")
     mask = _read(root, "chat", "masks", "u1")
     assert len(tokens) == len(mask)
+    from llmcluster.data.chat import CHAT_MARKERS
     from llmcluster.data.tokenizer import byte_tokenizer
 
-    tok = byte_tokenizer()
-    eot = tok.token_to_id("<|endoftext|>")
-    trained = tok.decode([int(t) for t, m in zip(tokens, mask) if m and t != eot])
+    tok = byte_tokenizer(CHAT_MARKERS)
+    eot, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    # the end of a turn is one special token (a server stops on it), trained after each of the 6 replies
+    assert im_end == 258 and (tokens == im_end).sum() == 5 * 3 and mask[tokens == im_end].sum() == 2 * 3
+    trained = tok.decode([int(t) for t, m in zip(tokens, mask) if m and t != eot], skip_special_tokens=False)
     assert trained == "".join(f"{2 * i}.<|im_end|>\n{(2 * i) ** 2}, number {i}.<|im_end|>\n" for i in range(3))
-    whole = tok.decode([int(t) for t in tokens if t != eot])
+    whole = tok.decode([int(t) for t in tokens if t != eot], skip_special_tokens=False)
     assert whole.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 0 + 0?")
     assert mask[tokens == eot].tolist() == [1, 1, 1]  # the end of a conversation that ends on a reply
 
@@ -101,7 +104,8 @@ def test_sampler_ignores_untrained_targets_and_training_runs(capsys, tmp_path):
     assert (y == -100).any() and (y != -100).any()
     assert (y[:, :-1][y[:, :-1] != -100] == x[:, 1:][y[:, :-1] != -100]).all()  # kept targets = next tokens
     run_cli("train", "--config", "llm_tiny", "--root", root,
-            *overrides("data.dataset=chat", "train.steps=6", "run.name=sft", "log.eval_interval=6"), check=True)
+            *overrides("data.dataset=chat", "model.vocab_size=259", "train.steps=6", "run.name=sft",
+                       "log.eval_interval=6"), check=True)
     rows = read_metrics(root, "sft")
     assert len(rows) == 6 and all(np.isfinite(r["loss"]) for r in rows) and "val_loss" in rows[-1]
     state = json.loads((root / "checkpoints" / "sft" / "step_6" / "train_state.json").read_text())
@@ -141,7 +145,8 @@ def test_sft_under_tensor_parallelism_matches_one_process(tmp_path):
     root = tmp_path / "s"
     run_cli("data", "prepare", "--root", root, "--name", "chat", "--format", "chat", "--source",
             _write(tmp_path, 40), "--tokenizer", "byte", "--val-fraction", "0.1", check=True)
-    common = ("data.dataset=chat", "train.steps=4", "log.eval_interval=4", "parallel.dp_shard=1")
+    common = ("data.dataset=chat", "model.vocab_size=259", "train.steps=4", "log.eval_interval=4",
+              "parallel.dp_shard=1")
     run_cli("train", "--config", "llm_tiny", "--root", root, *overrides(*common, "run.name=one"), check=True)
     proc = torchrun(2, "train", "--config", "llm_tiny", "--root", root,
                     *overrides(*common, "run.name=tp", "parallel.tp=2", "parallel.dp_replicate=1"))

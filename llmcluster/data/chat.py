@@ -14,6 +14,10 @@ from functools import lru_cache
 from llmcluster.data.sources import MAX_RECORD_BYTES
 from llmcluster.errors import UserError
 
+# ChatML's turn markers: a tokenizer trained here for chat data holds them as special tokens (one id each, so
+# the end of a reply is a token a server can stop on; see tokenizer.make_tokenizer)
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHAT_MARKERS = (IM_START, IM_END)
 DEFAULT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 ROLES = {"system", "user", "assistant", "tool"}
@@ -114,3 +118,13 @@ class ChatRenderer:
                 out.append((full[len(done):], False))
             done = full
         return [(t, trained) for t, trained in out if t]
+
+    def end_of_turn(self) -> str | None:
+        """What the template writes right after an assistant reply's text (ChatML: "<|im_end|>\\n"; Llama 3:
+        "<|eot_id|>"): its first token is the one a server must stop on. None when the reply is not followed by
+        anything, or the template changes the reply's text."""
+        reply = "Reply."
+        segs = self.segments([{"role": "user", "content": "Hi."}, {"role": "assistant", "content": reply}],
+                             "end of turn")
+        text = next((t for t, trained in segs if trained), "")
+        return (text[len(reply):] or None) if text.startswith(reply) else None

@@ -189,12 +189,13 @@ def prepare(root: Path, name: str, kind: str, sources: list[Path] | None, tokeni
         for key, value in docs:
             yield key, (renderer.segments(value, key) if chat else [(value, True)])
 
-    if chat:  # a BPE trained here has no chat template: the documented default renders
-        from llmcluster.data.chat import ChatRenderer
+    if chat:  # a BPE trained here has no chat template: the documented default renders, its markers special
+        from llmcluster.data.chat import CHAT_MARKERS, ChatRenderer
         renderer = ChatRenderer(None, None, None, max_record_bytes)
     dtok = make_tokenizer(tokenizer_spec, texts=lambda: (
         "".join(t for t, _ in segs) for _, segs in
-        _bounded(segmented(iter_documents(all_units, text_field, chat, max_record_bytes)), sample_limit)))
+        _bounded(segmented(iter_documents(all_units, text_field, chat, max_record_bytes)), sample_limit)),
+        specials=CHAT_MARKERS if chat else ())
     if chat:
         conf = json.loads(dtok.hf_files.get("tokenizer_config.json", "{}"))
         tok_text = dtok.tok.id_to_token

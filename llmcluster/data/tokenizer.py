@@ -29,22 +29,24 @@ def _byte_level(model: models.Model) -> Tokenizer:
     return tok
 
 
-def byte_tokenizer() -> Tokenizer:
-    """256 byte tokens + EOT: no training, vocab 257."""
+def byte_tokenizer(specials: tuple[str, ...] = ()) -> Tokenizer:
+    """256 byte tokens + EOT (+ `specials` after it): no training, vocab 257 (+ len(specials))."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    vocab[EOT] = len(vocab)
+    for t in (EOT, *specials):
+        vocab[t] = len(vocab)
     tok = _byte_level(models.BPE(vocab=vocab, merges=[]))
-    tok.add_special_tokens([EOT])
+    tok.add_special_tokens([EOT, *specials])
     return tok
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, length: int | None = None) -> Tokenizer:
-    if vocab_size < 257:
-        raise UserError(f"--tokenizer bpe:{vocab_size}: a byte-level BPE needs at least 257 tokens")
+def train_bpe(texts: Iterable[str], vocab_size: int, length: int | None = None,
+              specials: tuple[str, ...] = ()) -> Tokenizer:
+    if vocab_size < 257 + len(specials):
+        raise UserError(f"--tokenizer bpe:{vocab_size}: a byte-level BPE needs at least {257 + len(specials)} tokens")
     tok = _byte_level(models.BPE())
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+        vocab_size=vocab_size, special_tokens=[EOT, *specials], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
     tok.train_from_iterator(texts, trainer=trainer, length=length)
     return tok
@@ -118,10 +120,14 @@ def load_tokenizer(path: str | Path) -> DocTokenizer:
     return DocTokenizer(tok, eos, bos, files)
 
 
-def make_tokenizer(spec: str, texts: Callable[[], Iterator[str]] | None = None) -> DocTokenizer:
-    """'bpe:N' (train on `texts()`), 'byte', or an HF tokenizer directory / tokenizer.json."""
+def make_tokenizer(spec: str, texts: Callable[[], Iterator[str]] | None = None,
+                   specials: tuple[str, ...] = ()) -> DocTokenizer:
+    """'bpe:N' (train on `texts()`), 'byte', or an HF tokenizer directory / tokenizer.json.
+
+    `specials` (chat data: the default template's turn markers) become special tokens of a tokenizer made here,
+    so each encodes to one id; an HF tokenizer is kept as it is (its ids are its model's)."""
     if spec == "byte":
-        tok = byte_tokenizer()
+        tok = byte_tokenizer(specials)
     elif spec.startswith("bpe:"):
         try:
             n = int(spec[4:])
@@ -129,7 +135,7 @@ def make_tokenizer(spec: str, texts: Callable[[], Iterator[str]] | None = None) 
             raise UserError(f"--tokenizer {spec!r}: expected bpe:N with N an integer") from None
         if texts is None:
             raise UserError("a BPE tokenizer needs training text")
-        tok = train_bpe(texts(), n)
+        tok = train_bpe(texts(), n, specials=specials)
     else:
         return load_tokenizer(spec)
     return DocTokenizer(tok, eot_id(tok))

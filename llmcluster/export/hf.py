@@ -118,6 +118,10 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
         raise UserError(f"the run's tokenizer is missing: {tok_src}")
     meta = json.loads((tok_dir / "meta.json").read_text())
     eos_id, bos_id = int(meta["eot_id"]), meta.get("bos_id")
+    # prepare read it as an object already (it is the dataset's copy of the HF tokenizer's own)
+    hf_conf = json.loads((tok_dir / "tokenizer_config.json").read_text()) \
+        if (tok_dir / "tokenizer_config.json").is_file() else None
+    template, turn_id = chat_template(tok_src, hf_conf, meta)
     # After init_from: the original config.json's fields we do not set (dtype names, token ids, anything a
     # newer transformers added) are kept, and ours - what the weights now are - override the rest.
     base = {}
@@ -129,9 +133,11 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
     try:
         tmp.mkdir(parents=True)
         _write(tmp / "config.json", json.dumps({**base, **hf_config(cfg.model, eos_id, bos_id)}, indent=2))
+        # No sampling fields: vLLM applies generation_config.json's as every request's defaults, so a client's
+        # greedy request (no temperature given) would sample. The end of a chat turn stops generation too.
         _write(tmp / "generation_config.json", json.dumps(
-            {"bos_token_id": eos_id if bos_id is None else bos_id, "eos_token_id": eos_id, "do_sample": True,
-             "temperature": 0.8, "top_k": 50}))
+            {"bos_token_id": eos_id if bos_id is None else bos_id,
+             "eos_token_id": eos_id if turn_id in (None, eos_id) else [eos_id, turn_id]}))
         state = model.state_dict()
         if cfg.train.lora is not None:  # merged weights here; the adapters alone, PEFT-format, in adapter/
             from llmcluster.train.lora import merged_state_dict, save_peft_adapter
@@ -141,15 +147,18 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
         save_file(to_hf_names(state, cfg.model.tie_embeddings), str(tmp / "model.safetensors"),
                   metadata={"format": "pt", "source": f"llmcluster {run} step {step}"})
         _write(tmp / "tokenizer.json", tok_src.read_bytes())
-        if (tok_dir / "tokenizer_config.json").is_file():  # an HF model's tokenizer: its own files, verbatim
+        if hf_conf is not None:  # an HF model's tokenizer: its own files, verbatim (+ the template it was tuned on)
             for name in HF_TOKENIZER_FILES:
                 if (tok_dir / name).is_file():
                     _write(tmp / name, (tok_dir / name).read_bytes())
+            if template is not None and hf_conf.get("chat_template") != template:
+                _write(tmp / "tokenizer_config.json", json.dumps({**hf_conf, "chat_template": template}, indent=2))
         else:
             _write(tmp / "tokenizer_config.json", json.dumps({
                 "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT, "unk_token": None,
                 "pad_token": EOT, "model_max_length": cfg.model.max_seq_len, "add_bos_token": False,
-                "clean_up_tokenization_spaces": False}, indent=2))
+                "clean_up_tokenization_spaces": False, **({"chat_template": template} if template else {})},
+                indent=2))
             _write(tmp / "special_tokens_map.json", json.dumps(
                 {"bos_token": EOT, "eos_token": EOT, "pad_token": EOT}, indent=2))
         _write(tmp / EXPORT_MARKER, json.dumps({"format": EXPORT_FORMAT, "run": run, "step": step,
@@ -169,6 +178,42 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
         if not swapping or not tmp.exists() or _replaceable(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def chat_template(tok_file: Path, hf_conf: dict | None, meta: dict) -> tuple[str | None, int | None]:
+    """(the chat template an export serves with, its end-of-turn token id) for the run's tokenizer.
+
+    The template is the tokenizer's own, else the default (ChatML) when the data was chat or the tokenizer was
+    made for chat data (it holds the ChatML markers). The end of turn is the first token the template writes
+    after a reply, when that is one special token; a tokenizer made for chat data before the markers were special
+    tokens has none: replies would not stop, so it is said."""
+    from tokenizers import Tokenizer
+
+    from llmcluster.data.chat import CHAT_MARKERS, DEFAULT_TEMPLATE, ChatRenderer
+
+    tok = Tokenizer.from_file(str(tok_file))
+    own = (hf_conf or {}).get("chat_template")
+    template = own if isinstance(own, str) else None
+    if template is None and (meta.get("format_in") == "chat"
+                             or all(tok.token_to_id(m) is not None for m in CHAT_MARKERS)):
+        template = DEFAULT_TEMPLATE
+    if template is None:
+        return None, None
+    eos_id, bos_id = int(meta["eot_id"]), meta.get("bos_id")
+    try:
+        marker = ChatRenderer(template, None if bos_id is None else tok.id_to_token(bos_id),
+                              tok.id_to_token(eos_id)).end_of_turn()
+    except UserError as e:
+        marker = None
+        print(f"warning: export: {e}", file=sys.stderr)
+    ids = tok.encode(marker, add_special_tokens=False).ids if marker else []
+    specials = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    if not ids or ids[0] not in specials:
+        print(f"warning: export: the chat template's end of turn ({marker!r}) is not one special token of the "
+              "tokenizer: chat replies will not stop before max_tokens (prepare the chat data again to make it "
+              "one)", file=sys.stderr)
+        return template, None
+    return template, ids[0]
 
 
 def _train_state(ckpt: Path) -> tuple[int, JobConfig]:
