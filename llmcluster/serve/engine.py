@@ -180,13 +180,12 @@ def refusals(target: Target, engine: Engine, s: Sizing) -> list[str]:
 
 
 def argv(engine: Engine, target: Target, s: Sizing, served: str, host: str, port: int | str) -> list[str]:
-    """The server's command line. --generation-config vllm: generation_config.json's sampling fields are NOT
-    applied as request defaults (an export's do_sample/temperature would make every request sample)."""
+    """The server's command line. generation_config.json is read by the engine (its eos ids end replies; the
+    sampling defaults older exports carry are warned about before launch: engine_check)."""
     out = [engine.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target.directory),
            "--served-model-name", served if target.adapter is None else target.model.name,
            "--host", host, "--port", str(port), "--tensor-parallel-size", str(s.tp), "--dtype", s.dtype,
-           "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs),
-           "--generation-config", "vllm", *s.extra]
+           "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs), *s.extra]
     if target.adapter is not None:
         out += ["--enable-lora", "--lora-modules", f"{served}={target.adapter}"]
         rank = next(r for r in LORA_RANKS if r >= target.adapter_rank)

@@ -286,17 +286,18 @@ def build(args, cfg, root: Path):
     problems = eng.refusals(target, engine, sizing)
     if problems:
         raise UserError(f"{target.directory}: " + "; ".join(problems))
-    for line in engine_warnings(target.model, engine.cpu):
-        print(f"warning: {line}", file=sys.stderr)
     name = check_run_name(args.name or f"serve-{target.name}")
     check_text(str(root), "storage root")
     host = args.host or ("127.0.0.1" if args.scheduler == "local" else "0.0.0.0")
     port = args.port or (free_port(host) if args.scheduler == "local" else 8000)
     job = ServeJob(name, args.scheduler, root, engine, target, sizing, host, port,
                    next_launch_id(root / "logs" / name))
-    if args.scheduler != "k8s":
-        return job, None
-    from llmcluster.launch.cluster_defaults import job_with_cluster_defaults
-    from llmcluster.serve.k8s import Serving
+    k8s = None
+    if args.scheduler == "k8s":
+        from llmcluster.launch.cluster_defaults import job_with_cluster_defaults
+        from llmcluster.serve.k8s import Serving
 
-    return job, Serving.build(job, job_with_cluster_defaults(cfg.job, cluster, "k8s"), args.image, args.namespace)
+        k8s = Serving.build(job, job_with_cluster_defaults(cfg.job, cluster, "k8s"), args.image, args.namespace)
+    for line in engine_warnings(target.model, engine.cpu):    # after every refusal: bad input stays one line
+        print(f"warning: {line}", file=sys.stderr)
+    return job, k8s
