@@ -14,7 +14,7 @@ import yaml
 
 from conftest import assert_one_line_error, cli_env, run_cli
 from hf_helpers import make_hf_llama, make_hf_tokenizer
-from test_launch_k8s import CHECKOV, K8S_VERSION
+from test_launch_k8s import CHECKOV, K8S_VERSION, Recorder, fake_apiserver  # noqa: F401
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 pytest.importorskip("transformers")
@@ -108,6 +108,30 @@ def engine(tmp_path: Path, cpu: bool) -> Path:
     fake.write_text(f"#!/bin/sh\necho '{json.dumps(info)}'\n")
     fake.chmod(0o755)
     return fake
+
+
+def test_k8s_start_creates_waits_for_ready_and_cancel_deletes(hf_root, fake_apiserver):
+    """Against the recording API server of test_launch_k8s (no cluster runs here): the objects --dry-run shows are
+    created, the Deployment's ready replica ends the wait, and `jobs status|cancel` find them by their label."""
+    args = ["serve", "start", "--model", "hfx", "--root", hf_root, "--scheduler", "k8s", "--cluster", "rtx4090-box",
+            "--namespace", "ml", "--image", DIGEST, "--set", "job.mem_per_node=64G", "--name", "hfx-k8s"]
+    shown = list(yaml.safe_load_all(run_cli(*args, "--dry-run", env=fake_apiserver, check=True).stdout))
+    p = run_cli(*args, "--timeout", "60", env=fake_apiserver, check=True)
+    assert p.stdout.splitlines()[0] == "endpoint http://hfx-k8s.ml.svc:8000/v1"
+    assert "the smoke request needs the cluster's DNS" in p.stderr      # the Service's name resolves in-cluster only
+    posts = [(path, body) for verb, path, body in Recorder.calls if verb == "POST"]
+    assert [path for path, _ in posts] == ["/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies",
+                                           "/api/v1/namespaces/ml/services", "/apis/apps/v1/namespaces/ml/deployments"]
+    assert [body for _, body in posts] == shown
+    rec = json.loads((hf_root / "logs" / "hfx-k8s" / "job.json").read_text())
+    assert rec["kind"] == "serve" and rec["endpoint"] == "http://hfx-k8s.ml.svc:8000/v1"
+    assert rec["k8s"]["kind"] == "deployment" and rec["k8s"]["namespace"] == "ml"
+    st = run_cli("jobs", "status", "hfx-k8s", "--root", hf_root, "--json", env=fake_apiserver, check=True)
+    assert json.loads(st.stdout)["state"] == "RUNNING"
+    run_cli("jobs", "cancel", "hfx-k8s", "--root", hf_root, env=fake_apiserver, check=True)
+    deletes = [path for verb, path, _ in Recorder.calls if verb == "DELETE"]
+    assert deletes == ["/apis/apps/v1/namespaces/ml/deployments/hfx-k8s", "/api/v1/namespaces/ml/services/hfx-k8s",
+                       "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/hfx-k8s"]
 
 
 def test_slurm_script_waits_for_health_inside_the_job(hf_root, tmp_path):
