@@ -164,3 +164,16 @@ def test_bad_input_is_one_line(hf_root, tmp_path, args, needle):
     args = [str(named.get(a, a)) for a in args]
     p = run_cli("serve", "start", "--root", hf_root, *args, "--dry-run")
     assert_one_line_error(p, needle)
+
+
+def test_the_engine_is_the_python_of_a_vllm_command_on_path(tmp_path, monkeypatch):
+    """Without --engine-python, $LLMCLUSTER_VLLM_PYTHON or a `make vllm` venv: the interpreter of `vllm` on PATH."""
+    from llmcluster.serve.engine import find_engine
+
+    python = engine(tmp_path, cpu=True)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "vllm").write_text(f"#!{python}\nimport sys\n")
+    (tmp_path / "bin" / "vllm").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    found = find_engine(None, environ={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert found.python == str(python) and found.cpu and found.version == "0.32.0"

@@ -2,7 +2,8 @@
 
 Pure Python, no torch (this runs on a login node). The engine is found, not built (`make vllm` builds the CPU
 one): --engine-python, else $LLMCLUSTER_VLLM_PYTHON, else the venv scripts/vllm_venv.sh builds
-($XDG_CACHE_HOME/llmcluster/vllm-<key>, the newest complete one), else a `python3` on PATH that has vllm.
+($XDG_CACHE_HOME/llmcluster/vllm-<key>, the newest complete one), else the python of a `vllm` command on PATH,
+else a `python3` on PATH that has vllm.
 """
 
 from __future__ import annotations
@@ -58,8 +59,22 @@ def built_venvs(environ=os.environ) -> list[Path]:
     return [m.parent / "bin" / "python" for m in sorted(done, key=lambda m: m.stat().st_mtime, reverse=True)]
 
 
+def _script_python(script: str | None) -> str | None:
+    """The interpreter of a `vllm` console script on PATH (its #! line): the python vLLM is installed in."""
+    try:
+        with open(script or "", "rb") as f:
+            line = f.readline(512).decode(errors="replace")
+    except OSError:
+        return None
+    words = line[2:].split() if line.startswith("#!") else []
+    if words[:1] and words[0].endswith("/env"):
+        words = words[1:]
+    return (shutil.which(words[0]) if words else None) or None
+
+
 def find_engine(flag: str | None, environ=os.environ) -> Engine:
-    """The first of --engine-python, $LLMCLUSTER_VLLM_PYTHON, a `make vllm` venv, python3 on PATH with vllm.
+    """The first of --engine-python, $LLMCLUSTER_VLLM_PYTHON, a `make vllm` venv, the python of a `vllm` on PATH,
+    python3 on PATH with vllm.
     A python that is named (flag or variable) and has no vllm is an error, not skipped."""
     named = flag or environ.get(ENGINE_ENV)
     if named:
@@ -70,7 +85,8 @@ def find_engine(flag: str | None, environ=os.environ) -> Engine:
         candidates = [(path, where)]
     else:
         candidates = [(str(p), "make vllm") for p in built_venvs(environ) if p.is_file()]
-        candidates += [(p, "PATH") for p in filter(None, [shutil.which("python3")])]
+        candidates += [(p, "PATH") for p in filter(None, [_script_python(shutil.which("vllm")),
+                                                         shutil.which("python3")])]
     for path, where in candidates:
         info = _probe(path)
         if info:
