@@ -76,12 +76,13 @@ def render_local(job: ServeJob) -> str:
     return "\n".join(lines) + "\n"
 
 
-def submit_local(job: ServeJob, record: dict) -> tuple[str, callable]:
-    """Start the server in its own session (it outlives this command; `jobs cancel` stops it), output in
-    logs/<name>/server.log. Returns the base URL and a liveness check."""
+def submit_local(job: ServeJob, record: dict, artifact: Path) -> tuple[str, callable]:
+    """Run the rendered launch.sh (it execs the server: the pid stays the server's) in a session of its own (it
+    outlives this command; `jobs cancel` stops it), output in logs/<name>/server.log. Returns the base URL and a
+    liveness check."""
     log = open(job.logs / SERVER_LOG, "ab")
-    proc = subprocess.Popen(job.argv(), env={**os.environ, **eng.environment(job.engine)}, stdin=subprocess.DEVNULL,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=job.logs)
+    proc = subprocess.Popen(["bash", str(artifact)], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, cwd=job.logs)
     log.close()
     write_record(job.logs, {**record, "job_id": f"local-{proc.pid}", "pid": proc.pid, "state": "RUNNING"})
 
@@ -260,7 +261,7 @@ def start(job: ServeJob, *, dry_run: bool, timeout: float, time_limit: str | Non
         else:
             smoke(url, job.served, job.name)
     else:
-        base, alive = (submit_local(job, record) if job.scheduler == "local"
+        base, alive = (submit_local(job, record, artifact) if job.scheduler == "local"
                        else submit_slurm(job, record, artifact))
         url = wait_healthy(base, alive, timeout, job.name)
         write_record(job.logs, {**(read_record(job.logs) or record), "endpoint": f"{url}/v1"})
