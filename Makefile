@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
 
-.PHONY: venv sysdeps checkov lmeval demo test test-fast test-compat bench clean-storage
+.PHONY: venv sysdeps checkov vllm lmeval demo test test-fast test-compat bench clean-storage
 
 # torch first and pinned, so pip never resolves a multi-GB CUDA build on a CPU machine.
 $(VENV)/.installed: pyproject.toml
@@ -27,6 +27,11 @@ CHECKOV_VERSION ?= 3.3.30
 
 checkov: .venv-checkov/.installed
 
+# vLLM's CPU build (`llmcluster serve start`, the vllm-marked tests) in a keyed, locked venv outside the clone
+# (scripts/vllm_venv.sh: built once per machine, ~3 min; prints its python)
+vllm:
+	bash scripts/vllm_venv.sh
+
 # lm-evaluation-harness for `llmcluster eval` and the lmeval tests: a keyed venv of its own outside the clone
 # (scripts/engine_venv.sh says why), built once per machine.
 lmeval:
@@ -39,7 +44,7 @@ sysdeps:
 demo: venv
 	bash scripts/demo.sh
 
-test: venv sysdeps checkov lmeval
+test: venv sysdeps checkov vllm lmeval
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The distributed training tests (DDP, FSDP, HSDP, TP, resume, resharding, meta init, export, every preset's layer
@@ -55,7 +60,7 @@ test-compat:
 	  && PYTHONPATH=$(CURDIR) $$py -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) $(PYTEST_ARGS)
 
 test-fast: venv checkov
-	$(PY) -m pytest -q -m "not slow and not slurm and not prometheus and not lmeval" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not slurm and not prometheus and not vllm and not lmeval" $(PYTEST_ARGS)
 
 bench: venv
 	$(PY) benchmarks/train_throughput.py

@@ -133,3 +133,62 @@ def assert_nowhere_under(root: Path, secret: str) -> None:
     assert p.returncode == 1, f"{secret!r} found in: {p.stdout or p.stderr}"
     named = [f for f in root.rglob("*") if secret in f.name]
     assert not named, named
+
+
+# -- one vLLM server for the serving tests (issue 27) -------------------------------------------------------------
+VLLM_BASE, VLLM_LORA, VLLM_JOB = "vllm-demo", "vllm-lora", "vllm-test"
+
+
+def vllm_python() -> str:
+    """The CPU engine's python (scripts/vllm_venv.sh builds its venv once per machine, ~3 min, and prints it)."""
+    p = subprocess.run(["bash", str(REPO / "scripts" / "vllm_venv.sh")], capture_output=True, text=True,
+                       timeout=1800)
+    assert p.returncode == 0, f"scripts/vllm_venv.sh failed (`make vllm`):\n{p.stderr[-3000:]}"
+    return p.stdout.split()[-1]
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """One real vLLM server (the CPU engine) shared by the session's serving tests, LoRA enabled:
+    a demo-sized model (llm_tiny's shape) trained briefly on byte-tokenized chats and exported (its chat template
+    and end-of-turn token with it); a LoRA run that imports that export as its Hugging Face base
+    (train.init_from), exported; `serve start --scheduler local` of the LoRA export serves the base under its
+    name and the adapter under the run's."""
+    import time
+    from types import SimpleNamespace
+
+    from chat_helpers import chat_records
+
+    python = vllm_python()
+    base = tmp_path_factory.mktemp("vllm")
+    root = base / "storage"
+    (base / "chat.jsonl").write_text(chat_records(60))
+    run_cli("storage", "init", "--root", root, check=True)
+    run_cli("data", "prepare", "--root", root, "--name", "chat", "--format", "chat", "--source",
+            base / "chat.jsonl", "--tokenizer", "byte", "--val-fraction", "0", check=True)
+    common = ["--root", root, "--set", "data.dataset=chat", "--set", "data.seq_len=64", "--set",
+              "train.micro_batch=4", "--set", "train.precision=fp32", "--set", "train.warmup_steps=2",
+              "--set", "log.progress=false", "--set", "log.eval_interval=1000"]
+    run_cli("train", "--config", "llm_tiny", *common, "--set", "model.vocab_size=259", "--set", "train.steps=20",
+            "--set", f"run.name={VLLM_BASE}", check=True)
+    run_cli("export", "--run", VLLM_BASE, "--root", root, check=True)
+    export = root / "models" / VLLM_BASE
+    (base / "lora.yaml").write_text("checkpoint: {interval_steps: 1000}\n")  # no model section: init_from's
+    run_cli("train", "--config", base / "lora.yaml", *common, "--set", f"train.init_from={export}",
+            "--set", "train.lora={rank: 4, alpha: 8, targets: [q_proj, v_proj, down_proj]}", "--set", "train.lr=1e-2",
+            "--set", "train.steps=10", "--set", f"run.name={VLLM_LORA}", check=True)
+    run_cli("export", "--run", VLLM_LORA, "--root", root, check=True)
+    t0 = time.monotonic()
+    p = run_cli("serve", "start", "--model", VLLM_LORA, "--name", VLLM_JOB, "--root", root, "--scheduler", "local",
+                "--engine-python", python, timeout=900)
+    took = time.monotonic() - t0
+    if p.returncode != 0:
+        run_cli("jobs", "cancel", VLLM_JOB, "--root", root)
+        raise AssertionError(f"serve start -> {p.returncode}\n{p.stdout}\n{p.stderr[-3000:]}\n"
+                             f"{(root / 'logs' / VLLM_JOB / 'server.log').read_text()[-4000:]}")
+    url = next(ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("endpoint "))
+    print(f"vLLM started and answered in {took:.0f} s", file=sys.stderr)
+    yield SimpleNamespace(base_url=url, model=VLLM_BASE, lora=VLLM_LORA, export_dir=export,
+                          lora_dir=root / "models" / VLLM_LORA, root=root, name=VLLM_JOB, python=python,
+                          start=p, startup_s=took)
+    run_cli("jobs", "cancel", VLLM_JOB, "--root", root)

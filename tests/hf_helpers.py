@@ -27,7 +27,7 @@ def make_hf_tokenizer(out: Path, vocab: int = 384, texts=CORPUS) -> Path:
 
 
 def make_hf_llama(out: Path, vocab: int, tie: bool = False, max_shard_size: str | None = "60KB",
-                  rope_scaling: bool = True, seed: int = 0) -> Path:
+                  rope_scaling: bool = True, seed: int = 0, **shape) -> Path:
     """A small random LlamaForCausalLM (GQA, rope_theta 500000, Llama-3 rope scaling), saved in safetensors
     shards (several files, so loading must follow the index) plus its tokenizer."""
     import torch
@@ -36,6 +36,7 @@ def make_hf_llama(out: Path, vocab: int, tie: bool = False, max_shard_size: str 
     kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rope_theta=500000.0,
               tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-5)
+    kw.update(shape)      # e.g. a head dim vLLM's CPU kernel runs (num_attention_heads=2: 32)
     if rope_scaling:
         kw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 32,

@@ -355,7 +355,8 @@ class Recorder(BaseHTTPRequestHandler):
         obj = self.objects.get(base)
         if obj is None:
             return self._reply(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404})
-        obj = {**obj, "status": {"active": 2}}
+        # a Job with its pods active; a serving Deployment with its replica ready (serve start waits for it)
+        obj = {**obj, "status": {"readyReplicas": 1, "replicas": 1} if "/deployments/" in base else {"active": 2}}
         self._reply(200, obj)
 
     def do_DELETE(self):  # noqa: N802

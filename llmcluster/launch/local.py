@@ -17,6 +17,10 @@ from llmcluster.launch.scheduler import Scheduler
 from llmcluster.launch.spec import LaunchSpec, sh_join
 
 
+SERVER_MODULE = b"vllm.entrypoints.openai.api_server"   # a serving job's process (serve/start.py)
+SERVER_LOG = "server.log"
+
+
 def missing_secrets(spec: LaunchSpec) -> list[str]:
     return [n for n in spec.job.secret_env if n not in os.environ]
 
@@ -64,29 +68,43 @@ class Local(Scheduler):
         return rc
 
     def _alive(self, logs: Path, rec: dict) -> int | None:
-        """The launcher's pid if it is alive AND is this run's torchrun: job.json is a user-writable file,
-        so a pid in it is checked against /proc before anything is signalled."""
+        """The launcher's pid if it is alive AND is this run's torchrun (a serving job's: its vLLM server, on
+        the recorded port): job.json is a user-writable file, so a pid in it is checked against /proc before
+        anything is signalled."""
         try:
             pid = int(rec["pid"])
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except (KeyError, ValueError, TypeError, OSError):
             return None
-        ranks = str(logs / "ranks").encode()
-        return pid if b"torch.distributed.run" in cmd and ranks in cmd and pid > 1 else None
+        if rec.get("kind") == "serve":
+            port = str(rec.get("port")).encode()
+            ours = SERVER_MODULE in cmd and any(a == b"--port" and b == port for a, b in zip(cmd, cmd[1:]))
+        else:
+            ours = b"torch.distributed.run" in cmd and str(logs / "ranks").encode() in cmd
+        return pid if ours and pid > 1 else None
 
     def state(self, logs: Path, rec: dict) -> dict:
         if rec.get("state") == "RUNNING":
             if self._alive(logs, rec) is None:
-                return {"state": "LOST", "detail": "the launcher is gone without recording an exit code"}
+                gone = "the server is gone (its log says why)" if rec.get("kind") == "serve" else \
+                    "the launcher is gone without recording an exit code"
+                return {"state": "LOST", "detail": gone}
             return {"state": "RUNNING"}
         return {"state": rec.get("state", "UNKNOWN"), "exit_code": rec.get("exit_code")}
 
     def log_files(self, logs: Path, rec: dict) -> list[Path]:
+        if rec.get("kind") == "serve":
+            return [logs / SERVER_LOG]
         # torchrun --log-dir: ranks/<id>/attempt_<n>/<local rank>/{stdout,stderr}.log
         return sorted((logs / "ranks").glob("*/attempt_*/*/std*.log"))
 
     def cancel(self, logs: Path, rec: dict) -> None:
         pid = self._alive(logs, rec)
         if pid is None:
-            raise UserError(f"{rec['run']} is not running (no live torchrun of it)")
-        os.killpg(pid, signal.SIGTERM)  # torchrun forwards it; the ranks checkpoint and stop
+            what = "vLLM server" if rec.get("kind") == "serve" else "torchrun"
+            raise UserError(f"{rec['run']} is not running (no live {what} of it)")
+        os.killpg(pid, signal.SIGTERM)  # torchrun forwards it (the ranks checkpoint); vLLM shuts down
+        if rec.get("kind") == "serve":  # no foreground launcher records a server's end: this is it
+            from llmcluster.launch.launcher import write_record
+
+            write_record(logs, {**rec, "state": "CANCELLED"})

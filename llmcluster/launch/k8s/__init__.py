@@ -22,7 +22,9 @@ FORMS = {"indexed-job": indexed_job, "volcano": volcano, "jobset": jobset, "pyto
 COMMON_KINDS = [("networking.k8s.io/v1", "NetworkPolicy", None), ("v1", "ConfigMap", None)]
 # the workload kinds of each form, deleted first on cancel
 WORKLOAD = {"indexed-job": [("batch/v1", "Job", None), ("v1", "Service", None)],
-            "volcano": [volcano.API], "jobset": [jobset.API], "pytorchjob": [pytorchjob.API]}
+            "volcano": [volcano.API], "jobset": [jobset.API], "pytorchjob": [pytorchjob.API],
+            # `serve start` (serve/k8s.py): a vLLM Deployment behind a Service
+            "deployment": [("apps/v1", "Deployment", None), ("v1", "Service", None)]}
 PLURALS = {m.API[1]: m.API[2] for m in (volcano, jobset, pytorchjob)}
 # RFC 1123 names, as the API server checks them (apimachinery validation): labels for namespaces,
 # Services and pod hostnames; subdomains for ConfigMaps, Secrets, claims, service accounts
@@ -75,7 +77,7 @@ def _where(rec: dict) -> tuple[str, str]:
     """The form and namespace of a record, checked (job.json is a user-editable file)."""
     info = rec.get("k8s") or {}
     kind, ns = info.get("kind"), str(info.get("namespace", ""))
-    if kind not in FORMS:
+    if kind not in WORKLOAD:
         raise UserError(f"job.json of {rec.get('run')!r}: unknown Kubernetes form {kind!r}")
     _dns(ns, "job.json namespace")
     return kind, ns

@@ -12,7 +12,7 @@ from llmcluster.launch.k8s.pod import RUN_LABEL, client
 # (apiVersion, kind) of the built-in kinds -> (the typed API class, the method suffix)
 BUILTIN = {("v1", "ConfigMap"): ("CoreV1Api", "config_map"), ("v1", "Service"): ("CoreV1Api", "service"),
            ("networking.k8s.io/v1", "NetworkPolicy"): ("NetworkingV1Api", "network_policy"),
-           ("batch/v1", "Job"): ("BatchV1Api", "job")}
+           ("batch/v1", "Job"): ("BatchV1Api", "job"), ("apps/v1", "Deployment"): ("AppsV1Api", "deployment")}
 
 
 def connect():
@@ -103,6 +103,10 @@ def state(c, api_version: str, kind: str, plural: str, namespace: str, name: str
         phase = ("SUCCEEDED" if (st.succeeded or 0) >= nodes else "FAILED" if st.failed and not st.active
                  else "RUNNING" if st.active else "PENDING")
         return {"state": phase, "active": st.active or 0, "succeeded": st.succeeded or 0, "failed": st.failed or 0}
+    if api_version == "apps/v1":      # a serving Deployment: running once its replicas pass /health (readiness)
+        st = call(c.AppsV1Api().read_namespaced_deployment_status, name, namespace).status
+        ready = st.ready_replicas or 0
+        return {"state": "RUNNING" if ready >= nodes else "PENDING", "ready": ready}
     group, ver = api_version.split("/")
     o = call(c.CustomObjectsApi().get_namespaced_custom_object_status, group, ver, namespace, plural, name)
     status = (o or {}).get("status") or {}

@@ -77,6 +77,33 @@ def host_mounts(spec: LaunchSpec) -> list[tuple[str, str]]:
     return [(m.source, m.path) for m in spec.job.mounts]
 
 
+# -- the hardening every pod of ours gets (training ranks here, vLLM servers in serve/k8s.py) -----------------------
+
+def scratch_volumes(shm_size: str) -> tuple[list, list]:
+    """(mounts, volumes): the writable scratch under a read-only root (HOME and /tmp, the caches of CACHE_ENV)
+    and a memory-backed /dev/shm (dataloader workers, NCCL, vLLM's tensor-parallel workers), all emptyDirs."""
+    c = client()
+    mounts = [c.V1VolumeMount(name="dshm", mount_path="/dev/shm"), c.V1VolumeMount(name="tmp", mount_path="/tmp"),
+              c.V1VolumeMount(name="cache", mount_path=CACHE_DIR)]
+    volumes = [c.V1Volume(name="dshm", empty_dir=c.V1EmptyDirVolumeSource(medium="Memory", size_limit=shm_size)),
+               c.V1Volume(name="tmp", empty_dir=c.V1EmptyDirVolumeSource()),
+               c.V1Volume(name="cache", empty_dir=c.V1EmptyDirVolumeSource())]
+    return mounts, volumes
+
+
+def container_security():
+    c = client()
+    return c.V1SecurityContext(privileged=False, allow_privilege_escalation=False, run_as_non_root=True,
+                               read_only_root_filesystem=True, capabilities=c.V1Capabilities(drop=["ALL"]))
+
+
+def pod_security(uid: int):
+    c = client()
+    return c.V1PodSecurityContext(run_as_non_root=True, run_as_user=uid, run_as_group=uid, fs_group=uid,
+                                  fs_group_change_policy="OnRootMismatch",
+                                  seccomp_profile=c.V1SeccompProfile(type="RuntimeDefault"))
+
+
 def pod_template(spec: LaunchSpec, rdzv_endpoint: str, container: str = "trainer",
                  restart: str = "Never", subdomain: str | None = None, node_rank: str | None = None):
     c = client()
@@ -92,14 +119,9 @@ def pod_template(spec: LaunchSpec, rdzv_endpoint: str, container: str = "trainer
     if j.mem_per_node:
         resources["memory"] = _quantity(j.mem_per_node)
 
-    mounts = [c.V1VolumeMount(name="config", mount_path=CONFIG_DIR, read_only=True),
-              c.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
-              c.V1VolumeMount(name="tmp", mount_path="/tmp"),
-              c.V1VolumeMount(name="cache", mount_path=CACHE_DIR)]
-    volumes = [c.V1Volume(name="config", config_map=c.V1ConfigMapVolumeSource(name=f"{spec.run}-config")),
-               c.V1Volume(name="dshm", empty_dir=c.V1EmptyDirVolumeSource(medium="Memory", size_limit=k.shm_size)),
-               c.V1Volume(name="tmp", empty_dir=c.V1EmptyDirVolumeSource()),
-               c.V1Volume(name="cache", empty_dir=c.V1EmptyDirVolumeSource())]
+    scratch_mounts, scratch = scratch_volumes(k.shm_size)
+    mounts = [c.V1VolumeMount(name="config", mount_path=CONFIG_DIR, read_only=True), *scratch_mounts]
+    volumes = [c.V1Volume(name="config", config_map=c.V1ConfigMapVolumeSource(name=f"{spec.run}-config")), *scratch]
     claim_volume: dict[tuple[str, bool], str] = {}
     for area, where in area_claims(spec).items():
         path = f"{k.storage_path}/{area}" + ("" if area == "datasets" else f"/{spec.run}")
@@ -137,9 +159,7 @@ def pod_template(spec: LaunchSpec, rdzv_endpoint: str, container: str = "trainer
         env=env_vars, ports=ports,
         resources=c.V1ResourceRequirements(limits=resources or None, requests=resources or None),
         volume_mounts=mounts,
-        security_context=c.V1SecurityContext(
-            privileged=False, allow_privilege_escalation=False, run_as_non_root=True,
-            read_only_root_filesystem=True, capabilities=c.V1Capabilities(drop=["ALL"])))
+        security_context=container_security())
     pod = c.V1PodSpec(
         containers=[trainer], volumes=volumes, restart_policy=restart, subdomain=subdomain,
         service_account_name=k.service_account, automount_service_account_token=bool(k.service_account),
@@ -149,10 +169,7 @@ def pod_template(spec: LaunchSpec, rdzv_endpoint: str, container: str = "trainer
                      for t in k.tolerations] or None,
         # the trainer checkpoints on SIGTERM: give it the same grace period Slurm gives
         termination_grace_period_seconds=j.signal_before_s,
-        security_context=c.V1PodSecurityContext(
-            run_as_non_root=True, run_as_user=k.run_as_user, run_as_group=k.run_as_user,
-            fs_group=k.run_as_user, fs_group_change_policy="OnRootMismatch",
-            seccomp_profile=c.V1SeccompProfile(type="RuntimeDefault")))
+        security_context=pod_security(k.run_as_user))
     return c.V1PodTemplateSpec(metadata=c.V1ObjectMeta(labels={RUN_LABEL: spec.run}), spec=pod)
 
 

@@ -1,0 +1,151 @@
+"""`serve start --scheduler k8s`: vLLM as a Deployment behind a Service, created with the official client.
+
+The pod is hardened as the training pods are (launch/k8s/pod.py: non-root, read-only root filesystem, no
+capabilities, no service-account token, RuntimeDefault seccomp) with emptyDirs for HOME (/tmp), the caches and a
+memory-backed /dev/shm; it mounts only the served export, read-only, from the models claim. Readiness and liveness
+probe /health; a startup probe gives the engine its minutes of loading before liveness counts. A NetworkPolicy
+opens the API port only. `jobs status|logs|cancel` find the objects by their run label (launch/k8s).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+from llmcluster.config.job import JobSpec
+from llmcluster.errors import RunFailure, UserError
+from llmcluster.launch.k8s import PLURALS, _dns, api, to_yaml
+from llmcluster.launch.k8s.pod import (CACHE_DIR, CACHE_ENV, RUN_LABEL, client, container_security, pod_security,
+                                       scratch_volumes, to_dict)
+from llmcluster.serve import engine as eng
+
+PORT = 8000                      # vLLM's own default, in the pod
+STARTUP_S = 1800                 # loading a 70B from a network volume takes minutes: liveness waits this long
+# vLLM's caches (compiled graphs, the HF hub's) under the writable /cache emptyDir
+SERVE_ENV = {**CACHE_ENV, "HF_HOME": f"{CACHE_DIR}/huggingface", "VLLM_CACHE_ROOT": f"{CACHE_DIR}/vllm"}
+
+
+@dataclass(frozen=True)
+class Serving:
+    name: str
+    namespace: str
+    image: str
+    argv: tuple[str, ...]
+    claim: str                     # the PVC holding models/
+    sub_path: str                  # the served export's directory on it
+    mount: str                     # where the pod sees it (= --model)
+    gpus: int
+    cpus: int | None
+    memory: str | None
+    uid: int
+    shm_size: str
+    node_selector: dict
+    tolerations: list
+
+    @classmethod
+    def build(cls, job, spec: JobSpec, image: str, namespace: str | None) -> Serving:
+        """From a ServeJob (serve/start.py) and the job section with the cluster's defaults applied. Only an export
+        under the storage root's models/ is on the models claim; the merged weights are served (a LoRA export's
+        base directory is on no claim the pod mounts)."""
+        k = spec.k8s
+        ns = namespace or k.namespace
+        _dns(job.name, "serving job name")
+        _dns(ns, "namespace")
+        models = (job.root / "models").resolve()
+        export = job.target.export
+        if export.parent != models:
+            raise UserError(f"--model {export}: on Kubernetes the pod mounts the storage's models/ claim, and this "
+                            f"export is not under {models} (`llmcluster export` writes there)")
+        own = k.claims.get("models")
+        claim = own.claim if own else k.storage_claim
+        if claim is None:
+            raise UserError("job.k8s: no claim for models/ (set job.k8s.claims.models or job.k8s.storage_claim)")
+        sub = export.name if own else f"models/{export.name}"
+        mount = f"{k.storage_path}/models/{export.name}"
+        merged = eng.Target(job.target.model, export, job.target.name)
+        argv = eng.argv(job.engine, merged, job.sizing, job.served, "0.0.0.0", PORT)
+        argv[argv.index("--model") + 1] = mount
+        return cls(job.name, ns, image, tuple(argv), claim, sub, mount, job.sizing.tp, spec.cpus_per_node,
+                   spec.mem_per_node, k.run_as_user, k.shm_size, dict(k.node_selector), list(k.tolerations))
+
+
+def objects(s: Serving) -> list[dict]:
+    from llmcluster.launch.k8s.pod import _quantity
+
+    c = client()
+    meta = {"name": s.name, "namespace": s.namespace, "labels": {RUN_LABEL: s.name}}
+    mounts, volumes = scratch_volumes(s.shm_size)
+    mounts.append(c.V1VolumeMount(name="model", mount_path=s.mount, sub_path=s.sub_path, read_only=True))
+    volumes.append(c.V1Volume(name="model", persistent_volume_claim=c.V1PersistentVolumeClaimVolumeSource(
+        claim_name=s.claim, read_only=True)))
+    resources = {"nvidia.com/gpu": str(s.gpus)}
+    if s.cpus:
+        resources["cpu"] = str(s.cpus)
+    if s.memory:
+        resources["memory"] = _quantity(s.memory)
+    env = {**SERVE_ENV, **eng.OFFLINE_ENV}
+
+    def probe(period: int, failures: int):
+        return c.V1Probe(http_get=c.V1HTTPGetAction(path="/health", port="http"), period_seconds=period,
+                         timeout_seconds=5, failure_threshold=failures)
+    server = c.V1Container(
+        name="vllm", image=s.image, image_pull_policy="Always", command=list(s.argv[:1]), args=list(s.argv[1:]),
+        env=[c.V1EnvVar(name=n, value=v) for n, v in env.items()],
+        ports=[c.V1ContainerPort(container_port=PORT, name="http")],
+        resources=c.V1ResourceRequirements(limits=resources, requests=resources),
+        volume_mounts=mounts, security_context=container_security(),
+        startup_probe=probe(10, STARTUP_S // 10), readiness_probe=probe(5, 3), liveness_probe=probe(10, 6))
+    pod = c.V1PodSpec(
+        containers=[server], volumes=volumes, automount_service_account_token=False,
+        node_selector=s.node_selector or None,
+        tolerations=[c.V1Toleration(key=t.get("key"), operator=t.get("operator"), value=t.get("value"),
+                                    effect=t.get("effect"), toleration_seconds=t.get("tolerationSeconds"))
+                     for t in s.tolerations] or None,
+        security_context=pod_security(s.uid))
+    labels = {RUN_LABEL: s.name}
+    deployment = c.V1Deployment(
+        api_version="apps/v1", kind="Deployment", metadata=c.V1ObjectMeta(**meta),
+        spec=c.V1DeploymentSpec(
+            replicas=1, selector=c.V1LabelSelector(match_labels=labels),
+            # a new pod needs the GPUs the old one holds: replace, never surge
+            strategy=c.V1DeploymentStrategy(type="Recreate"),
+            template=c.V1PodTemplateSpec(metadata=c.V1ObjectMeta(labels=labels), spec=pod)))
+    service = c.V1Service(api_version="v1", kind="Service", metadata=c.V1ObjectMeta(**meta), spec=c.V1ServiceSpec(
+        selector=labels, ports=[c.V1ServicePort(name="http", port=PORT, target_port="http", protocol="TCP")]))
+    # the API port is the pod's only way in (clients and Prometheus, from any namespace)
+    policy = c.V1NetworkPolicy(
+        api_version="networking.k8s.io/v1", kind="NetworkPolicy", metadata=c.V1ObjectMeta(**meta),
+        spec=c.V1NetworkPolicySpec(pod_selector=c.V1LabelSelector(match_labels=labels), policy_types=["Ingress"],
+                                   ingress=[c.V1NetworkPolicyIngressRule(ports=[c.V1NetworkPolicyPort(
+                                       port=PORT, protocol="TCP")])]))
+    return [to_dict(policy), to_dict(service), to_dict(deployment)]
+
+
+def render(s: Serving) -> str:
+    return to_yaml(objects(s))
+
+
+def endpoint(s: Serving) -> str:
+    return f"http://{s.name}.{s.namespace}.svc:{PORT}"
+
+
+def submit(s: Serving, record: dict, write_record, timeout: float) -> str:
+    """Create the objects (all or none), wait until the Deployment's pod passes its readiness probe (/health),
+    and return the in-cluster base URL (requests from outside go through the API server's service proxy)."""
+    objs = objects(s)
+    record = {**record, "k8s": {"namespace": s.namespace, "kind": "deployment",
+                                "objects": [{"apiVersion": o["apiVersion"], "kind": o["kind"],
+                                             "name": o["metadata"]["name"]} for o in objs]}}
+    api.apply(objs, s.namespace, PLURALS)
+    write_record({**record, "job_id": s.name, "state": "SUBMITTED"})
+    print(f"created {', '.join(o['kind'] + '/' + o['metadata']['name'] for o in objs)} in namespace {s.namespace}",
+          file=sys.stderr)
+    c, t0 = api.connect(), time.monotonic()
+    while api.state(c, "apps/v1", "Deployment", None, s.namespace, s.name, 1)["state"] != "RUNNING":
+        if time.monotonic() - t0 > timeout:
+            raise RunFailure(f"{s.name}: not ready (/health) after {timeout:.0f} s; the Deployment is left "
+                             f"(`llmcluster jobs logs {s.name}`, `llmcluster jobs cancel {s.name}`)")
+        time.sleep(5)
+    return endpoint(s)
+

@@ -1,0 +1,304 @@
+"""`llmcluster serve start`: vLLM for a model, launched as a named job (local process, Slurm, Kubernetes), then
+checked: /health, then a one-token completion (vLLM accepts a model it cannot run until the first request).
+
+Serving jobs are recorded like training launches (logs/<name>/job.json with "kind": "serve", the rendered artifact
+read-only under logs/<name>/launches/<n>/), so `jobs status|logs|cancel NAME` work on them through each
+scheduler's own code. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmcluster.errors import RunFailure, UserError
+from llmcluster.launch.local import SERVER_LOG
+from llmcluster.launch.launcher import UMASK, _write_once, read_record, write_record
+from llmcluster.launch.scheduler import ACTIVE_STATES, get
+from llmcluster.launch.spec import check_text, next_launch_id, sh, sh_join
+from llmcluster.serve import engine as eng
+from llmcluster.serve.engine_check import engine_warnings
+
+ENDPOINT = "endpoint-{job}"        # a Slurm job writes its URL here once /health answers
+PROGRESS_S = 10
+
+
+@dataclass(frozen=True)
+class ServeJob:
+    name: str                      # the job (logs/<name>/, Slurm job name, k8s object names)
+    scheduler: str
+    root: Path
+    engine: eng.Engine
+    target: eng.Target
+    sizing: eng.Sizing
+    host: str
+    port: int
+    launch_id: int
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs" / self.name
+
+    @property
+    def launch_dir(self) -> Path:
+        return self.logs / "launches" / str(self.launch_id)
+
+    @property
+    def served(self) -> str:
+        """The model name requests give: the export's (the adapter's, for a LoRA export)."""
+        return self.target.name
+
+    def argv(self, host: str | None = None, port: int | str | None = None) -> list[str]:
+        return eng.argv(self.engine, self.target, self.sizing, self.served, host or self.host, port or self.port)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# -- local: a detached process ------------------------------------------------------------------------------------
+
+def render_local(job: ServeJob) -> str:
+    lines = ["#!/bin/bash", f"# llmcluster serve start: {job.served} as job {job.name} on this machine",
+             "set -euo pipefail", "umask 027"]
+    lines += [f"export {k}={sh(v)}" for k, v in eng.environment(job.engine).items()]
+    lines.append("exec " + sh_join(job.argv()))
+    return "\n".join(lines) + "\n"
+
+
+def submit_local(job: ServeJob, record: dict, artifact: Path) -> tuple[str, callable]:
+    """Run the rendered launch.sh (it execs the server: the pid stays the server's) in a session of its own (it
+    outlives this command; `jobs cancel` stops it), output in logs/<name>/server.log. Returns the base URL and a
+    liveness check."""
+    log = open(job.logs / SERVER_LOG, "ab")
+    proc = subprocess.Popen(["bash", str(artifact)], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, cwd=job.logs)
+    log.close()
+    write_record(job.logs, {**record, "job_id": f"local-{proc.pid}", "pid": proc.pid, "state": "RUNNING"})
+
+    def alive() -> str | None:
+        return None if proc.poll() is None else f"the server exited with {proc.returncode}"
+    return f"http://{job.host}:{job.port}", alive
+
+
+# -- Slurm: an sbatch script that starts the server and waits for its health itself ---------------------------------
+
+def render_slurm(job: ServeJob, time_limit: str | None, partition: str | None) -> str:
+    from llmcluster.launch.slurm import FREE_PORT, _sbatch_value
+
+    logs, py = str(job.logs), job.engine.python
+    head = ["#!/bin/bash", f"# llmcluster serve start: {job.served} as job {job.name}",
+            f"#SBATCH --job-name={_sbatch_value(job.name, 'job name')}", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
+            f"#SBATCH --output={_sbatch_value(logs, 'log directory')}/slurm-%j.out"]
+    if not job.engine.cpu:
+        head.append(f"#SBATCH --gpus-per-node={job.sizing.tp}")
+    if time_limit:
+        head.append(f"#SBATCH --time={_sbatch_value(time_limit, '--time')}")
+    if partition:
+        head.append(f"#SBATCH --partition={_sbatch_value(partition, '--partition')}")
+    head += ["", "set -uo pipefail", "umask 027"]
+    head += [f"export {k}={sh(v)}" for k, v in eng.environment(job.engine).items()]
+    argv = job.argv(host="0.0.0.0", port="PORT")
+    server = sh_join(argv[:argv.index("PORT")]) + ' "$port" ' + sh_join(argv[argv.index("PORT") + 1:])
+    body = [
+        "# the node's address as Slurm knows it (a node name need not resolve), a port free on it",
+        'addr=$(scontrol show node -o "$SLURMD_NODENAME" | tr " " "\\n" | sed -n "s/^NodeAddr=//p")',
+        'addr=${addr:-$(hostname)}',
+        f'port=$({sh(py)} -c {sh(FREE_PORT)} {job.port})',
+        f"{server} &",
+        "server=$!",
+        "trap 'kill -TERM \"$server\" 2>/dev/null' TERM INT",
+        'url="http://$addr:$port"',
+        'echo "[llmcluster] job $SLURM_JOB_ID: vLLM starting at $url"',
+        "# healthy: the URL goes to the endpoint file `serve start` (and `jobs status`) reads",
+        "while kill -0 \"$server\" 2>/dev/null; do",
+        f'  if {sh(py)} -c "import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=5)" "$url/health" '
+        "2>/dev/null; then",
+        f'    echo "$url" > {sh(logs)}/.endpoint-"$SLURM_JOB_ID" && '
+        f'mv {sh(logs)}/.endpoint-"$SLURM_JOB_ID" {sh(logs)}/endpoint-"$SLURM_JOB_ID"',
+        '    echo "[llmcluster] healthy: $url/v1"; break',
+        "  fi",
+        "  sleep 2",
+        "done",
+        'wait "$server"; rc=$?',
+        '[ "$rc" -gt 128 ] && kill -0 "$server" 2>/dev/null && wait "$server"',
+        'echo "[llmcluster] vLLM exited with $rc"',
+        'exit "$rc"',
+    ]
+    return "\n".join(head + body) + "\n"
+
+
+def submit_slurm(job: ServeJob, record: dict, artifact: Path) -> tuple[str | None, callable]:
+    from llmcluster.launch import slurm
+
+    job_id = slurm.submit(str(artifact))
+    write_record(job.logs, {**record, "job_id": job_id, "state": "SUBMITTED"})
+    print(f"submitted {job.name} as Slurm job {job_id}; log: {job.logs}/slurm-{job_id}.out", file=sys.stderr)
+    endpoint = job.logs / ENDPOINT.format(job=job_id)
+
+    def alive() -> str | None:
+        st = slurm.state(job_id)["state"]
+        return None if st in ACTIVE_STATES or st == "UNKNOWN" else f"Slurm job {job_id} is {st}"
+
+    def url() -> str | None:
+        try:
+            return endpoint.read_text().strip() or None
+        except OSError:
+            return None
+    return url, alive
+
+
+# -- waiting, then one request ------------------------------------------------------------------------------------
+
+def _get(url: str, timeout: float = 5) -> int:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status
+
+
+def wait_healthy(base, alive, timeout: float, name: str) -> str:
+    """Poll until `base` (a URL, or a callable giving it once known) answers /health 200; a progress line every
+    PROGRESS_S seconds. The job is left running on a timeout (its log says why it is slow)."""
+    t0 = last = time.monotonic()
+    while True:
+        url = base() if callable(base) else base
+        if url:
+            try:
+                if _get(f"{url}/health") == 200:
+                    print(f"healthy after {time.monotonic() - t0:.0f} s", file=sys.stderr)
+                    return url
+            except (urllib.error.URLError, OSError):
+                pass
+        dead = alive()
+        if dead:
+            raise RunFailure(f"{name}: {dead} before /health answered; see `llmcluster jobs logs {name}`")
+        now = time.monotonic()
+        if now - t0 > timeout:
+            raise RunFailure(f"{name}: no /health 200 after {timeout:.0f} s; the job is left running "
+                             f"(`llmcluster jobs logs {name}`, `llmcluster jobs cancel {name}`)")
+        if now - last >= PROGRESS_S:
+            last = now
+            print(f"waiting for {url or 'the job to start'}/health ({now - t0:.0f} s)", file=sys.stderr, flush=True)
+        time.sleep(1)
+
+
+def smoke(url: str, model: str, name: str) -> str:
+    """One greedy token: the engine compiles and runs the model at the first request, not at start-up."""
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())["choices"][0]["text"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as e:
+        detail = e.read().decode(errors="replace")[:200] if isinstance(e, urllib.error.HTTPError) else e
+        raise RunFailure(f"{name}: healthy, but a one-token completion failed ({detail}); "
+                         f"see `llmcluster jobs logs {name}`") from None
+
+
+def curl_line(url: str, model: str) -> str:
+    body = json.dumps({"model": model, "prompt": "def main(", "max_tokens": 32, "temperature": 0})
+    return f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d {sh(body)}"
+
+
+# -- the command --------------------------------------------------------------------------------------------------
+
+def start(job: ServeJob, *, dry_run: bool, timeout: float, time_limit: str | None = None,
+          partition: str | None = None, k8s=None) -> int:
+    if job.scheduler == "local":
+        text = render_local(job)
+    elif job.scheduler == "slurm":
+        text = render_slurm(job, time_limit, partition)
+    else:
+        from llmcluster.serve.k8s import render
+        text = render(k8s)
+    if dry_run:
+        sys.stdout.write(text)
+        return 0
+    old = read_record(job.logs)
+    if old and old.get("job_id"):
+        try:
+            st = get(old["scheduler"]).state(job.logs, {**old, "run": job.name})["state"]
+        except UserError:
+            st = "?"
+        if st in ACTIVE_STATES:
+            raise UserError(f"{job.name} is already {st} ({old['scheduler']} job {old['job_id']}): "
+                            f"`llmcluster jobs cancel {job.name}` it first, or give another --name")
+    os.umask(UMASK)
+    try:
+        job.launch_dir.mkdir(parents=True)
+    except FileExistsError:
+        raise UserError(f"{job.launch_dir} exists: another start of {job.name} is under way; try again") from None
+    except OSError as e:
+        raise UserError(f"cannot create {job.launch_dir}: {e.strerror or e}") from None
+    artifact = job.launch_dir / get(job.scheduler).artifact
+    _write_once(artifact, text, 0o400)
+    record = {"run": job.name, "kind": "serve", "scheduler": job.scheduler, "launch": job.launch_id,
+              "artifact": str(artifact), "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "nodes": 1,
+              "procs_per_node": job.sizing.tp, "world_size": job.sizing.tp, "model": job.served,
+              "model_dir": str(job.target.directory), "port": job.port, "engine": job.engine.python}
+    if job.target.adapter is not None:
+        record["adapter"] = str(job.target.adapter)
+    if job.scheduler == "k8s":
+        from llmcluster.serve.k8s import submit
+
+        url = submit(k8s, record, lambda r: write_record(job.logs, r), timeout)
+        write_record(job.logs, {**(read_record(job.logs) or record), "endpoint": f"{url}/v1"})
+        # the Service's name resolves inside the cluster only: from a login node, the readiness probe is the check
+        try:
+            socket.getaddrinfo(url.split("//")[1].split(":")[0], None)
+        except OSError:
+            print("ready (/health); the smoke request needs the cluster's DNS: send the curl below from a pod",
+                  file=sys.stderr)
+        else:
+            smoke(url, job.served, job.name)
+    else:
+        base, alive = (submit_local(job, record, artifact) if job.scheduler == "local"
+                       else submit_slurm(job, record, artifact))
+        url = wait_healthy(base, alive, timeout, job.name)
+        write_record(job.logs, {**(read_record(job.logs) or record), "endpoint": f"{url}/v1"})
+        smoke(url, job.served, job.name)
+    print(f"endpoint {url}/v1")
+    print(curl_line(url, job.served))
+    return 0
+
+
+def build(args, cfg, root: Path):
+    """The job (and for Kubernetes its objects) from the parsed flags, the config's serve and job sections and the
+    cluster spec: every check before anything is written."""
+    from llmcluster.config.cluster_load import load_cluster
+    from llmcluster.storage.layout import check_run_name
+
+    cluster = load_cluster(args.cluster).spec
+    target = eng.resolve_target(args.model, args.root, cfg.run.storage)
+    if args.scheduler == "k8s":   # the image's python, not one on this host
+        engine = eng.Engine("python3", args.image.rsplit(":", 1)[-1], cpu=False)
+    else:
+        engine = eng.find_engine(args.engine_python)
+    sizing = eng.size(target, cluster, cfg.serve, engine)
+    problems = eng.refusals(target, engine, sizing)
+    if problems:
+        raise UserError(f"{target.directory}: " + "; ".join(problems))
+    name = check_run_name(args.name or f"serve-{target.name}")
+    check_text(str(root), "storage root")
+    host = args.host or ("127.0.0.1" if args.scheduler == "local" else "0.0.0.0")
+    port = args.port or (free_port(host) if args.scheduler == "local" else 8000)
+    job = ServeJob(name, args.scheduler, root, engine, target, sizing, host, port,
+                   next_launch_id(root / "logs" / name))
+    k8s = None
+    if args.scheduler == "k8s":
+        from llmcluster.launch.cluster_defaults import job_with_cluster_defaults
+        from llmcluster.serve.k8s import Serving
+
+        k8s = Serving.build(job, job_with_cluster_defaults(cfg.job, cluster, "k8s"), args.image, args.namespace)
+    for line in engine_warnings(target.model, engine.cpu):    # after every refusal: bad input stays one line
+        print(f"warning: {line}", file=sys.stderr)
+    return job, k8s

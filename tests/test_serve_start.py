@@ -1,0 +1,179 @@
+"""`serve start` without starting an engine: the Kubernetes objects (strict schemas, the training pods' hardening,
+checkov), the Slurm and local scripts it renders, and bad input in one line. The model is a real (small, random)
+Llama made by transformers; the engine runs in test_serve_vllm.py / test_serve_slurm.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import assert_one_line_error, cli_env, run_cli
+from hf_helpers import make_hf_llama, make_hf_tokenizer
+from test_launch_k8s import CHECKOV, K8S_VERSION, Recorder, fake_apiserver  # noqa: F401
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+pytest.importorskip("transformers")
+
+DIGEST = "vllm/vllm-openai:v0.11.0@sha256:" + "b" * 64     # checkov CKV_K8S_43: images by digest
+
+
+@pytest.fixture(scope="module")
+def hf_root(tmp_path_factory) -> Path:
+    """A storage root whose models/ holds an HF Llama (weights and tokenizer) named `hfx`."""
+    root = tmp_path_factory.mktemp("serve") / "storage"
+    run_cli("storage", "init", "--root", root, check=True)
+    model = make_hf_tokenizer(root / "models" / "hfx")
+    vocab = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]
+    make_hf_llama(model, vocab=len(vocab) + 2, max_shard_size=None)
+    return root
+
+
+def k8s_objects(root: Path, *extra: str) -> list[dict]:
+    p = run_cli("serve", "start", "--model", "hfx", "--root", root, "--scheduler", "k8s", "--cluster", "rtx4090-box",
+                "--namespace", "ml", "--image", DIGEST, "--set", "job.mem_per_node=64G", "--dry-run", *extra,
+                check=True)
+    assert not (root / "logs" / "serve-hfx").exists(), "--dry-run must not write anything"
+    return list(yaml.safe_load_all(p.stdout))
+
+
+def test_k8s_objects_validate_strictly_and_are_hardened(hf_root):
+    objects = k8s_objects(hf_root)
+    assert [o["kind"] for o in objects] == ["NetworkPolicy", "Service", "Deployment"]
+    for o in objects:
+        kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+        assert o["metadata"]["namespace"] == "ml" and o["metadata"]["labels"] == {"llmcluster.io/run": "serve-hfx"}
+    netpol, svc, dep = objects
+    assert netpol["spec"]["ingress"] == [{"ports": [{"port": 8000, "protocol": "TCP"}]}]   # the API port only
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "protocol": "TCP", "targetPort": "http"}]
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}       # the new pod needs the old one's GPUs
+    spec = dep["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    assert c["image"] == DIGEST and c["imagePullPolicy"] == "Always"
+    argv = c["command"] + c["args"]
+    assert argv[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    flag = {a: b for a, b in zip(argv, argv[1:]) if a.startswith("--")}
+    # the plan's flags for the 2x RTX 4090 box, the export from the read-only models claim
+    plan = json.loads(run_cli("serve", "plan", "--model", "hfx", "--root", hf_root, "--cluster", "rtx4090-box",
+                              "--json", check=True).stdout)["serve"]
+    assert flag["--model"] == "/storage/models/hfx" and flag["--port"] == "8000" and flag["--host"] == "0.0.0.0"
+    for key, field in (("--tensor-parallel-size", "tp"), ("--max-model-len", "max_model_len"),
+                       ("--max-num-seqs", "max_num_seqs"), ("--dtype", "dtype")):
+        assert flag[key] == str(plan[field])
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": str(plan["tp"]), "cpu": "32", "memory": "64Gi"}
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    model = mounts["/storage/models/hfx"]
+    assert model["readOnly"] is True and model["subPath"] == "models/hfx"
+    assert volumes[model["name"]]["persistentVolumeClaim"]["readOnly"] is True
+    assert set(mounts) == {"/storage/models/hfx", "/tmp", "/cache", "/dev/shm"}    # nothing else of the storage
+    for path in ("/tmp", "/cache", "/dev/shm"):
+        assert "emptyDir" in volumes[mounts[path]["name"]]
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["HOME"] == "/tmp" and env["HF_HOME"].startswith("/cache/") and env["VLLM_CACHE_ROOT"].startswith("/cache/")
+    assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"
+    # the training pods' hardening
+    assert spec["automountServiceAccountToken"] is False and "serviceAccountName" not in spec
+    sc = spec["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] >= 10000 and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                    "privileged": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True}
+
+
+def test_k8s_objects_pass_checkov(hf_root, tmp_path):
+    assert CHECKOV.is_file(), f"{CHECKOV} missing: run `make checkov`"
+    (tmp_path / "objects.yaml").write_text(yaml.safe_dump_all(k8s_objects(hf_root)))
+    p = subprocess.run([str(CHECKOV), "-f", str(tmp_path / "objects.yaml"), "--framework", "kubernetes",
+                        "--output", "json", "--quiet", "--compact"],
+                       capture_output=True, text=True, timeout=300, env={**cli_env(), "BC_SKIP_MAPPING": "TRUE"})
+    report = json.loads(p.stdout)
+    report = report[0] if isinstance(report, list) else report
+    failed = [(c["check_id"], c["resource"]) for c in report.get("results", {}).get("failed_checks", [])]
+    assert not failed, failed
+    assert report["summary"]["passed"] > 20, report["summary"]
+
+
+def engine(tmp_path: Path, cpu: bool) -> Path:
+    """A stand-in for a node's vLLM python (a GPU node's, or the CPU build's) that only answers serve start's
+    probe: what is rendered or refused here never runs the engine."""
+    fake = tmp_path / "vllm-python"
+    info = {"vllm": True, "cpu": "0.32.0" if cpu else None, "gpu": None if cpu else "0.11.0"}
+    fake.write_text(f"#!/bin/sh\necho '{json.dumps(info)}'\n")
+    fake.chmod(0o755)
+    return fake
+
+
+def test_k8s_start_creates_waits_for_ready_and_cancel_deletes(hf_root, fake_apiserver):
+    """Against the recording API server of test_launch_k8s (no cluster runs here): the objects --dry-run shows are
+    created, the Deployment's ready replica ends the wait, and `jobs status|cancel` find them by their label."""
+    args = ["serve", "start", "--model", "hfx", "--root", hf_root, "--scheduler", "k8s", "--cluster", "rtx4090-box",
+            "--namespace", "ml", "--image", DIGEST, "--set", "job.mem_per_node=64G", "--name", "hfx-k8s"]
+    shown = list(yaml.safe_load_all(run_cli(*args, "--dry-run", env=fake_apiserver, check=True).stdout))
+    p = run_cli(*args, "--timeout", "60", env=fake_apiserver, check=True)
+    assert p.stdout.splitlines()[0] == "endpoint http://hfx-k8s.ml.svc:8000/v1"
+    assert "the smoke request needs the cluster's DNS" in p.stderr      # the Service's name resolves in-cluster only
+    posts = [(path, body) for verb, path, body in Recorder.calls if verb == "POST"]
+    assert [path for path, _ in posts] == ["/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies",
+                                           "/api/v1/namespaces/ml/services", "/apis/apps/v1/namespaces/ml/deployments"]
+    assert [body for _, body in posts] == shown
+    rec = json.loads((hf_root / "logs" / "hfx-k8s" / "job.json").read_text())
+    assert rec["kind"] == "serve" and rec["endpoint"] == "http://hfx-k8s.ml.svc:8000/v1"
+    assert rec["k8s"]["kind"] == "deployment" and rec["k8s"]["namespace"] == "ml"
+    st = run_cli("jobs", "status", "hfx-k8s", "--root", hf_root, "--json", env=fake_apiserver, check=True)
+    assert json.loads(st.stdout)["state"] == "RUNNING"
+    run_cli("jobs", "cancel", "hfx-k8s", "--root", hf_root, env=fake_apiserver, check=True)
+    deletes = [path for verb, path, _ in Recorder.calls if verb == "DELETE"]
+    assert deletes == ["/apis/apps/v1/namespaces/ml/deployments/hfx-k8s", "/api/v1/namespaces/ml/services/hfx-k8s",
+                       "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/hfx-k8s"]
+
+
+def test_slurm_script_waits_for_health_inside_the_job(hf_root, tmp_path):
+    fake = engine(tmp_path, cpu=False)
+    p = run_cli("serve", "start", "--model", "hfx", "--root", hf_root, "--scheduler", "slurm", "--cluster",
+                "rtx4090-box", "--engine-python", fake, "--time", "01:00:00", "--dry-run", check=True)
+    text = p.stdout
+    assert "#SBATCH --job-name=serve-hfx" in text and "#SBATCH --time=01:00:00" in text
+    assert "#SBATCH --gpus-per-node=" in text and "/health" in text and "endpoint-" in text
+    assert f"{fake} -m vllm.entrypoints.openai.api_server --model {hf_root / 'models' / 'hfx'}" in text
+    assert not (hf_root / "logs" / "serve-hfx").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "nope"], "not a model directory, nor an exported run"),
+    (["--model", "/no/such/dir"], "no such directory"),
+    (["--model", "EMPTY"], "no config.json"),
+    (["--model", "hfx", "--name", "../x", "--engine-python", "GPU"], "../x"),
+    (["--model", "hfx", "--engine-python", "CPU"], "head dim 16 (64/4) is not one the CPU engine's attention runs"),
+    (["--model", "hfx", "--engine-python", "GPU", "--set", "serve.max_model_len=100000"], "max_model_len"),
+    (["--model", "hfx", "--engine-python", sys.executable], "has no vllm installed"),
+    (["--model", "hfx", "--engine-python", "/no/python"], "no such python"),
+    (["--model", "hfx", "--scheduler", "k8s", "--name", "Bad_Name"], "RFC 1123"),
+    (["--model", "hfx", "--scheduler", "k8s", "--set", "serve.tp=3", "--cluster", "rtx4090-box"], "tp"),
+])
+def test_bad_input_is_one_line(hf_root, tmp_path, args, needle):
+    (tmp_path / "empty").mkdir()
+    named = {"EMPTY": tmp_path / "empty", "GPU": engine(tmp_path / "empty", cpu=False)}
+    named["CPU"] = engine(tmp_path, cpu=True)
+    args = [str(named.get(a, a)) for a in args]
+    p = run_cli("serve", "start", "--root", hf_root, *args, "--dry-run")
+    assert_one_line_error(p, needle)
+
+
+def test_the_engine_is_the_python_of_a_vllm_command_on_path(tmp_path, monkeypatch):
+    """Without --engine-python, $LLMCLUSTER_VLLM_PYTHON or a `make vllm` venv: the interpreter of `vllm` on PATH."""
+    from llmcluster.serve.engine import find_engine
+
+    python = engine(tmp_path, cpu=True)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "vllm").write_text(f"#!{python}\nimport sys\n")
+    (tmp_path / "bin" / "vllm").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    found = find_engine(None, environ={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert found.python == str(python) and found.cpu and found.version == "0.32.0"

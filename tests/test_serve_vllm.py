@@ -1,0 +1,119 @@
+"""`serve start` with the real engine: vLLM's CPU build serving a demo-sized export and a LoRA adapter on it,
+through the one session-scoped server of conftest's `vllm_server` (scripts/vllm_venv.sh builds the engine)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
+
+PROMPTS = ["def ", "What is 7", "import json\n"]
+
+
+def post(url: str, body: dict, timeout: float = 120) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def complete(server, model: str, prompt: str, n: int = 24, **extra) -> dict:
+    return post(f"{server.base_url}/completions", {"model": model, "prompt": prompt, "max_tokens": n,
+                                                   "temperature": 0, **extra})
+
+
+@functools.lru_cache(maxsize=2)
+def _exported(path: Path):
+    from llmcluster.export.generate import load_exported
+
+    return load_exported(path)
+
+
+def generate_ids(export: Path, prompt: str, n: int = 24) -> tuple[list[int], list[int]]:
+    """The prompt's ids and the greedy continuation `llmcluster generate` computes (its own model code, KV
+    cache), here without its stop at the end-of-text id (vLLM stops at the end-of-turn id too; ignore_eos)."""
+    import torch
+
+    from llmcluster.export.generate import sample
+
+    net, tok, cfg = _exported(export)
+    ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.tok.encode(prompt, add_special_tokens=False).ids
+    return ids, sample(net, ids, n, 0.0, 0, cfg.max_seq_len, None, torch.Generator())
+
+
+def assert_same_tokens(server, model: str, export: Path, prompt: str) -> None:
+    out = complete(server, model, prompt, ignore_eos=True, return_token_ids=True)
+    choice = out["choices"][0]
+    ids, new = generate_ids(export, prompt)
+    assert choice["prompt_token_ids"] == ids
+    assert choice["token_ids"] == new and len(new) == 24, (choice["token_ids"], new)
+
+
+def test_the_job_is_recorded_and_answers_jobs(vllm_server):
+    rec = json.loads((vllm_server.root / "logs" / vllm_server.name / "job.json").read_text())
+    assert rec["kind"] == "serve" and rec["endpoint"] == vllm_server.base_url and rec["scheduler"] == "local"
+    assert rec["model"] == vllm_server.lora and rec["adapter"] == str(vllm_server.lora_dir / "adapter")
+    assert vllm_server.start.stdout.splitlines()[-1].startswith(f"curl -s {vllm_server.base_url[:-3]}/v1/completions")
+    st = run_cli("jobs", "status", vllm_server.name, "--root", vllm_server.root, "--json", check=True)
+    assert json.loads(st.stdout)["state"] == "RUNNING"
+    logs = run_cli("jobs", "logs", vllm_server.name, "--root", vllm_server.root, check=True)
+    assert "POST /v1/completions" in logs.stdout          # the smoke request serve start sent
+    with urllib.request.urlopen(f"{vllm_server.base_url}/models", timeout=30) as r:
+        served = {m["id"] for m in json.loads(r.read())["data"]}
+    assert served == {vllm_server.model, vllm_server.lora}
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_completions_equal_generate(vllm_server, prompt):
+    assert_same_tokens(vllm_server, vllm_server.model, vllm_server.export_dir, prompt)
+
+
+def test_lora_adapter_of_an_imported_base_answers_as_its_merged_export(vllm_server):
+    """The adapter (PEFT, on the HF base the run imported with train.init_from) served by vLLM's LoRA support
+    answers greedily as `generate` on the export's merged weights does."""
+    out = complete(vllm_server, vllm_server.lora, PROMPTS[0])
+    assert out["model"] == vllm_server.lora and out["choices"][0]["text"]
+    for prompt in PROMPTS[:2]:
+        assert_same_tokens(vllm_server, vllm_server.lora, vllm_server.lora_dir, prompt)
+
+
+def test_streaming_gives_the_same_text_in_pieces(vllm_server):
+    prompt = PROMPTS[0]
+    whole = complete(vllm_server, vllm_server.model, prompt, ignore_eos=True)["choices"][0]["text"]
+    req = urllib.request.Request(f"{vllm_server.base_url}/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": vllm_server.model, "prompt": prompt, "max_tokens": 24,
+                                                  "temperature": 0, "ignore_eos": True, "stream": True}).encode())
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert len([c for c in chunks if c["text"]]) > 1              # pieces, not one answer at the end
+    assert "".join(c["text"] for c in chunks) == whole
+    assert chunks[-1]["finish_reason"] == "length"
+
+
+def test_chat_completion_stops_at_the_end_of_turn_token(vllm_server):
+    """The export's chat template formats the messages, and its end-of-turn token is among the eos ids: a reply
+    that reaches it ends there with finish_reason "stop" (logit_bias makes this briefly trained model reach it
+    after its first token)."""
+    gen = json.loads((vllm_server.export_dir / "generation_config.json").read_text())
+    tok = json.loads((vllm_server.export_dir / "tokenizer.json").read_text())
+    turn = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<|im_end|>")
+    assert turn in gen["eos_token_id"]
+    out = post(f"{vllm_server.base_url}/chat/completions", {
+        "model": vllm_server.model, "messages": [{"role": "user", "content": "What is 3 + 3?"}],
+        "max_tokens": 40, "temperature": 0, "logit_bias": {str(turn): 100}})
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 1, out
+    assert choice["message"]["content"] == ""          # the end-of-turn token ends the reply; it is not text
