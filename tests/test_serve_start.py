@@ -51,6 +51,8 @@ def test_k8s_objects_validate_strictly_and_are_hardened(hf_root):
     assert netpol["spec"]["ingress"] == [{"ports": [{"port": 8000, "protocol": "TCP"}]}]   # the API port only
     assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "protocol": "TCP", "targetPort": "http"}]
     assert dep["spec"]["strategy"] == {"type": "Recreate"}       # the new pod needs the old one's GPUs
+    # the pods carry the label the serving PodMonitor of `monitor config --kubernetes` selects
+    assert dep["spec"]["template"]["metadata"]["labels"]["llmcluster.io/serve"] == "serve-hfx"
     spec = dep["spec"]["template"]["spec"]
     c = spec["containers"][0]
     assert c["image"] == DIGEST and c["imagePullPolicy"] == "Always"

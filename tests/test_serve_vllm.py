@@ -117,3 +117,39 @@ def test_chat_completion_stops_at_the_end_of_turn_token(vllm_server):
     choice = out["choices"][0]
     assert choice["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 1, out
     assert choice["message"]["content"] == ""          # the end-of-turn token ends the reply; it is not text
+
+
+@pytest.mark.prometheus
+def test_real_prometheus_scrapes_the_engine_and_the_serving_rules_evaluate(vllm_server, tmp_path):
+    """`monitor config` finds the serving job in its record; the real Prometheus scrapes vLLM's /metrics with the
+    serving rules and alerts loaded; every vllm:* name our rules and dashboard read is in the live scrape."""
+    import yaml
+    from monitor_helpers import (DASHBOARDS, MONITORING, dashboard_queries, families, http_get_json,
+                                 promql_metric_names)
+    from test_monitor_prometheus import Prometheus
+
+    from conftest import free_port
+
+    complete(vllm_server, vllm_server.model, PROMPTS[0], n=8)     # the latency histograms get a sample
+    with urllib.request.urlopen(f"{vllm_server.base_url[:-3]}/metrics", timeout=30) as r:
+        live = set(families(r.read().decode()))
+    exprs = [r["expr"] for f in ("recording.yml", "alerts.yml")
+             for g in yaml.safe_load((MONITORING / f).read_text())["groups"] for r in g["rules"]]
+    exprs += [e for d in DASHBOARDS for e in dashboard_queries(d)]
+    read = {n for e in exprs for n in promql_metric_names(e) if n.startswith("vllm:")}
+    assert read and read <= live, sorted(read - live)
+
+    out = tmp_path / "prometheus.yml"
+    run_cli("monitor", "config", "--nodes", "127.0.0.1", "--port", str(free_port()), "--train-port", "-1",
+            "--scrape-interval", "1s", "--root", vllm_server.root, "--out", out, check=True)
+    prom = Prometheus(out, tmp_path / "data")
+    try:
+        sel = f'serve_name="{vllm_server.name}"'
+        (up,) = prom.wait_for(f'up{{job="llmcluster-serve", {sel}}} == 1', what="the engine scraped")
+        assert up["metric"]["instance"] == vllm_server.base_url.split("/")[2]
+        prom.wait_for(f"llmcluster:serve_kv_cache_usage:max{{{sel}}}", what="the KV-cache recording rule")
+        prom.wait_for(f"llmcluster:serve_requests_running:sum{{{sel}}}", what="the running-requests rule")
+        groups = {g["name"] for g in http_get_json(f"{prom.url}/api/v1/rules")["data"]["groups"]}
+        assert {"llmcluster-serve", "llmcluster-serve-recording"} <= groups
+    finally:
+        prom.stop()

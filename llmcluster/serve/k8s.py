@@ -18,6 +18,7 @@ from llmcluster.errors import RunFailure, UserError
 from llmcluster.launch.k8s import PLURALS, _dns, api, to_yaml
 from llmcluster.launch.k8s.pod import (CACHE_DIR, CACHE_ENV, RUN_LABEL, client, container_security, pod_security,
                                        scratch_volumes, to_dict)
+from llmcluster.monitor.serve_targets import SERVE_LABEL
 from llmcluster.serve import engine as eng
 
 PORT = 8000                      # vLLM's own default, in the pod
@@ -110,7 +111,8 @@ def objects(s: Serving) -> list[dict]:
             replicas=1, selector=c.V1LabelSelector(match_labels=labels),
             # a new pod needs the GPUs the old one holds: replace, never surge
             strategy=c.V1DeploymentStrategy(type="Recreate"),
-            template=c.V1PodTemplateSpec(metadata=c.V1ObjectMeta(labels=labels), spec=pod)))
+            # SERVE_LABEL: the PodMonitor `monitor config --kubernetes` writes scrapes these pods' /metrics
+            template=c.V1PodTemplateSpec(metadata=c.V1ObjectMeta(labels={**labels, SERVE_LABEL: s.name}), spec=pod)))
     service = c.V1Service(api_version="v1", kind="Service", metadata=c.V1ObjectMeta(**meta), spec=c.V1ServiceSpec(
         selector=labels, ports=[c.V1ServicePort(name="http", port=PORT, target_port="http", protocol="TCP")]))
     # the API port is the pod's only way in (clients and Prometheus, from any namespace)

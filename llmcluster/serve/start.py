@@ -42,6 +42,7 @@ class ServeJob:
     host: str
     port: int
     launch_id: int
+    slo_ttft_p99_ms: float | None = None   # serve.slo: `monitor config` alerts above it
 
     @property
     def logs(self) -> Path:
@@ -244,7 +245,8 @@ def start(job: ServeJob, *, dry_run: bool, timeout: float, time_limit: str | Non
     record = {"run": job.name, "kind": "serve", "scheduler": job.scheduler, "launch": job.launch_id,
               "artifact": str(artifact), "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "nodes": 1,
               "procs_per_node": job.sizing.tp, "world_size": job.sizing.tp, "model": job.served,
-              "model_dir": str(job.target.directory), "port": job.port, "engine": job.engine.python}
+              "model_dir": str(job.target.directory), "port": job.port, "engine": job.engine.python,
+              "slo_ttft_p99_ms": job.slo_ttft_p99_ms}
     if job.target.adapter is not None:
         record["adapter"] = str(job.target.adapter)
     if job.scheduler == "k8s":
@@ -292,7 +294,7 @@ def build(args, cfg, root: Path):
     host = args.host or ("127.0.0.1" if args.scheduler == "local" else "0.0.0.0")
     port = args.port or (free_port(host) if args.scheduler == "local" else 8000)
     job = ServeJob(name, args.scheduler, root, engine, target, sizing, host, port,
-                   next_launch_id(root / "logs" / name))
+                   next_launch_id(root / "logs" / name), cfg.serve.slo.ttft_p99_ms)
     k8s = None
     if args.scheduler == "k8s":
         from llmcluster.launch.cluster_defaults import job_with_cluster_defaults
