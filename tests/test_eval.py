@@ -239,3 +239,23 @@ def test_an_endpoint_that_does_not_serve_the_name_is_refused_before_the_harness(
         assert_one_line_error(cli_inprocess(capsys, *args, "--endpoint", url + "/v1"), "no model list from")
     finally:
         server.server_close()
+
+
+def test_compare_keeps_each_tasks_newest_scores_per_step_and_endpoint(capsys, tmp_path):
+    """eval.jsonl is append-only: a later evaluation of some tasks replaces those, the others stay."""
+    logs = tmp_path / "logs" / "r"
+    logs.mkdir(parents=True)
+
+    def rec(step, endpoint, **accs):
+        return {"run": "r", "step": step, "tokens": step * 10, "endpoint": endpoint, "backend": "hf",
+                "tasks": {t: {"metrics": {"acc": a}, "stderr": {"acc": 0.01}} for t, a in accs.items()}}
+
+    lines = [rec(20, None, a=0.1, b=0.2), rec(10, None, a=0.3), rec(20, None, b=0.5), rec(20, "http://s", a=0.7)]
+    (logs / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    out = cli_inprocess(capsys, "eval", "--compare", "r", "--root", tmp_path, "--json")
+    assert out.returncode == 0, out.stderr
+    got = [(r["step"], r["endpoint"], {t: v["metrics"]["acc"] for t, v in sorted(r["tasks"].items())})
+           for r in json.loads(out.stdout)["rows"]]
+    assert got == [(10, None, {"a": 0.3}), (20, None, {"a": 0.1, "b": 0.5}), (20, "http://s", {"a": 0.7})]
+    (logs / "eval.jsonl").write_text("{not json\n")
+    assert_one_line_error(cli_inprocess(capsys, "eval", "--compare", "r", "--root", tmp_path), "not a JSON line")
