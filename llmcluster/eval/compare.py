@@ -1,5 +1,5 @@
 """`llmcluster eval --compare RUN[:STEP] ...`: the evaluations eval.jsonl holds, as one table across runs and
-checkpoints (the newest evaluation of each run, step and endpoint), and with `--plot DIR` each score against the
+checkpoints (per run, step and endpoint, each task's newest scores), and with `--plot DIR` each score against the
 tokens the model had trained on (its step where the checkpoint is gone)."""
 
 from __future__ import annotations
@@ -38,14 +38,17 @@ def read_log(root: Path, run: str) -> list[dict]:
 
 
 def rows(root: Path, specs: list[str]) -> list[dict]:
-    """The newest record per (run, step, endpoint) that the specs select, in the order given, by step."""
+    """Per (run, step, endpoint) the specs select, the newest record, with each task's newest scores; in the
+    order given, by step."""
     out: list[dict] = []
     for spec in specs:
         run, step = parse_spec(spec)
         newest: dict = {}
-        for rec in read_log(root, run):
+        for rec in read_log(root, run):   # in the order written: a later evaluation of a task replaces it
             if step is None or rec.get("step") == step:
-                newest[(rec.get("step"), rec.get("endpoint"))] = rec
+                key = (rec.get("step"), rec.get("endpoint"))
+                tasks = {**newest.get(key, {}).get("tasks", {}), **rec["tasks"]}
+                newest[key] = {**rec, "tasks": tasks}
         if not newest:
             raise UserError(f"--compare {spec}: no evaluation in {Storage(root).run_logs(run) / EVAL_LOG} "
                             f"(run `llmcluster eval --model {run}{f' --step {step}' if step is not None else ''}`)")
