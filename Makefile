@@ -45,7 +45,7 @@ demo: venv
 	bash scripts/demo.sh
 
 test: venv sysdeps checkov vllm lmeval
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 # The distributed training tests (DDP, FSDP, HSDP, TP, resume, resharding, meta init, export, every preset's layer
 # shape) on the oldest torch

@@ -319,7 +319,8 @@ def test_a_trailing_newline_fails_every_validator(key):
 def test_no_validator_uses_re_match():
     """grep: every pattern check in the package is anchored by fullmatch (a tokenizer's match at a
     position, `_PART.match(expr, pos)`, is not a validator)."""
-    p = subprocess.run(["grep", "-rnE", r"\.match\(", str(Path(__file__).resolve().parents[1] / "llmcluster")],
+    p = subprocess.run(["grep", "-rnE", "--include=*.py", r"\.match\(",
+                        str(Path(__file__).resolve().parents[1] / "llmcluster")],
                        capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if "fullmatch" not in ln and ".match(expr, pos)" not in ln
              and 're.match(r"\\s*(\\d+)", rate)' not in ln]

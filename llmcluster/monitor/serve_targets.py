@@ -44,7 +44,7 @@ def parse_endpoint(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
         raise UserError(f"serving endpoint {url!r} is not http://HOST:PORT[/v1]")
     host = parts.netloc.rsplit(":", 1)[0]
-    if not _HOST.match(host):
+    if not _HOST.fullmatch(host):
         raise UserError(f"serving endpoint {url!r}: {host!r} is not a host name or address")
     return f"{host}:{port}"
 
@@ -61,7 +61,7 @@ def from_records(root: Path) -> list[ServeTarget]:
         if not isinstance(rec, dict) or rec.get("kind") != "serve" or rec.get("state") in ENDED:
             continue
         name = rec_path.parent.name
-        if not _NAME.match(name):
+        if not _NAME.fullmatch(name):
             continue
         endpoint = rec.get("endpoint")
         if not isinstance(endpoint, str):
@@ -84,7 +84,7 @@ def from_flag(endpoints: str) -> list[ServeTarget]:
         url, _, name = item.partition("=")
         target = parse_endpoint(url)
         name = name or target
-        if not _NAME.match(name.replace(":", "_")):
+        if not _NAME.fullmatch(name.replace(":", "_")):
             raise UserError(f"--serve-endpoints: {name!r} is not a job name (letters, digits, . _ -)")
         out.append(ServeTarget(name, target))
     if not out:
