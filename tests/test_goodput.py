@@ -40,10 +40,24 @@ def test_buckets_of_a_killed_and_a_resumed_attempt():
     assert g["attempts"] == 2 and g["wall_s"] == 35 and g["queued_s"] == 6
     assert g["productive_s"] == 8
     assert g["badput_s"] == {"startup": 16, "checkpoint_restore": 2, "checkpoint_save": 3, "eval": 2,
-                             "lost_progress": 3, "failure": 0, "other": 1}
+                             "lost_progress": 3, "hang_or_straggler": 0, "failure": 0, "other": 1}
     assert g["productive_s"] + sum(g["badput_s"].values()) == g["wall_s"] and g["unaccounted_s"] == 0
     assert g["recomputed_steps"] == 3 and g["step_time_s"] == 1
     assert math.isclose(g["goodput"], 8 / 35)
+
+
+def test_a_stalled_step_is_hang_or_straggler_and_a_slow_first_step_is_startup():
+    """Steps take 1 s; step 1 (warm-up) takes 6 s and step 5 (a stuck collective) 11 s: each keeps one
+    median step of training and its excess goes to startup and hang_or_straggler."""
+    times = [0, 1, 7, 8, 9, 10, 21, 22, 23]      # attempt_start, init_done, steps 1..7
+    events = [ev(times[0], 1, "attempt_start", 0), ev(times[1], 1, "init_done", 0),
+              *[ev(times[1 + k], 1, "step", k) for k in range(1, 8)],
+              ev(23, 1, "save_start", 7, ckpt=7), ev(24, 1, "save_end", 7, ckpt=7),
+              ev(24, 1, "checkpointed", 7, ckpt=7), ev(24, 1, "exit", 7, reason="completed")]
+    g = goodput(events)
+    assert g["step_time_s"] == 1 and g["productive_s"] == 7
+    assert g["badput_s"]["hang_or_straggler"] == 10 and g["badput_s"]["startup"] == 1 + 5
+    assert g["productive_s"] + sum(g["badput_s"].values()) == g["wall_s"] == 24
 
 
 def test_failed_exit_tail_and_unfinished_last_attempt():

@@ -11,6 +11,9 @@ interval between two consecutive lines:
   - up to init_done, restore_start and a step at or below the attempt's starting step: `startup`;
   - restore_start → restore_end: `checkpoint_restore`; save_start → save_end: `checkpoint_save` (what
     training was blocked: an async save's background write overlaps training); eval_start → eval_end: `eval`;
+  - a step that took over SLOW × the run's median step: the excess is `hang_or_straggler` (a collective
+    waiting on a slow or stuck rank, a stalled read), the median stays productive or lost; the excess of an
+    attempt's first step (warm-up: allocator, kernels, compile) is `startup`;
   - the last step boundary → a failed exit: `failure` (the step in flight, and noticing the failure);
   - anything else (shutdown after the last checkpoint, an unknown event): `other`.
 So productive_s + sum(badput_s) == wall_s exactly. No torch here: the head node runs this.
@@ -24,9 +27,11 @@ from pathlib import Path
 from llmcluster.errors import UserError
 from llmcluster.train.events import EVENTS, read_events
 
-BUCKETS = ("startup", "checkpoint_restore", "checkpoint_save", "eval", "lost_progress", "failure", "other")
+BUCKETS = ("startup", "checkpoint_restore", "checkpoint_save", "eval", "lost_progress", "hang_or_straggler",
+           "failure", "other")
 BAR = {"productive": "#", "startup": "s", "checkpoint_restore": "r", "checkpoint_save": "c", "eval": "e",
-       "lost_progress": "l", "failure": "f", "other": "o"}   # the text bar's letters
+       "lost_progress": "l", "hang_or_straggler": "h", "failure": "f", "other": "o"}   # the text bar's letters
+SLOW = 3.0   # a step over this many median steps counts its excess as hang_or_straggler
 _STEP_END = {"step", "eval_start", "save_start", "checkpointed"}   # closes an interval of training at `step`
 _SPANS = {"eval_end": "eval", "save_end": "checkpoint_save", "restore_end": "checkpoint_restore",
           "init_done": "startup", "restore_start": "startup"}
@@ -58,13 +63,20 @@ def _kept(atts: list[list[dict]], i: int) -> float:
     return max((e.get("ckpt", e["step"]) for e in att if e["event"] == "checkpointed"), default=0)
 
 
+def _step_intervals(att: list[dict]) -> list[float]:
+    """The times between consecutive step heartbeats of one attempt (each one training step)."""
+    return [b["t"] - a["t"] for a, b in zip(att, att[1:])
+            if a["event"] == b["event"] == "step" and b["step"] == a["step"] + 1]
+
+
 def goodput(events: list[dict]) -> dict:
     atts = attempts(events)
     if not atts:
         raise UserError("no events recorded for this run (events.jsonl is written by the trainer's rank 0)")
     bad = dict.fromkeys(BUCKETS, 0.0)
     productive = wall = queued = 0.0
-    step_times: list[float] = []
+    step_times = [dt for att in atts for dt in _step_intervals(att)]
+    med = statistics.median(step_times) if step_times else None
     recomputed = 0
     prev_end = None
     for i, att in enumerate(atts):
@@ -81,8 +93,9 @@ def goodput(events: list[dict]) -> dict:
             dt = b["t"] - a["t"]
             ev, k = b["event"], b["step"]
             if ev in _STEP_END and k > first:
-                if ev == "step" and a["event"] == "step" and a["step"] == k - 1:
-                    step_times.append(dt)
+                if ev == "step" and med and dt > SLOW * med:     # the step's excess over a median step
+                    bad["startup" if k == first + 1 else "hang_or_straggler"] += dt - med
+                    dt = med
                 if k <= kept:
                     productive += dt
                 else:

@@ -36,7 +36,7 @@ def badput_model(write_s: float, read_s: float, restart_s: float, mtbf_s: float,
     back is `checkpoint_restore` and the rest `startup`."""
     return {"startup": max(0.0, restart_s - read_s) / mtbf_s, "checkpoint_restore": min(read_s, restart_s) / mtbf_s,
             "checkpoint_save": write_s / interval_s, "eval": 0.0, "lost_progress": interval_s / 2 / mtbf_s,
-            "failure": 0.0, "other": 0.0}
+            "hang_or_straggler": 0.0, "failure": 0.0, "other": 0.0}
 
 
 def checkpoint(plan: PlanSpec, params: float) -> Checkpoint:
