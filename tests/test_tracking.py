@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import struct
 import subprocess
 import sys
@@ -158,3 +159,51 @@ def test_mlflow_uri_with_credentials_is_refused(tmp_path):
     p = run_cli("train", "-c", "llm_tiny", "--root", tmp_path, "--set", "log.mlflow.tracking_uri=https://u:pw@mlflow/")
     assert_one_line_error(p, "log.mlflow.tracking_uri", "MLFLOW_TRACKING_PASSWORD")
     assert "pw" not in p.stderr.replace("PASSWORD", "")
+
+
+def test_eval_results_reach_the_runs_sinks(tracked, tmp_path):
+    """`llmcluster eval`'s record goes to the sinks the run logged to: TensorBoard and the training run's MLflow
+    run at the checkpoint's step, W&B (offline) as an eval run grouped with it. On a copy of the run, so the
+    tests above keep comparing the training metrics alone."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from llmcluster.train.tracking import log_eval
+
+    root = tmp_path / "storage"
+    shutil.copytree(tracked["root"], root)
+    db = tmp_path / "node-local" / "mlflow.db"
+    db.parent.mkdir()
+    shutil.copy(tracked["uri"].removeprefix("sqlite:///"), db)
+    logs = root / "logs" / "tracked"
+    info = json.loads((logs / "run.json").read_text())
+    info["config"]["log"]["mlflow"]["tracking_uri"] = f"sqlite:///{db}"
+    (logs / "run.json").write_text(json.dumps(info))
+    record = {"run": "tracked", "step": 6, "tasks": {"llmc_stdlib_mc": {"metrics": {"acc": 0.3125, "acc_norm": 0.25}},
+                                                     "llmc_stdlib_ppl": {"metrics": {"bits_per_byte": 3.5}}}}
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        assert log_eval(root, logs, record) == ["tensorboard", "mlflow", "wandb"]
+    want = {"eval/llmc_stdlib_mc/acc": 0.3125, "eval/llmc_stdlib_mc/acc_norm": 0.25,
+            "eval/llmc_stdlib_ppl/bits_per_byte": 3.5}
+
+    acc = EventAccumulator(str(logs / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert {k: [(e.step, e.value) for e in acc.Scalars(k)] for k in want} == {k: [(6, v)] for k, v in want.items()}
+
+    client = MlflowClient(f"sqlite:///{db}")
+    (run,) = client.search_runs([client.get_experiment_by_name("track").experiment_id],
+                                "tags.`llmcluster.run` = 'tracked'")
+    for k, v in want.items():
+        assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)] == [(6, v)]
+    assert run.info.status == "FINISHED"          # the training run's status is left as it was
+
+    (ev,) = list((logs / "wandb").glob("offline-run-*/run-tracked-eval.wandb"))
+    hist = [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+            for r in read_wandb_log(ev) if r.WhichOneof("record_type") == "history"]
+    assert len(hist) == 1 and hist[0]["checkpoint_step"] == 6
+    assert {k: hist[0][k] for k in want} == want
+    # a record of something that is not one of our runs (no run.json) is logged nowhere
+    assert log_eval(root, root / "logs" / "elsewhere", record) == []

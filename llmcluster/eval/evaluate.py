@@ -152,8 +152,16 @@ def evaluate(root: Path, model: str | None = None, step: int | None = None, endp
                     "log": str(log.relative_to(root)), "limit": limit},
         "tasks": per_task, "wall_s": round(time.monotonic() - t0, 1),
     }
-    with open(Storage(root).run_logs(target.run) / EVAL_LOG, "a") as f:
+    logs = Storage(root).run_logs(target.run)
+    with open(logs / EVAL_LOG, "a") as f:
         f.write(json.dumps(record) + "\n")
+    try:    # the run's own sinks too (TensorBoard, MLflow, W&B): the results above are already safe
+        from llmcluster.train.tracking import log_eval
+
+        record["sinks"] = log_eval(root, logs, record)
+    except Exception as e:   # a tracking server that is down must not fail an evaluation that is done
+        print(f"warning: eval results not sent to the run's tracking sinks: {type(e).__name__}: {e}",
+              file=sys.stderr)
     return record
 
 

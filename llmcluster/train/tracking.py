@@ -261,6 +261,52 @@ def mlflow_uri(uri: str | None, root: Path) -> str:
 
 
 # -- the processor ---------------------------------------------------------------------------------
+def log_eval(root: Path, log_dir: Path, record: dict) -> list[str]:
+    """`llmcluster eval`'s scores into the sinks the run logs to (its run.json's config says which), as
+    eval/<task>/<metric> at the evaluated checkpoint's step: TensorBoard's directory and the MLflow run of the
+    training run; on W&B a run of its own (`<run>-eval`, grouped with the training run), because W&B drops a
+    step below the last one logged and evaluations come after training. Returns the sinks written."""
+    from llmcluster.config.schema import LogConfig
+
+    try:
+        info = json.loads((log_dir / RUN_JSON).read_text())
+        log = LogConfig.model_validate(info["config"]["log"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []       # not a run of ours (an export from elsewhere, an endpoint): nothing to log to
+    step = record.get("step")
+    values = {f"eval/{task}/{m}": float(v) for task, r in (record.get("tasks") or {}).items()
+              for m, v in (r.get("metrics") or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if not isinstance(step, int) or not values:
+        return []
+    run, done = info.get("run") or log_dir.name, []
+    if log.tensorboard:
+        tb = TensorBoardSink(log_dir)
+        tb.write({"step": step, **values})
+        tb.close("FINISHED")
+        done.append("tensorboard")
+    if log.mlflow is not None:
+        from mlflow.entities import Metric
+
+        sink = MlflowSink(log.mlflow, root, run)
+        exp = sink.client.get_experiment_by_name(sink.experiment)
+        found = exp and sink.client.search_runs([exp.experiment_id], f"tags.`llmcluster.run` = '{run}'", max_results=1)
+        if found:
+            ms = int(time.time() * 1000)
+            sink.client.log_batch(found[0].info.run_id, metrics=[Metric(k, v, ms, step) for k, v in values.items()])
+            done.append("mlflow")
+    if log.wandb is not None:
+        wandb, c = _import("wandb", "log.wandb"), log.wandb
+        r = wandb.init(project=c.project, entity=c.entity, mode=c.mode, dir=str(log_dir), name=f"{run}-eval",
+                       id=_safe_id(f"{run}-eval"), resume="allow", group=run, job_type="eval",
+                       config={"run": run, "code_version": info.get("code_version")})
+        r.define_metric("checkpoint_step")
+        r.define_metric("eval/*", step_metric="checkpoint_step")
+        r.log({"checkpoint_step": step, **values})
+        r.finish()
+        done.append("wandb")
+    return done
+
+
 class MetricsProcessor:
     """Rank 0 writes every sink; other ranks only serve Prometheus. `due(step)` is the logging cadence."""
 
