@@ -57,9 +57,10 @@ class EventLog:
         self.step = 0
         if not enabled:
             return
-        path = log_dir / EVENTS
-        self.attempt = 1 + max((r["attempt"] for r in read_events(path)), default=0)
-        self.file = open(path, "a")
+        self.path = log_dir / EVENTS
+        self.attempt = 1 + max((r["attempt"] for r in read_events(self.path)), default=0)
+        self.created = not self.path.exists()    # ours to remove again if the run is refused (discard)
+        self.file = open(self.path, "a")
         self.emit("attempt_start", t=process_start_time(), pid=os.getpid())
 
     def emit(self, event: str, step: int | None = None, sync: bool = True, t: float | None = None,
@@ -77,6 +78,13 @@ class EventLog:
 
     def heartbeat(self, step: int) -> None:
         self.emit("step", step, sync=False)
+
+    def discard(self) -> None:
+        """A refused start (bad input) leaves no run folder behind: the file goes if this writer made it."""
+        created = self.file is not None and self.created
+        self.close()
+        if created:
+            self.path.unlink(missing_ok=True)
 
     def close(self, reason: str | None = None) -> None:
         if self.file is not None:

@@ -89,9 +89,9 @@ class Trainer:
         self.events = EventLog(self.storage.run_logs(cfg.run.name), env.is_main)
         try:
             self._build(resume)
-        except BaseException:
+        except BaseException as e:
             self.ckpt.close()
-            self.events.close()
+            self.events.discard() if isinstance(e, UserError) else self.events.close()  # refused: no trace
             self.storage.remove_if_empty(fresh)
             raise
 
