@@ -60,9 +60,12 @@ def train_env(**extra: str) -> dict:
     return env
 
 
-def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
+def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0, monitor_interval: float = 0.2) -> list[str]:
+    """`monitor_interval`: how soon torchrun notices a rank's exit and SIGTERMs the others. Tests that read every
+    rank's last line give it seconds: on a loaded 2-core runner 0.2 s came before a peer had printed."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "-m", "llmcluster", *map(str, args)]
+            f"--max-restarts={max_restarts}", f"--monitor-interval={monitor_interval}", "-m", "llmcluster",
+            *map(str, args)]
 
 
 def run(cmd: list[str], timeout: float = 240, **env) -> subprocess.CompletedProcess:

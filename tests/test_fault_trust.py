@@ -246,7 +246,8 @@ def test_second_writer_is_refused_and_a_killed_owner_is_taken_over(capsys, root,
         holder = json.loads(lock.read_text())
         assert holder["pid"] == a.pid and holder["host"] and holder["start"]
         # a second writer, 2 ranks: every rank refuses in the same one line, A is untouched
-        proc = run(torchrun_cmd(2, "train", "-c", "llm_tiny", "--root", root, *sets(**over)), timeout=180)
+        proc = run(torchrun_cmd(2, "train", "-c", "llm_tiny", "--root", root, *sets(**over), monitor_interval=3),
+                   timeout=180)       # every rank's line is read (faultkit.torchrun_cmd)
         assert proc.returncode != 0
         lines = re.findall(r"llmcluster train: error: (.*)", proc.stderr)
         assert len(lines) == 2 and lines[0] == lines[1], proc.stderr[-3000:]
@@ -329,11 +330,9 @@ def test_io_error_on_one_rank_ends_every_rank_with_the_same_line(root):
     # rank 1 hashes its own shard on resume: its corruption is found and named
     shard = ckpts(root) / "step_8" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-8])
-    # torchrun SIGTERMs the other ranks as soon as one exits: on a loaded 2-core runner that came once before rank 0
-    # had printed its (same) line, so the launcher looks every 3 s here instead of every 0.2 s
-    slow = [a if not a.startswith("--monitor-interval") else "--monitor-interval=3"
-            for a in torchrun_cmd(2, *common, *sets(**over))]
-    proc = run(slow, timeout=300, LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_IO_ERROR="1:8")
+    # every rank's line is read: torchrun looks every 3 s (faultkit.torchrun_cmd says why)
+    proc = run(torchrun_cmd(2, *common, *sets(**over), monitor_interval=3), timeout=300, LLMCLUSTER_TESTING="1",
+               LLMCLUSTER_INJECT_IO_ERROR="1:8")
     assert "warning: skipping checkpoint" in proc.stdout and "__1_0.distcp does not match its checksum" in proc.stdout
     lines = re.findall(r"llmcluster train: error: (.*)", proc.stderr)
     assert len(lines) == 2 and lines[0] == lines[1], proc.stderr[-3000:]
