@@ -158,7 +158,7 @@ def evaluate(root: Path, model: str | None = None, step: int | None = None, endp
     try:    # the run's own sinks too (TensorBoard, MLflow, W&B): the results above are already safe
         from llmcluster.train.tracking import log_eval
 
-        record["sinks"] = log_eval(root, logs, record)
+        log_eval(root, logs, record)     # the record stays what eval.jsonl holds
     except Exception as e:   # a tracking server that is down must not fail an evaluation that is done
         print(f"warning: eval results not sent to the run's tracking sinks: {type(e).__name__}: {e}",
               file=sys.stderr)
