@@ -14,7 +14,8 @@ from pathlib import Path
 
 from llmcluster.errors import UserError
 from llmcluster.launch.scheduler import Scheduler
-from llmcluster.launch.spec import LaunchSpec, sh_join
+from llmcluster.launch.spec import LaunchSpec
+from llmcluster.render import shell_join
 
 
 SERVER_MODULE = b"vllm.entrypoints.openai.api_server"   # a serving job's process (serve/start.py)
@@ -45,8 +46,8 @@ class Local(Scheduler):
                  "set -euo pipefail", "umask 027"]
         if spec.job.secret_env:
             lines.append(f"# from the launching environment (never written here): {' '.join(spec.job.secret_env)}")
-        lines += [f"export {k}={sh_join([v])}" for k, v in spec.rank_env().items()]
-        lines.append("exec " + sh_join(self.argv(spec)))
+        lines += [f"export {k}={shell_join([v])}" for k, v in spec.rank_env().items()]
+        lines.append("exec " + shell_join(self.argv(spec)))
         return "\n".join(lines) + "\n"
 
     def submit(self, spec: LaunchSpec, artifact: Path, record: dict, write_record, **flags) -> int:

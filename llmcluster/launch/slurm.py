@@ -22,27 +22,19 @@ from pathlib import Path
 
 from llmcluster.errors import EXIT_PREEMPTED, UserError
 from llmcluster.launch.scheduler import Scheduler
-from llmcluster.launch.spec import LaunchSpec, ShellVar, sh, sh_join
+from llmcluster.launch.spec import LaunchSpec
+from llmcluster.render import Program, ShellVar, directive_value, shell_join, shell_word
 from llmcluster.train.exit_reason import EXIT_DIR_ENV
 
-# values in #SBATCH lines are parsed by sbatch, not by a shell: they cannot be quoted, only refused
-SBATCH_SAFE = re.compile(r"[A-Za-z0-9_./:@%+=,-]+")
 JOB_ID = re.compile(r"\d+(?:_\d+)?")
 # The first free port from BASE + job id % 1000 on (jobs sharing a head node start apart, and a port some
 # other program holds is skipped). Runs on the batch host, which is the first node of the allocation.
-FREE_PORT = ("import socket, sys\n"
+FREE_PORT = Program("import socket, sys\n"
              "for p in range(int(sys.argv[1]), 65536):\n"
              "    with socket.socket() as s:\n"
              "        try:\n"
              "            s.bind((\"\", p)); print(p); break\n"
              "        except OSError: pass\n")
-
-
-def _sbatch_value(value: str, what: str) -> str:
-    if not SBATCH_SAFE.fullmatch(value):
-        raise UserError(f"{what} {value!r} cannot go into an #SBATCH line "
-                        "(letters, digits and ._/:@%+=,- only)")
-    return value
 
 
 def render(spec: LaunchSpec) -> str:
@@ -53,7 +45,7 @@ def render(spec: LaunchSpec) -> str:
         "#!/bin/bash",
         f"# llmcluster launch: run {spec.run}, {j.nodes} node(s) x {j.procs} process(es), "
         f"world size {j.world_size}",
-        f"#SBATCH --job-name={_sbatch_value(spec.run, 'run name')}",
+        f"#SBATCH --job-name={directive_value(spec.run, 'run name')}",
         f"#SBATCH --nodes={j.nodes}",
         "#SBATCH --ntasks-per-node=1",           # one torchrun agent per node; it starts the ranks
     ]
@@ -69,7 +61,7 @@ def render(spec: LaunchSpec) -> str:
     if j.account:
         head.append(f"#SBATCH --account={j.account}")
     head += [
-        f"#SBATCH --output={_sbatch_value(logs, 'log directory')}/slurm-%j.out",
+        f"#SBATCH --output={directive_value(logs, 'log directory')}/slurm-%j.out",
         "#SBATCH --open-mode=append",            # a requeued attempt appends to the same log
         f"#SBATCH --signal=B:USR2@{j.signal_before_s}",
         "#SBATCH --requeue",
@@ -77,7 +69,7 @@ def render(spec: LaunchSpec) -> str:
         "set -uo pipefail",
         "umask 027                                # run files 0640, directories 0750",
     ]
-    head += [f"export {k}={sh(v)}" for k, v in spec.rank_env().items()]
+    head += [f"export {k}={shell_word(v)}" for k, v in spec.rank_env().items()]
     if j.secret_env:
         names = " ".join(j.secret_env)
         head += ["# job.secret_env: from the submitting environment (sbatch --export=ALL), never written here",
@@ -102,8 +94,8 @@ def render(spec: LaunchSpec) -> str:
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         'head=$(scontrol show node -o "$head_node" | tr " " "\\n" | sed -n "s/^NodeAddr=//p")',
         'head=${head:-$head_node}',
-        f'rdzv_port=$({sh(port_python)} -c {sh(FREE_PORT)} "$(( {j.rdzv_port} + SLURM_JOB_ID % 1000 ))")',
-        f'ranks_dir={sh(logs)}/ranks/"$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}"',
+        f'rdzv_port=$({shell_word(port_python)} -c {shell_word(FREE_PORT)} "$(( {j.rdzv_port} + SLURM_JOB_ID % 1000 ))")',
+        f'ranks_dir={shell_word(logs)}/ranks/"$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}"',
         'mkdir -p "$ranks_dir"',
         f'export {EXIT_DIR_ENV}="$ranks_dir"       # the ranks say why they stopped (train/exit_reason.py)',
         'echo "[llmcluster] job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0}:'
@@ -113,7 +105,7 @@ def render(spec: LaunchSpec) -> str:
         "preempted=0",
         "trap 'preempted=1; echo \"[llmcluster] SIGUSR2: checkpoint and stop\"; "
         "kill -USR2 \"$srun_pid\" 2>/dev/null' USR2",
-        sh_join(srun) + " &",
+        shell_join(srun) + " &",
         "srun_pid=$!",
         "# `wait` returns early (status > 128) when a trapped signal arrives: wait again until srun is gone",
         "while :; do",

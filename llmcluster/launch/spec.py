@@ -7,42 +7,19 @@ environment and the torchrun command line (rendezvous included) are built here o
 
 from __future__ import annotations
 
-import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmcluster.config.job import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_FILES, JobSpec
 from llmcluster.errors import UserError
+from llmcluster.render import line_text
 
 SCHEDULERS = ("local", "slurm", "k8s")
 # torchrun forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT to its workers by default; SIGUSR2 ("checkpoint now",
 # SIGUSR1 belongs to NCCL) must be added, or the default action of SIGUSR2 kills the torchrun agent itself.
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
 LAUNCHES = "launches"   # logs/<run>/launches/<n>/: one immutable directory per launch
-
-
-class ShellVar(str):
-    """A word the batch shell expands at run time ("$head:$port"); rendered in double quotes, unquoted
-    otherwise. Only the renderers create these, from fixed text: user values are never ShellVars."""
-
-
-def sh(word: str) -> str:
-    if isinstance(word, ShellVar):
-        return f'"{word}"'
-    return shlex.quote(str(word))
-
-
-def sh_join(words: list[str]) -> str:
-    return " ".join(sh(w) for w in words)
-
-
-def check_text(value: str, what: str) -> str:
-    """Strings that reach a script are quoted; a newline or NUL in one is refused anyway (it would
-    split an #SBATCH line or a log record, and no real path or argument needs it)."""
-    if "\n" in value or "\r" in value or "\0" in value:
-        raise UserError(f"{what} {value!r} contains a newline or NUL: refused")
-    return value
 
 
 @dataclass(frozen=True)
@@ -174,7 +151,7 @@ def build_spec(cfg, args, root: Path, host_paths: list[str] | tuple[str, ...] = 
         raise UserError(f"job.procs_per_node ({job.procs}) exceeds job.gpus_per_node ({job.gpus_per_node})")
     if job.signal_before_s >= job.time_s:
         raise UserError(f"job.signal_before_s ({job.signal_before_s}) must be shorter than job.time ({job.time})")
-    check_text(str(root), "storage root")
+    line_text(str(root), "storage root")
     generic = bool(args.program)
     cfg = cfg.model_copy(update={"job": job})
     logs = root / "logs" / cfg.run.name
@@ -184,11 +161,11 @@ def build_spec(cfg, args, root: Path, host_paths: list[str] | tuple[str, ...] = 
         storage, config_path = job.k8s.storage_path, f"{CONFIG_DIR}/config.yaml"   # from the ConfigMap
     else:
         storage, config_path = str(root), str(logs / LAUNCHES / str(launch_id) / "config.yaml")
-    command = [check_text(c, "command word") for c in args.program] if generic else \
+    command = [line_text(c, "command word") for c in args.program] if generic else \
         trainer_command(config_path, storage)
     python = "python" if (job.image or sched.in_container) else sys.executable
     spec = LaunchSpec(run=cfg.run.name, scheduler=args.scheduler, root=root, job=job, command=command,
-                      python=check_text(python, "python"), generic=generic,
+                      python=line_text(python, "python"), generic=generic,
                       config_yaml=yaml.safe_dump(saved_config_dict(cfg), sort_keys=False),
                       overrides=list(args.overrides), launch_id=launch_id, storage=storage,
                       metrics_port=cfg.log.metrics[1] if cfg.log.metrics else None, host_paths=tuple(host_paths),

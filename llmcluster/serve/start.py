@@ -23,8 +23,9 @@ from llmcluster.errors import RunFailure, UserError
 from llmcluster.launch.local import SERVER_LOG
 from llmcluster.launch.launcher import UMASK, _write_once, read_record, write_record
 from llmcluster.launch.scheduler import ACTIVE_STATES, get
-from llmcluster.launch.spec import check_text, next_launch_id, sh, sh_join
+from llmcluster.launch.spec import next_launch_id
 from llmcluster.serve import engine as eng
+from llmcluster.render import directive_value, line_text, shell_join, shell_word
 from llmcluster.serve.engine_check import engine_warnings
 
 ENDPOINT = "endpoint-{job}"        # a Slurm job writes its URL here once /health answers
@@ -72,8 +73,8 @@ def free_port(host: str) -> int:
 def render_local(job: ServeJob) -> str:
     lines = ["#!/bin/bash", f"# llmcluster serve start: {job.served} as job {job.name} on this machine",
              "set -euo pipefail", "umask 027"]
-    lines += [f"export {k}={sh(v)}" for k, v in eng.environment(job.engine).items()]
-    lines.append("exec " + sh_join(job.argv()))
+    lines += [f"export {k}={shell_word(v)}" for k, v in eng.environment(job.engine).items()]
+    lines.append("exec " + shell_join(job.argv()))
     return "\n".join(lines) + "\n"
 
 
@@ -95,27 +96,27 @@ def submit_local(job: ServeJob, record: dict, artifact: Path) -> tuple[str, call
 # -- Slurm: an sbatch script that starts the server and waits for its health itself ---------------------------------
 
 def render_slurm(job: ServeJob, time_limit: str | None, partition: str | None) -> str:
-    from llmcluster.launch.slurm import FREE_PORT, _sbatch_value
+    from llmcluster.launch.slurm import FREE_PORT
 
     logs, py = str(job.logs), job.engine.python
     head = ["#!/bin/bash", f"# llmcluster serve start: {job.served} as job {job.name}",
-            f"#SBATCH --job-name={_sbatch_value(job.name, 'job name')}", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
-            f"#SBATCH --output={_sbatch_value(logs, 'log directory')}/slurm-%j.out"]
+            f"#SBATCH --job-name={directive_value(job.name, 'job name')}", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
+            f"#SBATCH --output={directive_value(logs, 'log directory')}/slurm-%j.out"]
     if not job.engine.cpu:
         head.append(f"#SBATCH --gpus-per-node={job.sizing.tp}")
     if time_limit:
-        head.append(f"#SBATCH --time={_sbatch_value(time_limit, '--time')}")
+        head.append(f"#SBATCH --time={directive_value(time_limit, '--time')}")
     if partition:
-        head.append(f"#SBATCH --partition={_sbatch_value(partition, '--partition')}")
+        head.append(f"#SBATCH --partition={directive_value(partition, '--partition')}")
     head += ["", "set -uo pipefail", "umask 027"]
-    head += [f"export {k}={sh(v)}" for k, v in eng.environment(job.engine).items()]
+    head += [f"export {k}={shell_word(v)}" for k, v in eng.environment(job.engine).items()]
     argv = job.argv(host="0.0.0.0", port="PORT")
-    server = sh_join(argv[:argv.index("PORT")]) + ' "$port" ' + sh_join(argv[argv.index("PORT") + 1:])
+    server = shell_join(argv[:argv.index("PORT")]) + ' "$port" ' + shell_join(argv[argv.index("PORT") + 1:])
     body = [
         "# the node's address as Slurm knows it (a node name need not resolve), a port free on it",
         'addr=$(scontrol show node -o "$SLURMD_NODENAME" | tr " " "\\n" | sed -n "s/^NodeAddr=//p")',
         'addr=${addr:-$(hostname)}',
-        f'port=$({sh(py)} -c {sh(FREE_PORT)} {job.port})',
+        f'port=$({shell_word(py)} -c {shell_word(FREE_PORT)} {job.port})',
         f"{server} &",
         "server=$!",
         "trap 'kill -TERM \"$server\" 2>/dev/null' TERM INT",
@@ -123,10 +124,10 @@ def render_slurm(job: ServeJob, time_limit: str | None, partition: str | None) -
         'echo "[llmcluster] job $SLURM_JOB_ID: vLLM starting at $url"',
         "# healthy: the URL goes to the endpoint file `serve start` (and `jobs status`) reads",
         "while kill -0 \"$server\" 2>/dev/null; do",
-        f'  if {sh(py)} -c "import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=5)" "$url/health" '
+        f'  if {shell_word(py)} -c "import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=5)" "$url/health" '
         "2>/dev/null; then",
-        f'    echo "$url" > {sh(logs)}/.endpoint-"$SLURM_JOB_ID" && '
-        f'mv {sh(logs)}/.endpoint-"$SLURM_JOB_ID" {sh(logs)}/endpoint-"$SLURM_JOB_ID"',
+        f'    echo "$url" > {shell_word(logs)}/.endpoint-"$SLURM_JOB_ID" && '
+        f'mv {shell_word(logs)}/.endpoint-"$SLURM_JOB_ID" {shell_word(logs)}/endpoint-"$SLURM_JOB_ID"',
         '    echo "[llmcluster] healthy: $url/v1"; break',
         "  fi",
         "  sleep 2",
@@ -207,7 +208,7 @@ def smoke(url: str, model: str, name: str) -> str:
 
 def curl_line(url: str, model: str) -> str:
     body = json.dumps({"model": model, "prompt": "def main(", "max_tokens": 32, "temperature": 0})
-    return f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d {sh(body)}"
+    return f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d {shell_word(body)}"
 
 
 # -- the command --------------------------------------------------------------------------------------------------
@@ -290,7 +291,7 @@ def build(args, cfg, root: Path):
     if problems:
         raise UserError(f"{target.directory}: " + "; ".join(problems))
     name = check_run_name(args.name or f"serve-{target.name}")
-    check_text(str(root), "storage root")
+    line_text(str(root), "storage root")
     host = args.host or ("127.0.0.1" if args.scheduler == "local" else "0.0.0.0")
     port = args.port or (free_port(host) if args.scheduler == "local" else 8000)
     job = ServeJob(name, args.scheduler, root, engine, target, sizing, host, port,

@@ -145,11 +145,11 @@ class Downstream:
                                      start_new_session=True)
             self.procs.append(p)
             return {"job_id": f"local-{p.pid}", "pid": p.pid}
-        from llmcluster.launch.spec import sh_join
+        from llmcluster.render import shell_join
 
         script = out.with_suffix(".sh")
         script.write_text(f"#!/bin/bash\n# llmcluster: downstream evaluation of {self.run} step {step}\n"
-                          f"exec {sh_join(argv)}\n")
+                          f"exec {shell_join(argv)}\n")
         p = subprocess.run(["sbatch", "--parsable", f"--job-name={self.run}-eval-{step}", f"--output={out}",
                             "--nodes=1", str(script)], capture_output=True, text=True, timeout=60)
         if p.returncode != 0:

@@ -1,0 +1,124 @@
+"""The rendering boundary: every value Python puts into a shell script, an #SBATCH directive, a comment, a YAML
+manifest, a Prometheus file or a subprocess argv goes through one of these renderers, each of which quotes or
+refuses (issue 32). No other module builds such text by formatting a value into a string.
+
+    shell_word / shell_join   a word of a bash script (single-quoted; ShellVar for the renderers' own "$vars")
+    directive_value           an #SBATCH (or other directive) value: a small ASCII grammar, else refused
+    comment_text              free text in a `#` comment: printable ASCII, everything else escaped
+    line_text                 a value that must stay on one line (an env value, a log field): breaks refused
+    argv_element              one argument of a subprocess argv: NUL refused, a leading '-' refused where positional
+    yaml_text                 YAML documents through a safe dumper (multi-line strings as literal blocks)
+
+The hostile-string property test (tests/test_render_boundary.py) runs every artefact renderer listed there over
+the same strings; a new renderer is covered by adding it to that list. Leaf module: imports nothing of ours but
+errors.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from llmcluster.errors import UserError
+
+# Everything Python's str.splitlines() splits on (LF, CR, VT, FF, FS, GS, RS, NEL U+0085, LS U+2028, PS U+2029),
+# plus NUL: a value holding one would start a new line in some reader (bash, sbatch, YAML, a log) or end a C string.
+LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+_BREAK = re.compile(f"[{re.escape(LINE_BREAKS)}\x00]")
+# #SBATCH values and other directive values: no space, no quote, no shell or Slurm metacharacter; ASCII only.
+DIRECTIVE_SAFE = re.compile(r"[A-Za-z0-9_./:@%+=,-]+", re.ASCII)
+_PRINTABLE = re.compile(r"[ -~]*", re.ASCII)
+
+
+class ShellVar(str):
+    """A word the batch shell expands at run time ("$head:$port"); rendered in double quotes, unquoted
+    otherwise. Only the renderers create these, from fixed text: user values are never ShellVars."""
+
+
+class Program(str):
+    """A program text of our own (a `python -c` source): may span lines, single-quoted like any word. Only
+    module constants are Programs: user values never are."""
+
+
+def has_line_break(value: str) -> bool:
+    return bool(_BREAK.search(value))
+
+
+def line_text(value, what: str) -> str:
+    """A value that must stay one line (an argument, a path, an env value): a line break or NUL is refused (it
+    would split an #SBATCH line or a log record, and no real path or argument needs one)."""
+    value = str(value)
+    if has_line_break(value):
+        raise UserError(f"{what} {_show(value)} contains a newline, another line break or NUL: refused")
+    return value
+
+
+def shell_word(word) -> str:
+    """One word of a bash script: single-quoted (nothing inside expands), after the one-line check."""
+    if isinstance(word, ShellVar):
+        return f'"{word}"'
+    if isinstance(word, Program):
+        return shlex.quote(word)
+    return shlex.quote(line_text(word, "a value for a shell script"))
+
+
+def shell_join(words) -> str:
+    return " ".join(shell_word(w) for w in words)
+
+
+def directive_value(value, what: str) -> str:
+    """A value of an `#SBATCH --key=value` line (sbatch reads these lines itself, with no shell quoting)."""
+    value = str(value)
+    if not DIRECTIVE_SAFE.fullmatch(value):
+        raise UserError(f"{what} {_show(value)} cannot go into an #SBATCH line "
+                        "(letters, digits and ._/:@%+=,- only)")
+    return value
+
+
+def comment_text(value) -> str:
+    """Free text for a `# ...` comment line: printable ASCII stays, anything else (a line break, a control or
+    non-ASCII character) is written as its escape, so the comment cannot end early."""
+    value = str(value)
+    if _PRINTABLE.fullmatch(value):
+        return value
+    return "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii") for c in value)
+
+
+def argv_element(value, what: str, positional: bool = False) -> str:
+    """One argv element for subprocess: NUL cannot be passed; a positional that starts with '-' would be read as
+    an option by the program (refused: pass it as `--flag=value` or after `--`)."""
+    value = str(value)
+    if "\x00" in value:
+        raise UserError(f"{what} {_show(value)} contains NUL: refused")
+    if positional and value.startswith("-"):
+        raise UserError(f"{what} {_show(value)} starts with '-' and would be read as an option: refused")
+    return value
+
+
+def yaml_text(docs: list, literal_blocks: bool = True) -> str:
+    """YAML documents through a SafeDumper: every string a quoted or literal scalar as YAML requires, never a tag
+    or an anchor from data. Multi-line strings (a ConfigMap's config.yaml) as literal blocks, readable."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data):   # a value repeated is written twice, never as an anchor
+            return True
+
+    def text(dumper, value: str):
+        style = "|" if literal_blocks and "\n" in value and not _needs_plain_escape(value) else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    Dumper.add_representer(str, text)
+    return yaml.dump_all(docs, Dumper=Dumper, sort_keys=False, allow_unicode=False)
+
+
+def _needs_plain_escape(value: str) -> bool:
+    """A literal block cannot hold trailing spaces on a line, CR or other breaks faithfully: those go quoted."""
+    return any(c in value for c in LINE_BREAKS.replace("\n", "")) or "\x00" in value or " \n" in value \
+        or value.endswith(" ") or not _PRINTABLE.fullmatch(value.replace("\n", "").replace("\t", ""))
+
+
+def _show(value: str, limit: int = 80) -> str:
+    """A value as an error line shows it: repr (escapes visible), cut to `limit` characters."""
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit] + f"...' ({len(value)} characters)"
