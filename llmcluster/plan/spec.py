@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from llmcluster.config.cluster import ClusterSpec, Cost, Hardware, Reliability, Topology
 from llmcluster.config.gpus import GPUSpec, gpu_spec
-from llmcluster.config.schema import ModelConfig, check_parallel_keys
+from llmcluster.config.schema import LogConfig, ModelConfig, check_parallel_keys
 from llmcluster.errors import UserError
 
 
@@ -177,6 +177,19 @@ class TrainingSpec(Section):
     tokens: float = Field(1e12, gt=0)
     mfu: float | None = Field(None, gt=0, le=1)        # override the calibrated efficiency model
     goodput: float | None = Field(None, gt=0, le=1)    # override the restart/checkpoint model
+    # Time from a failure to its detection: PyTorch's default NCCL process-group timeout (10 minutes) for
+    # a rank that hangs; a crash is noticed sooner (then lower it).
+    failure_detect_minutes: float = Field(10.0, ge=0)
+    # Slow steps (stragglers, stalled reads, hangs that recover) as a share of wall time. None: the fitted
+    # share per doubling of the nodes (plan/data/step_model.yaml); measure yours with `llmcluster jobs goodput`
+    # (its hang_or_straggler bucket) and set it.
+    straggler_share: float | None = Field(None, ge=0, lt=1)
+
+
+class EvalSpec(Section):
+    """In-training evaluation, as the job config's log.eval_interval / log.eval_batches (their defaults)."""
+    interval_steps: int = Field(LogConfig.model_fields["eval_interval"].default, ge=1)
+    batches: int = Field(LogConfig.model_fields["eval_batches"].default, ge=0)
 
 
 class PlanSpec(Section):
@@ -184,6 +197,7 @@ class PlanSpec(Section):
     cluster: PlanCluster
     parallel: ParallelSpec = ParallelSpec()
     training: TrainingSpec = TrainingSpec()
+    eval: EvalSpec = EvalSpec()
     cost: Cost = Cost()             # the cluster spec's `cost:` (load_plan copies it here)
 
     @model_validator(mode="after")
