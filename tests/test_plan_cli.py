@@ -119,7 +119,7 @@ def test_calibrate_with_bench_records(tmp_path):
 
 def test_plot_writes_memory_and_cost_charts(tmp_path):
     r = plan_json(REPO / "plans" / "rtx4090-1b.yaml", "--plot", str(tmp_path))
-    for name in ("memory.png", "cost.png"):
+    for name in ("memory.png", "cost.png", "step.png"):
         png = tmp_path / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert str(png) in r["plots"]

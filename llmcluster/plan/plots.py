@@ -1,4 +1,5 @@
-"""`--plot DIR`: memory breakdown per GPU, and cumulative cost over months (cloud vs on-premise)."""
+"""`--plot DIR`: memory breakdown per GPU, cumulative cost over months (cloud vs on-premise), and where a
+step's time goes (the step model's terms, stacked)."""
 
 from __future__ import annotations
 
@@ -51,4 +52,26 @@ def plot(r: dict[str, Any], out_dir: str | Path) -> list[Path]:
     fig.tight_layout()
     fig.savefig(cost_path, dpi=120)
     plt.close(fig)
-    return [mem_path, cost_path]
+    return [mem_path, cost_path, breakdown_plot(r, out)]
+
+
+def breakdown_plot(r: dict[str, Any], out: Path) -> Path:
+    """step.png: one optimizer step's time stacked by term (compute.breakdown_s, without the "compute" sum)."""
+    import matplotlib.pyplot as plt
+
+    from llmcluster.plan.report import BREAKDOWN
+
+    b = r["compute"]["breakdown_s"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bottom = 0.0
+    for key, label in BREAKDOWN:
+        ax.bar(["one optimizer step"], [b[key]], bottom=bottom, label=f"{label} ({b[key] / r['compute']['step_time_s']:.0%})")
+        bottom += b[key]
+    ax.set_ylabel("seconds")
+    ax.set_title(f"{r['model']['name'] or 'model'}: where the step time goes")
+    ax.legend(fontsize=8)
+    path = out / "step.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
