@@ -158,3 +158,47 @@ def test_a_straggler_share_given_replaces_the_fitted_one():
     assert straggler_share(big) == pytest.approx(step_model.fitted()["straggler_per_node_doubling"] * math.log2(256))
     given = big.model_copy(update={"training": big.training.model_copy(update={"straggler_share": 0.05})})
     assert straggler_share(given) == 0.05
+
+
+def test_byte_table_against_a_meta_device_count_of_our_model(monkeypatch):
+    """The forward bytes of one block's non-GEMM ops, counted op by op (inputs + outputs of every aten op but
+    matmuls, attention and views) on the meta device, against the table's forward column. The table is the
+    fused ideal: our eager block moves more (fp32 norms decomposed into pow/mean/rsqrt/mul, RoPE's
+    rotate-half as neg + cat + mul + add), so the count bounds the fitted `memory_passes` from above."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._pytree import tree_leaves
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from llmcluster.config.schema import ModelConfig
+    from llmcluster.model.llama import Block, rope_cos_sin
+
+    free = {"view", "_unsafe_view", "transpose", "t", "expand", "reshape", "unsqueeze", "squeeze", "as_strided",
+            "detach", "alias", "slice", "select", "split", "permute", "empty_like", "empty", "mm", "addmm", "bmm"}
+
+    class Count(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ not in free:
+                Count.total += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                                   if isinstance(t, torch.Tensor))
+            return out
+
+    # flash attention is one fused kernel the table counts as GEMM work: keep its math path out of the count
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, **kw: torch.empty_like(q))
+    h, f, seq = 512, 1536, 256
+    cfg = ModelConfig(n_layers=1, d_model=h, n_heads=8, ffn_hidden=f, vocab_size=1000, max_seq_len=seq)
+    with torch.device("meta"):
+        block = Block(cfg).to(torch.bfloat16)
+        x = torch.empty(1, seq, h, dtype=torch.bfloat16)
+        cos, sin = rope_cos_sin(cfg.head_dim, seq, 10000.0, device="meta")
+    with Count():
+        block(x, cos.to(torch.bfloat16), sin.to(torch.bfloat16))
+    counted = Count.total / seq
+    m = ModelSpec(n_layers=1, d_model=h, n_heads=8, ffn_hidden=f, vocab_size=1000, seq_len=seq)
+    table = sum(fwd for fwd, _ in step_model.memory_bytes_per_token(m, 1, "bf16")["per_layer"].values())
+    assert table == 2 * 2 * h * 2 + 2 * 3 * h * 2 + 2 * (h + h) * 2 + 3 * f * 2   # 23,552 B per token
+    assert table < counted < 4 * table   # eager: 80,184 B per token, 3.4x the fused ideal
+    assert 1 <= step_model.fitted()["memory_passes"] <= counted / table
