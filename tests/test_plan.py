@@ -220,3 +220,24 @@ def test_bloom_176b_published_layout_plans_with_uneven_stages():
     assert plan_memory(plan).fits
     assert any("parallel.zero=1" in g for g in plan.trainer_gaps())  # ZeRO-1 is DeepSpeed's, not ours
     # its GPU-hours against the published 1,082,990: tests/test_plan_step_model.py (a validation run)
+
+
+def test_tp_without_sequence_parallelism_is_plannable_with_korthikantis_figures():
+    from llmcluster.plan.memory import checkpointed_layer_bytes
+
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    sbh = s * b * h
+    # Korthikanti et al. 2022, Table 2: TP only s·b·h·(10 + 24/t + 5·a·s/(h·t)); TP + SP s·b·h·(34 + 5·a·s/h)/t
+    no_sp = checkpointed_layer_bytes(GPT3_175B, s, b, t, 0.0, False, sequence_parallel=False)
+    assert no_sp == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert checkpointed_layer_bytes(GPT3_175B, s, b, t, 0.0, False) == pytest.approx(sbh * (34 + 5 * a * s / h) / t)
+    cluster = PlanCluster(gpu="A100-80GB", nodes=8)
+    sp = _plan(model=GPT3_175B, cluster=cluster, parallel=ParallelSpec(tp=8, pp=8, zero=1, flash_attention=False))
+    pre = _plan(model=GPT3_175B, cluster=cluster,
+                parallel=ParallelSpec(tp=8, pp=8, zero=1, flash_attention=False, sequence_parallel=False))
+    assert plan_memory(pre).activation_per_layer == pytest.approx(no_sp)
+    assert plan_memory(pre).activations > plan_memory(sp).activations
+    # the norms run on whole sequences and the pipeline sends whole activations: never faster
+    assert step_time(pre, 0.8).step_s > step_time(sp, 0.8).step_s
+    assert any("sequence parallelism" in g for g in pre.trainer_gaps())
+    assert not any("sequence parallelism" in g for g in sp.trainer_gaps())

@@ -200,3 +200,14 @@ def test_plan_names_its_cluster_file_relative_to_itself(tmp_path):
     data["cluster"] = {"base": "sub/mine.yaml", "nodes": {"count": 1}, "hardware": {"gpus_per_node": 4}}
     plan.write_text(yaml.safe_dump(data))
     assert plan_json(plan)["parallel"]["world"] == 4
+
+
+def test_search_from_a_plan_without_sequence_parallelism_returns_trainable_layouts(tmp_path):
+    plan = write_plan(tmp_path, parallel={"tp": 2, "sequence_parallel": False, "global_batch": 16})
+    r = plan_json(plan, "--search")
+    assert any("sequence parallelism" in g for g in r["parallel"]["trainer_gaps"])
+    from llmcluster.plan.load import load_plan
+    from llmcluster.plan.search import search
+
+    every = search(load_plan(plan), top=10_000)
+    assert any(c["tp"] > 1 for c in every)   # TP layouts are searched, with SP: what the trainer runs

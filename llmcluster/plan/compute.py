@@ -102,7 +102,7 @@ def step_time(plan: PlanSpec, efficiency: float) -> StepTime:
     if p.pp > 1:
         v = p.virtual_stages
         bubble = (p.pp - 1) / (v * n_micro) * (compute + tp)
-        sent = act_bytes / p.tp  # sequence parallelism: each TP rank sends its slice
+        sent = act_bytes / p.tp if p.sequence_parallel else act_bytes  # SP: each TP rank sends its slice
         p2p = 2 * n_micro * v * (sent / (links.pp.busbw_GBps * 1e9) + links.pp.latency_s)
 
     step = compute + terms.optimizer_s + tp + dp_s + bubble + p2p

@@ -82,10 +82,11 @@ def block_gemm_efficiency(m: ModelSpec, tp: int, d_half: float) -> float:
     return sum(f for _, f, _ in g) / sum(f / shape_efficiency(dim, d_half) for _, f, dim in g)
 
 
-def memory_bytes_per_token(m: ModelSpec, tp: int, precision: str, flash: bool = True) -> dict[str, dict]:
+def memory_bytes_per_token(m: ModelSpec, tp: int, precision: str, flash: bool = True,
+                           sequence_parallel: bool = True) -> dict[str, dict]:
     """The per-op byte table: bytes one GPU's HBM moves per token, forward and backward, per block (the
     first six) and per model (the last three). a = activation bytes (2 for 16-bit, 4 for fp32). Ops on the
-    full hidden size are sharded by sequence parallelism (the planner's TP implies it), the rest by TP.
+    full hidden size are sharded by sequence parallelism (unless the plan turns it off), the rest by TP.
 
     op            forward                 backward
     rmsnorm x2    read x, write y: 2·h·a  read x, dy, write dx: 3·h·a
@@ -99,7 +100,7 @@ def memory_bytes_per_token(m: ModelSpec, tp: int, precision: str, flash: bool = 
     """
     a = 4 if precision == "fp32" else 2
     h, hq, kvq, f = m.d_model, m.attn_dim, m.kv_heads * m.head_dim, m.ffn_hidden
-    sp = tp  # sequence parallelism shards the norms and residual adds along the sequence
+    sp = tp if sequence_parallel else 1  # SP shards the norms and residual adds along the sequence
     act = (3, 5) if m.ffn_type == "swiglu" else (2, 3)
     per_layer = {
         "rmsnorm": (2 * 2 * h * a / sp, 2 * 3 * h * a / sp),
@@ -143,7 +144,7 @@ def step_terms(plan: PlanSpec, hardware_flops_per_token: float, residual: float)
     eff = block_gemm_efficiency(m, p.tp, d_half)
     rate = achievable_tflops(plan) * 1e12 * eff * residual
     gemm = hardware_flops_per_token * tokens / (p.tp * p.pp) / rate * stage
-    table = memory_bytes_per_token(m, p.tp, p.precision, p.flash_attention)
+    table = memory_bytes_per_token(m, p.tp, p.precision, p.flash_attention, p.sequence_parallel)
     bw = spec.memory_bw_gbps * 1e9
     fwd = sum(v[0] for v in table["per_layer"].values())
     bwd = sum(v[1] for v in table["per_layer"].values())
