@@ -8,8 +8,9 @@
 The achievable matmul rate is the GPU table's `mamf_bf16_tflops` (ml-engineering's MAMF finder; scaled by
 the datasheet ratio for other precisions, 80% of peak where the table has none). The shape efficiency
 `d / (d + d_half)` of a GEMM's smallest non-token dimension d (on this GPU, after TP) makes narrow GEMMs
-run below the achievable rate; `d_half` and the residual are fitted (calibration.fit_step_model) on
-published runs that are not the ones the planner is validated on (docs/planning.md, section 2).
+run below the achievable rate; `d_half`, `memory_passes` (how many times real kernels move the byte
+table's bytes) and the residual per GPU family are fitted (calibration.fit_step_model) on published runs
+that are not the ones the planner is validated on (docs/planning.md, section 2).
 Everything here is torch-free; tests/test_plan_step_model.py checks the byte table against a meta-device
 count of the trainer's own model.
 """
