@@ -2,8 +2,9 @@
 
 The figure is the planner's memory model (plan/memory.py through plan/fit.py's `job_plan`, the layout this
 world resolves to): weights, gradients, optimizer states and the activations of one micro-batch per rank.
-Its activations count 16-bit values and no allocator overhead, so on CPU (where bf16 may be computed in fp32)
-it is a lower bound: a start is refused only when even that does not fit, never on a guess that it might not.
+Its activations count 16-bit values (CPU may compute in fp32), no allocator overhead, and what a job does not
+hold is left out (`needed_bytes`): a lower bound, so a start is refused only when even that does not fit, never
+on a guess that it might not.
 Without the check a micro-batch of 10^9 sequences died in a 60 GiB numpy allocation, one traceback per rank.
 """
 
@@ -14,7 +15,7 @@ import os
 from llmcluster.config.schema import JobConfig
 from llmcluster.errors import UserError
 from llmcluster.plan.fit import job_plan
-from llmcluster.plan.memory import GIB, plan_memory
+from llmcluster.plan.memory import GIB, logits_bytes, plan_memory
 
 # The planner needs a GPU type for its cluster; only its capacity differs between types, and the capacity
 # compared against here is the memory this process can actually have.
@@ -32,26 +33,33 @@ def host_available_bytes() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def needed_bytes(cfg: JobConfig, dims, cuda: bool) -> tuple[float, float] | None:
-    """(all, activations) per rank by the planner's model of the resolved layout; None when it cannot model it."""
+def needed_bytes(cfg: JobConfig, dims) -> tuple[float, float] | None:
+    """(all, activations) per rank by the planner's model of the resolved layout, as a lower bound: what the
+    model counts that this job may not hold is left out. None when the planner cannot model the layout."""
     job = cfg.job.model_copy(update={"nodes": 1, "gpus_per_node": dims.world_size, "procs_per_node": None})
     parallel = cfg.parallel.model_copy(update={"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard})
     try:
-        mem = plan_memory(job_plan(cfg.model_copy(update={"job": job, "parallel": parallel}), _ANY_GPU))
-    except UserError:   # a layout the planner does not model: no estimate rather than a wrong one
+        plan = job_plan(cfg.model_copy(update={"job": job, "parallel": parallel}), _ANY_GPU)
+        mem = plan_memory(plan)
+    except (UserError, ValueError, ArithmeticError):   # a layout the planner does not model: no estimate
         return None
-    # The GPU's reserve (CUDA context, NCCL buffers) and allocator slack exist on a GPU only.
-    return (mem.total if cuda else mem.total - mem.buffers), mem.activations
+    # Left out: the GPU's reserve and allocator slack (estimates, and nothing on a CPU); under LoRA the full
+    # model's gradients and optimizer states (the adapters' are small); with train.loss_chunks the whole
+    # logits (computed a slice at a time).
+    states = mem.weights if cfg.train.lora else mem.weights + mem.gradients + mem.optimizer
+    activations = mem.activations
+    if cfg.train.loss_chunks > 1 and mem.stage != "first":
+        activations -= logits_bytes(plan.model, plan.model.seq_len, cfg.train.micro_batch, cfg.parallel.tp)
+    return states + activations, activations
 
 
 def fit_problem(cfg: JobConfig, dims, device, local_world: int) -> str | None:
     """The line saying a rank's share of the job cannot fit where it runs; None when it can (or is unknown)."""
-    cuda = device.type == "cuda"
-    estimate = needed_bytes(cfg, dims, cuda)
+    estimate = needed_bytes(cfg, dims)
     if estimate is None:
         return None
     need, activations = estimate
-    if cuda:
+    if device.type == "cuda":
         import torch
 
         have, where = torch.cuda.mem_get_info(device)[0], f"free on {device}"
