@@ -27,11 +27,12 @@ ABANDONED_PREFIX = ".abandoned-"    # steps set aside by a roll-back or a rewrit
 RESERVED_LOG_DIRS = ("bench",)
 
 
-def check_run_name(name: str) -> str:
+def check_run_name(name: str, what: str = "run") -> str:
+    """A name that becomes a directory under the storage root; `what` names it in the error (run, dataset)."""
     from llmcluster.config.schema import RUN_NAME_RE
 
     if not isinstance(name, str) or not RUN_NAME_RE.fullmatch(name) or ".." in name:
-        raise UserError(f"invalid run name {name!r}: use letters, digits, '.', '_' and '-' "
+        raise UserError(f"invalid {what} name {name!r}: use letters, digits, '.', '_' and '-' "
                         "(no '/', '..', spaces or shell metacharacters)")
     return name
 
@@ -45,7 +46,7 @@ class Storage:
         return self.root / "datasets"
 
     def dataset_dir(self, kind: str, name: str) -> Path:
-        return self.datasets / kind / check_run_name(name)
+        return self.datasets / kind / check_run_name(name, "dataset")
 
     def run_checkpoints(self, run: str) -> Path:
         return self.root / "checkpoints" / check_run_name(run)
