@@ -29,6 +29,11 @@ def run(args) -> int:
     from llmcluster.plan.calibration import bench_rows
     from llmcluster.plan.load import load_plan
 
+    if args.plot:   # before any work: a missing folder, a file, someone else's PNG -> one line, exit 2
+        from llmcluster.paths import check_output_path
+        from llmcluster.plan.plots import FILES
+
+        check_output_path(args.plot, "--plot", inside=FILES)
     plan = load_plan(args.file, args.overrides, cluster=args.cluster)
     bench = bench_rows(args.calibrate) if args.calibrate else None
     result = analyse(plan, bench)
