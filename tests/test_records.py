@@ -177,3 +177,21 @@ def test_plan_plot_paths_are_checked_before_work(capsys, tmp_path):
     assert p.returncode == 0 and (tmp_path / "new" / "memory.png").read_bytes()[:4] == b"\x89PNG"
     p = cli_inprocess(capsys, "plan", "seed-a100-7b", "--plot", tmp_path / "new")   # ours: overwritten
     assert p.returncode == 0, p.stderr
+
+
+def test_a_fatal_end_before_the_first_step_is_a_noop_start_and_after_it_an_attempt(tmp_path):
+    """A refusal after start-up (train_cli's UserError: exit_reason `fatal`) before any step trained nothing;
+    a fatal end after steps (the non-finite-step limit) stays an attempt whose time the job spent."""
+    from llmcluster.launch.goodput import attempts
+
+    log = tmp_path / EVENTS
+    w = EventLog(tmp_path, enabled=True)
+    w.close("fatal", "resuming at another world size would change the global batch")
+    w = EventLog(tmp_path, enabled=True)
+    w.heartbeat(1)
+    w.close("fatal", "too many bad steps")
+    recs = read_events(log, warn=None)
+    noops = [r for r in recs if r["event"] == "noop_start"]
+    assert [(r["attempt"], r["reason"]) for r in noops] == [(1, "resuming at another world size would change "
+                                                              "the global batch")]
+    assert [a[0]["attempt"] for a in attempts(recs)] == [2]
