@@ -23,8 +23,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    import json
-
+    from llmcluster import records
     from llmcluster.plan.analyse import analyse
     from llmcluster.plan.calibration import bench_rows
     from llmcluster.plan.load import load_plan
@@ -49,8 +48,8 @@ def run(args) -> int:
         from llmcluster.plan.plots import plot
 
         result["plots"] = [str(p) for p in plot(result, args.plot)]
-    if args.json:
-        print(json.dumps(result))
+    if args.json:   # one JSON object, never NaN/Infinity (a non-finite figure is null)
+        print(records.dumps(result))
         return 0
     from llmcluster.plan.report import render, render_search
 
