@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+FILES = ("memory.png", "cost.png")   # what --plot DIR writes (checked before any work: paths.check_output_path)
+
 
 def plot(r: dict[str, Any], out_dir: str | Path) -> list[Path]:
     import matplotlib
@@ -28,7 +30,7 @@ def plot(r: dict[str, Any], out_dir: str | Path) -> list[Path]:
     ax.set_ylabel("GiB")
     ax.set_title(f"{name}: memory per GPU")
     ax.legend(fontsize=8)
-    mem_path = out / "memory.png"
+    mem_path = out / FILES[0]
     fig.tight_layout()
     fig.savefig(mem_path, dpi=120)
     plt.close(fig)
@@ -47,7 +49,7 @@ def plot(r: dict[str, Any], out_dir: str | Path) -> list[Path]:
     ax.set_ylabel("cumulative cost (M$)")
     ax.set_title(f"{name}: cloud vs on-premise")
     ax.legend(fontsize=8)
-    cost_path = out / "cost.png"
+    cost_path = out / FILES[1]
     fig.tight_layout()
     fig.savefig(cost_path, dpi=120)
     plt.close(fig)

@@ -96,7 +96,8 @@ class Trainer:
             self._build(resume)
         except BaseException as e:
             self.ckpt.close()
-            self.events.discard() if isinstance(e, UserError) else self.events.close()  # refused: no trace
+            # refused: no trace in a new run, a no-op start in an existing one (not an attempt for goodput)
+            self.events.discard(str(e)) if isinstance(e, UserError) else self.events.close()
             self.storage.remove_if_empty(fresh)
             raise
 
@@ -314,6 +315,7 @@ class Trainer:
         last_step = min(t.steps, t.stop_at) if t.stop_at else t.steps
         if self.step >= last_step:
             self.log(f"run {cfg.run.name}: already at step {self.step} of {last_step}; nothing to do")
+            self.events.noop(f"already at step {self.step} of {last_step}; nothing to do")
             return 0
         self._announce()
         self.model.train()
@@ -455,8 +457,9 @@ class Trainer:
         for r in slow:
             self.log(f"warning: straggler: rank {r} compute time {times[r]:.3f}s vs median {med:.3f}s")
 
-    def close(self, reason: str | None = None) -> None:
-        """`reason`: how the attempt ended (exit_reason's words), recorded as its last event."""
+    def close(self, reason: str | None = None, detail: str = "") -> None:
+        """`reason`: how the attempt ended (exit_reason's words), recorded as its last event; `detail`: a
+        refusal's message."""
         self.preempt.uninstall()
         self.sampler.close()
         self.ckpt.close()
@@ -464,7 +467,7 @@ class Trainer:
             self.sample_log.close()
         self.metrics.status = {"completed": "FINISHED", "preempted": "PREEMPTED"}.get(reason, "FAILED")
         self.metrics.close()
-        self.events.close(reason)
+        self.events.close(reason, detail)
 
 
 def train_cli(args) -> int:
@@ -472,7 +475,7 @@ def train_cli(args) -> int:
     root = resolve_storage_root(args.root, cfg.run.storage)
     trainer = None
     ok = False
-    reason = "failed"
+    reason, detail = "failed", ""
     try:
         trainer = Trainer(cfg, root, resume=args.resume)
         code = trainer.fit()
@@ -484,7 +487,7 @@ def train_cli(args) -> int:
         exit_reason.write("failed", f"{type(e).__name__}: {e}")
         raise
     except UserError as e:      # bad config, the non-finite-step limit: a requeue would repeat it
-        reason = "fatal"
+        reason, detail = "fatal", str(e)
         exit_reason.write("fatal", str(e))
         raise
     except BaseException as e:  # NCCL timeout, a lost peer, ...: the launcher may requeue
@@ -492,5 +495,5 @@ def train_cli(args) -> int:
         raise
     finally:
         if trainer is not None:
-            trainer.close(reason)
+            trainer.close(reason, detail)
         D.shutdown(barrier=ok)  # after a failure a peer may be gone: no barrier, which could hang or raise
