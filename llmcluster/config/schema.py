@@ -122,6 +122,9 @@ class TrainConfig(Section):
     micro_batch: int = Field(8, ge=1)          # sequences per rank per forward
     grad_accum: int = Field(1, ge=1)           # micro-batches per optimizer step
     global_batch: int | None = Field(None, ge=1)  # if set: must equal micro_batch * grad_accum * dp
+    # A resume at another data-parallel degree keeps the checkpoint's global batch by adjusting grad_accum
+    # (train/batch.py) or is refused; true trains on at this config's global batch instead.
+    allow_batch_change: bool = False
     lr: float = Field(3e-4, ge=0)             # 0: a run that changes nothing (checks an import round trip)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(100, ge=0)

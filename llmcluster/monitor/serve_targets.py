@@ -10,7 +10,6 @@ endpoint that is not a plain http URL with a host and a numeric port is skipped 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from llmcluster.errors import UserError
+from llmcluster.launch.launcher import read_record
 
 SERVE_JOB = "llmcluster-serve"
 SERVE_LABEL = "llmcluster.io/serve"   # the pod label of a serving Deployment (its value: the job's name)
@@ -54,11 +54,8 @@ def from_records(root: Path) -> list[ServeTarget]:
     logs = root / "logs"
     found = []
     for rec_path in sorted(logs.glob("*/job.json")) if logs.is_dir() else []:
-        try:
-            rec = json.loads(rec_path.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(rec, dict) or rec.get("kind") != "serve" or rec.get("state") in ENDED:
+        rec = read_record(rec_path.parent)   # the one reader of job.json: its shape checked
+        if rec is None or rec.get("kind") != "serve" or rec.get("state") in ENDED:
             continue
         name = rec_path.parent.name
         if not _NAME.fullmatch(name):

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+FILES = ("memory.png", "cost.png", "step.png")   # what --plot DIR writes (checked before any work: paths.check_output_path)
+
 
 def plot(r: dict[str, Any], out_dir: str | Path) -> list[Path]:
     import matplotlib
@@ -29,7 +31,7 @@ def plot(r: dict[str, Any], out_dir: str | Path) -> list[Path]:
     ax.set_ylabel("GiB")
     ax.set_title(f"{name}: memory per GPU")
     ax.legend(fontsize=8)
-    mem_path = out / "memory.png"
+    mem_path = out / FILES[0]
     fig.tight_layout()
     fig.savefig(mem_path, dpi=120)
     plt.close(fig)
@@ -48,7 +50,7 @@ def plot(r: dict[str, Any], out_dir: str | Path) -> list[Path]:
     ax.set_ylabel("cumulative cost (M$)")
     ax.set_title(f"{name}: cloud vs on-premise")
     ax.legend(fontsize=8)
-    cost_path = out / "cost.png"
+    cost_path = out / FILES[1]
     fig.tight_layout()
     fig.savefig(cost_path, dpi=120)
     plt.close(fig)
@@ -70,7 +72,7 @@ def breakdown_plot(r: dict[str, Any], out: Path) -> Path:
     ax.set_ylabel("seconds")
     ax.set_title(f"{r['model']['name'] or 'model'}: where the step time goes")
     ax.legend(fontsize=8)
-    path = out / "step.png"
+    path = out / FILES[2]
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
