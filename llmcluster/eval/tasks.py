@@ -1,5 +1,5 @@
 """Which tasks an evaluation runs: the shipped local tasks (assets/eval_tasks, built by
-scripts/build_eval_tasks.py from held-out stdlib files), local task YAML files, or harness task names.
+scripts/build_eval_tasks.py from held-out stdlib files), local task YAML files (read as data: taskdata.py), or harness task names.
 
 Each shipped task is a YAML + a JSONL. The YAML names its JSONL relative to itself; the harness (through
 `datasets`) would read it relative to the working directory, so each evaluation writes the YAMLs it runs into an
@@ -14,10 +14,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from llmcluster.errors import UserError
+from llmcluster.eval import taskdata
 from llmcluster.paths import asset_dir
+from llmcluster.render import yaml_text
 
 TASKS_DIR = asset_dir("eval_tasks")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
@@ -36,12 +36,9 @@ def shipped() -> list[str]:
 
 
 def _load_yaml(path: Path, where: str) -> dict:
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:   # a `!function` tag lands here: code is not run from a task file
-        raise UserError(f"--tasks {where}: not a task YAML we can read as data ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("task"), str) or not _NAME.fullmatch(doc["task"]):
+    """A task file read as data (taskdata: allowed keys only, includes resolved here), with a task name."""
+    doc = taskdata.load(path, where)
+    if not isinstance(doc.get("task"), str):
         raise UserError(f"--tasks {where}: no `task: NAME` in it")
     return doc
 
@@ -56,15 +53,16 @@ def _shipped_task(name: str) -> Task:
         h.update(data.read_bytes())
         files[split] = str(data)
     chance = (doc.get("metadata") or {}).get("chance")
-    return Task(name, h.hexdigest(), yaml.safe_dump(doc, sort_keys=False), chance)
+    return Task(name, h.hexdigest(), yaml_text([doc], literal_blocks=False), chance)
 
 
 def _file_task(path: Path, spec: str) -> Task:
     doc = _load_yaml(path, spec)
-    # written into the include directory as read, so relative data_files resolve as the user's working
-    # directory sees them (the harness runs there)
-    return Task(doc["task"], hashlib.sha256(path.read_bytes()).hexdigest(), path.read_text(),
-                (doc.get("metadata") or {}).get("chance"))
+    # the resolved task (its includes merged, none left for the harness to follow) is what runs, so it is what
+    # the digest names; relative data_files resolve as the user's working directory sees them (the harness runs
+    # there)
+    text = yaml_text([doc], literal_blocks=False)
+    return Task(doc["task"], hashlib.sha256(text.encode()).hexdigest(), text, (doc.get("metadata") or {}).get("chance"))
 
 
 def resolve(spec: str | None) -> list[Task]:

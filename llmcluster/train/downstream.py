@@ -5,7 +5,8 @@ pod, else local). On the local scheduler the job shares the training's cores, so
 `eval.local: true`; on Slurm it is an sbatch job of its own; Kubernetes is not supported yet (said once).
 
 A submitted evaluation is pending until `logs/<run>/eval.jsonl` has a line for its step or its job has
-ended: `logs/<run>/eval/pending/step_<N>.json` records it, and checkpoint retention keeps a step whose
+ended: `logs/<run>/eval/pending/step_<N>.json` records it. Its task files are checked as data (eval/taskdata.py)
+before each submission, as `llmcluster eval` checks them again when the job runs, and checkpoint retention keeps a step whose
 evaluation is pending (`pending_steps`). No torch here.
 """
 
@@ -121,6 +122,14 @@ class Downstream:
         self.procs = [p for p in self.procs if p.poll() is None]
         self.count += 1
         if self.count % self.cfg.interval_checkpoints and not final:
+            return
+        from llmcluster.errors import UserError
+        from llmcluster.eval.tasks import resolve
+
+        try:   # task files read as data now (no harness, no torch), so a refused file costs no job
+            resolve(",".join(self.cfg.tasks) if self.cfg.tasks else None)
+        except UserError as e:
+            self.log(f"warning: eval: the evaluation of step {step} is not submitted: {e}")
             return
         argv = eval_argv(self.run, step, self.root, self.cfg.tasks)
         folder = self.logs / "eval" / PENDING
