@@ -1,0 +1,100 @@
+"""Credentials never follow a directory (issue 32, Medium #4/#5): `eval` sends its results (and with them the
+caller's tracking credentials) only to the sinks of a run.json the caller owns; a run name is never pasted into
+MLflow's search as text that could change the filter; a tracking URI carrying a credential is refused when the
+config is validated, before anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from llmcluster.train.tracking import find_mlflow_run, log_eval
+
+RECORD = {"run": "r", "step": 6, "tasks": {"t": {"metrics": {"acc": 0.5}}}}
+
+
+class Listener:
+    """A planted tracking server: counts the connections it is offered (and answers nothing)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.sock.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.count, self.stop = 0, False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while not self.stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.count += 1
+            conn.close()
+
+    def close(self):
+        self.stop = True
+        self.thread.join()
+        self.sock.close()
+
+
+def _run_json(logs: Path, run: str, log: dict) -> Path:
+    logs.mkdir(parents=True, exist_ok=True)
+    p = logs / "run.json"
+    p.write_text(json.dumps({"run": run, "config": {"log": log}}))
+    return p
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="chown to another uid needs root")
+def test_a_run_json_owned_by_someone_else_sends_nothing(tmp_path, monkeypatch):
+    planted = Listener()
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "caller-secret")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    logs = tmp_path / "logs" / "r"
+    p = _run_json(logs, "r", {"tensorboard": True, "mlflow": {"tracking_uri": planted.url, "experiment": "e"}})
+    os.chown(p, 65534, 65534)
+    said = []
+    try:
+        assert log_eval(tmp_path, logs, RECORD, say=said.append) == []
+    finally:
+        planted.close()
+    assert planted.count == 0
+    assert not (logs / "tensorboard").exists()
+    assert len(said) == 1 and "owned by uid 65534" in said[0] and str(p) in said[0]
+
+
+def test_a_linked_run_json_is_not_followed(tmp_path):
+    elsewhere = _run_json(tmp_path / "mine", "r", {"tensorboard": True})
+    logs = tmp_path / "logs" / "r"
+    logs.mkdir(parents=True)
+    (logs / "run.json").symlink_to(elsewhere)
+    said = []
+    assert log_eval(tmp_path, logs, RECORD, say=said.append) == [] and not (logs / "tensorboard").exists()
+    assert len(said) == 1 and "cannot be read" in said[0]
+
+
+def test_a_run_name_with_a_quote_does_not_reach_the_search(tmp_path):
+    """MLflow's filter grammar has no escape: `a' OR ...` would change the filter. Such a name is not one of
+    ours, is never searched, and the sinks are skipped with one line."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("e")
+    other = client.create_run(exp, tags={"llmcluster.run": "victim"})
+    hostile = "x' OR tags.`llmcluster.run` = 'victim"
+    assert find_mlflow_run(client, exp, hostile) is None
+    assert find_mlflow_run(client, exp, "victim").info.run_id == other.info.run_id
+    logs = tmp_path / "logs" / "r"
+    _run_json(logs, hostile, {"mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "e"}})
+    said = []
+    assert log_eval(tmp_path, logs, RECORD, say=said.append) == []
+    assert len(said) == 1 and "not a run name" in said[0]
+    assert client.get_metric_history(other.info.run_id, "eval/t/acc") == []
