@@ -98,3 +98,33 @@ def test_a_run_name_with_a_quote_does_not_reach_the_search(tmp_path):
     assert log_eval(tmp_path, logs, RECORD, say=said.append) == []
     assert len(said) == 1 and "not a run name" in said[0]
     assert client.get_metric_history(other.info.run_id, "eval/t/acc") == []
+
+
+@pytest.mark.parametrize("uri,named", [
+    ("  http://u:pw-secret@mlflow:5000/", "user:password@"),          # leading blanks hid it from a regex
+    ("\thttps://u:pw-secret@mlflow/", "user:password@"),
+    ("postgresql://db/mlflow?password=pw-secret", "'password'"),
+    ("http://mlflow/?sslmode=require&API_KEY=pw-secret", "'API_KEY'"),
+    ("https://mlflow/?X-Amz-Signature=pw-secret", "'X-Amz-Signature'"),
+])
+def test_a_tracking_uri_with_a_credential_is_refused_naming_secret_env(capsys, tmp_path, uri, named):
+    """Refused when the config is validated (before run.json, the launch directory or a sink is written),
+    naming job.secret_env (job.env refuses secret names) and never echoing the secret."""
+    from conftest import assert_one_line_error, cli_inprocess
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(json.dumps({"run": {"name": "cred"}, "log": {"mlflow": {"tracking_uri": uri}}}))
+    proc = cli_inprocess(capsys, "train", "-c", str(cfg), "--root", tmp_path / "storage")
+    assert_one_line_error(proc, "log.mlflow.tracking_uri", named, "job.secret_env")
+    assert "pw-secret" not in proc.stderr + proc.stdout
+    assert "job.env " not in proc.stderr and not (tmp_path / "storage").exists()
+
+
+def test_a_plain_tracking_uri_is_kept_stripped():
+    from llmcluster.config import load_job_config
+    from llmcluster.config.schema import MlflowConfig
+
+    assert MlflowConfig(tracking_uri="  http://mlflow:5000/?sslmode=require ").tracking_uri == \
+        "http://mlflow:5000/?sslmode=require"
+    assert load_job_config(None, ["log.mlflow.tracking_uri=sqlite:////tmp/m.db"]).log.mlflow.tracking_uri == \
+        "sqlite:////tmp/m.db"
