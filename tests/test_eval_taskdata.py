@@ -127,3 +127,18 @@ def test_an_included_task_of_allowed_keys_runs_through_the_real_harness(capsys, 
     assert proc.returncode == 0, proc.stderr
     rec = json.loads((tmp_path / "storage" / "logs" / model.name / "eval.jsonl").read_text().splitlines()[-1])
     assert rec["tasks"]["t_ok_inc"]["n"] == 2 and rec["tasks"]["t_ok_inc"]["metrics"]["perplexity"] > 1
+
+
+@pytest.mark.lmeval
+@pytest.mark.timeout(900)
+def test_an_unknown_harness_task_is_one_line_before_anything_starts(capsys, tmp_path):
+    """Checked against the harness's own index (cached per install): exit 2 naming it, before the model is even
+    looked for; a name it knows passes the check (and the missing model is what is said then)."""
+    import time
+
+    args = ["eval", "--model", "nope", "--root", tmp_path, "--tasks"]
+    assert_one_line_error(cli_inprocess(capsys, *args, "llmc_stdlib_mc,no_such_task_xyz"), "no_such_task_xyz",
+                          "not a shipped task")
+    t0 = time.monotonic()
+    assert_one_line_error(cli_inprocess(capsys, *args, "arc_easy"), "no exported model")
+    assert time.monotonic() - t0 < 30   # the index is read from its cache: no harness start-up

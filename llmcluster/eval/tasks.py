@@ -95,3 +95,55 @@ def write_include_dir(tasks: list[Task], folder: Path) -> Path:
         if t.yaml_text is not None:
             (folder / f"{t.name}.yaml").write_text(t.yaml_text)
     return folder
+
+
+# The harness's own task index (its TaskIndex over the YAML in its package: tasks, groups and tags), built once
+# per lm_eval install (~10 s on a loaded 2-core machine) and cached per user, so an unknown name is one line at
+# once instead of an exit 1 after the harness's start-up.
+_INDEX = """import json, pathlib, lm_eval.tasks as t
+from lm_eval.tasks._index import TaskIndex
+print(json.dumps(sorted(TaskIndex.build([pathlib.Path(t.__file__).parent]))))"""
+_WHICH = """import importlib.metadata as m, importlib.util as u
+print(m.version('lm_eval')); print(u.find_spec('lm_eval').submodule_search_locations[0])"""
+
+
+def harness_task_names(python: str) -> set[str] | None:
+    """The names the harness's registry knows, or None when they cannot be read (the harness then says)."""
+    import json
+    import os
+    import subprocess
+
+    from llmcluster.eval.harness import offline_env
+
+    try:
+        which = subprocess.run([python, "-c", _WHICH], capture_output=True, text=True, timeout=60,
+                               env=offline_env()).stdout.split("\n")
+        key = hashlib.sha256("\0".join([python, *which[:2]]).encode()).hexdigest()[:16]
+        cache = Path(os.environ.get("LLMCLUSTER_CACHE") or Path.home() / ".cache" / "llmcluster")
+        path = cache / f"lmeval-tasks-{key}.json"
+        try:
+            names = json.loads(path.read_text())
+            if isinstance(names, list) and names and all(isinstance(n, str) for n in names):
+                return set(names)
+        except (OSError, ValueError):
+            pass
+        built = subprocess.run([python, "-c", _INDEX], capture_output=True, text=True, timeout=600,
+                               env=offline_env())
+        names = json.loads(built.stdout.strip().splitlines()[-1])
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(names))
+        os.replace(tmp, path)
+        return set(names)
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def check_harness_tasks(tasks: list[Task], python: str) -> None:
+    """Each harness task name (not shipped, not a file) is one the harness knows, or one line now."""
+    asked = [t.name for t in tasks if t.yaml_text is None]
+    known = harness_task_names(python) if asked else None
+    unknown = [n for n in asked if known is not None and n not in known]
+    if unknown:
+        raise UserError(f"--tasks {', '.join(unknown)}: not a shipped task ({', '.join(shipped())}), a task file "
+                        f"or one of the harness's {len(known)} tasks, groups and tags (`lm_eval ls tasks`)")
