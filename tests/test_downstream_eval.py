@@ -112,3 +112,41 @@ def test_retention_keeps_a_checkpoint_with_a_pending_evaluation(tmp_path):
 def test_bad_task_names_are_one_line(tmp_path):
     p = run_cli("train", "-c", "llm_tiny", "--root", tmp_path, "--set", "eval.tasks=[--output, x]")
     assert_one_line_error(p, "eval.tasks")
+
+
+def test_the_slurm_job_is_rendered_through_the_boundary(tmp_path, monkeypatch):
+    """render_sbatch/sbatch_argv (pure) are what the Slurm submission writes and runs: a fake sbatch on PATH
+    records its argv; the script's comment cannot be ended by a run name, the command parses back as argv."""
+    import os
+    import shlex
+
+    from llmcluster.errors import UserError
+
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/bash\nprintf '%s\\n' \"$@\" > {tmp_path / 'args'}\necho 4242\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    logs = tmp_path / "lo%gs" / "r"
+    d = Downstream(cfg("eval.tasks=[arc_easy]"), tmp_path, logs, True, log=lambda s: None,
+                   environ={"SLURM_JOB_ID": "1"})
+    d.checkpointed(10, True)
+    script = logs / "eval" / "job-step_10.sh"
+    args = (tmp_path / "args").read_text().splitlines()
+    assert ["sbatch", *args] == downstream.sbatch_argv("r", 10, logs / "eval" / "job-step_10.log", script)
+    assert args[1] == "--job-name=r-eval-10" and args[2] == f"--output={tmp_path}/lo%%gs/r/eval/job-step_10.log"
+    argv = downstream.eval_argv("r", 10, tmp_path, ["arc_easy"])
+    assert script.read_text() == downstream.render_sbatch("r", 10, argv)
+    assert json.loads((logs / "eval" / "pending" / "step_10.json").read_text())["job_id"] == "4242"
+
+    hostile = "r\nid > PWNED\n#\u2028x"
+    word = "$(touch PWNED) `id` 'q\" {{ x }} %s --x"
+    text = downstream.render_sbatch(hostile, 10, [*argv, word])
+    lines = text.splitlines()
+    assert len(lines) == 3 and lines[1].startswith("# llmcluster: downstream evaluation of r\\nid")
+    assert shlex.split(lines[2]) == ["exec", *argv, word]
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    with pytest.raises(UserError, match="line break"):   # an argument cannot hold a line break at all
+        downstream.render_sbatch("r", 10, [*argv, hostile])
+    with pytest.raises(UserError, match="#SBATCH"):
+        downstream.sbatch_argv(hostile, 10, logs / "x.log", script)
