@@ -7,43 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import threading
 from pathlib import Path
 
 import pytest
 
 from llmcluster.train.tracking import find_mlflow_run, log_eval
+from test_eval import CountingListener   # a planted tracking server: counts the connections it is offered
 
 RECORD = {"run": "r", "step": 6, "tasks": {"t": {"metrics": {"acc": 0.5}}}}
-
-
-class Listener:
-    """A planted tracking server: counts the connections it is offered (and answers nothing)."""
-
-    def __init__(self):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.sock.settimeout(0.2)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.count, self.stop = 0, False
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self):
-        while not self.stop:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.count += 1
-            conn.close()
-
-    def close(self):
-        self.stop = True
-        self.thread.join()
-        self.sock.close()
 
 
 def _run_json(logs: Path, run: str, log: dict) -> Path:
@@ -55,7 +26,7 @@ def _run_json(logs: Path, run: str, log: dict) -> Path:
 
 @pytest.mark.skipif(os.getuid() != 0, reason="chown to another uid needs root")
 def test_a_run_json_owned_by_someone_else_sends_nothing(tmp_path, monkeypatch):
-    planted = Listener()
+    planted = CountingListener()
     monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "caller-secret")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     logs = tmp_path / "logs" / "r"
@@ -65,7 +36,7 @@ def test_a_run_json_owned_by_someone_else_sends_nothing(tmp_path, monkeypatch):
     try:
         assert log_eval(tmp_path, logs, RECORD, say=said.append) == []
     finally:
-        planted.close()
+        planted.sock.close()
     assert planted.count == 0
     assert not (logs / "tensorboard").exists()
     assert len(said) == 1 and "owned by uid 65534" in said[0] and str(p) in said[0]
