@@ -55,3 +55,17 @@ def test_the_table_shows_a_95_percent_interval_and_the_plot_error_bars(capsys, t
     assert out.returncode == 0, out.stderr
     assert "0.4000 ± 0.0980" in out.stdout and "95% confidence" in out.stdout   # 1.96 × 0.05
     assert (tmp_path / "plots" / "eval_compare.png").stat().st_size > 1000
+
+
+def test_a_plot_path_that_is_not_a_directory_is_one_line_before_work(capsys, tmp_path):
+    from conftest import assert_one_line_error
+
+    _log(tmp_path, [json.dumps(GOOD)])
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    (tmp_path / "d" / "eval_compare.png").mkdir(parents=True)
+    for plot, needle in ((a_file, "not a directory"), (a_file / "sub", "cannot make"),
+                         (tmp_path / "d", "is a directory")):
+        assert_one_line_error(cli_inprocess(capsys, "eval", "--compare", "r", "--root", tmp_path, "--plot", plot),
+                              "--plot", needle)
+    assert a_file.read_text() == "mine"
