@@ -221,12 +221,40 @@ class MlflowConfig(Section):
     @field_validator("tracking_uri")
     @classmethod
     def _no_credentials(cls, v: str | None) -> str | None:
-        # The config is copied into the launch directory, run.json and every sink: no secret may be in it.
-        if v is not None and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/@]*@.*", v, re.DOTALL):
-            raise ValueError("log.mlflow.tracking_uri must not carry credentials (user:password@): set "
-                             "MLFLOW_TRACKING_USERNAME and "
-                             "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in job.env instead")
-        return v
+        # The config is copied into the launch directory, run.json, train_state.json and every sink: no secret
+        # may be in it. Parsed as MLflow parses it (after strip), so leading blanks do not hide a user:pass@.
+        if v is None:
+            return None
+        where = uri_credential(v)
+        if where:
+            raise ValueError(f"log.mlflow.tracking_uri must not carry credentials ({where}): pass them through "
+                             "job.secret_env (MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
+                             "MLFLOW_TRACKING_TOKEN; a database store: its driver's variable, e.g. PGPASSWORD), "
+                             "taken from the submitting environment and never written to a file")
+        return v.strip()
+
+
+# query keys that carry a secret: whole words of the key (api_key, X-Amz-Signature, sslpassword), any case
+_SECRET_QUERY = re.compile(r"(?:^|[^a-z])(?:password|passwd|pwd|pass|token|secret|key|apikey|accesskey|auth|"
+                           r"authorization|credentials?|sig|signature|sas)(?:$|[^a-z])|password|secret|token",
+                           re.ASCII)
+
+
+def uri_credential(uri: str) -> str | None:
+    """What in a URI is a credential (userinfo, or a query key such as password=), named without its value;
+    None when there is none. An unparsable URI is not one: whatever reads it refuses it later."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    try:
+        parts = urlsplit(uri.strip())
+    except ValueError:
+        return None
+    if "@" in parts.netloc:
+        return "user:password@"
+    for key, _ in parse_qsl(parts.query, keep_blank_values=True):
+        if _SECRET_QUERY.search(key.lower()):
+            return f"the query key {key[:40]!r}"
+    return None
 
 
 class LogConfig(Section):
