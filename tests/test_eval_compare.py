@@ -64,7 +64,7 @@ def test_a_plot_path_that_is_not_a_directory_is_one_line_before_work(capsys, tmp
     a_file = tmp_path / "a_file"
     a_file.write_text("mine")
     (tmp_path / "d" / "eval_compare.png").mkdir(parents=True)
-    for plot, needle in ((a_file, "not a directory"), (a_file / "sub", "cannot make"),
+    for plot, needle in ((a_file, "not a directory"), (a_file / "sub", "no such directory"),
                          (tmp_path / "d", "is a directory")):
         assert_one_line_error(cli_inprocess(capsys, "eval", "--compare", "r", "--root", tmp_path, "--plot", plot),
                               "--plot", needle)

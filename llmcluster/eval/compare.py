@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -152,6 +151,7 @@ def plot(recs: list[dict], out_dir: Path) -> Path:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(exist_ok=True)
     path = out_dir / "eval_compare.png"
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -159,26 +159,12 @@ def plot(recs: list[dict], out_dir: Path) -> Path:
     return path
 
 
-def _plot_dir(d: Path) -> Path:
-    """--plot DIR: a directory we can write eval_compare.png into (made if missing), or one line."""
-    if d.exists() and not d.is_dir():
-        raise UserError(f"--plot {d}: exists and is not a directory (give a directory for eval_compare.png)")
-    if (d / "eval_compare.png").is_dir():
-        raise UserError(f"--plot {d}: {d / 'eval_compare.png'} is a directory")
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--plot {d}: cannot make the directory ({e.strerror or e})") from None
-    if not os.access(d, os.W_OK):
-        raise UserError(f"--plot {d}: not writable")
-    return d
-
-
 def compare_cli(root: str | None, specs: list[str], as_json: bool = False, plot_dir: str | None = None) -> int:
     from llmcluster.console import console
-    from llmcluster.paths import resolve_storage_root
+    from llmcluster.paths import check_output_path, resolve_storage_root
 
-    out_dir = _plot_dir(Path(plot_dir)) if plot_dir else None   # before any work (issue 34 item 5)
+    # before any work (issue 34 item 5): the one output-path check every --plot and --textfile goes through
+    out_dir = check_output_path(plot_dir, "--plot", inside=("eval_compare.png",)) if plot_dir else None
     recs = rows(resolve_storage_root(root), specs)
     written = plot(recs, out_dir) if out_dir else None
     if as_json:
