@@ -179,3 +179,54 @@ def test_the_engine_is_the_python_of_a_vllm_command_on_path(tmp_path, monkeypatc
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
     found = find_engine(None, environ={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert found.python == str(python) and found.cpu and found.version == "0.32.0"
+
+
+def serve_job(root: Path, served: str = "m", scheduler: str = "local", name: str = "serve-m", port: int = 8000,
+              cpu: bool = True):
+    """A ServeJob for the renderers without an engine or weights: a preset's shapes, a stand-in python."""
+    from llmcluster.serve import engine as eng
+    from llmcluster.serve.model import from_preset
+    from llmcluster.serve.start import ServeJob
+
+    target = eng.Target(from_preset("llm_tiny"), root / "models" / served, served)
+    return ServeJob(name, scheduler, root, eng.Engine("/usr/bin/python3", "0", cpu=cpu),
+                    target, eng.Sizing(1, "float32", 64, 4), "127.0.0.1", port, 1)
+
+
+HOSTILE_DIR = "m\nid > PWNED\n#"
+
+
+@pytest.mark.parametrize("scheduler", ["local", "slurm"])
+def test_an_export_named_with_a_line_break_runs_nothing(hf_root, tmp_path, scheduler):
+    """Issue 32 High #1: the export directory's name is the served model name; a newline in it must not become a
+    command of the rendered script (dry run and the real script run by bash alike)."""
+    import shutil
+
+    export = tmp_path / HOSTILE_DIR
+    shutil.copytree(hf_root / "models" / "hfx", export)
+    fake = engine(tmp_path, cpu=False)
+    args = ["serve", "start", "--model", export, "--root", hf_root, "--scheduler", scheduler, "--name", "pwn",
+            "--engine-python", fake, "--cluster", "rtx4090-box"]
+    p = run_cli(*args, "--dry-run", cwd=tmp_path)
+    if p.returncode == 0:      # rendered: run it as the job would (its commands fail harmlessly without a node)
+        (tmp_path / "script.sh").write_text(p.stdout)
+        subprocess.run(["bash", str(tmp_path / "script.sh")], cwd=tmp_path, capture_output=True, timeout=30)
+    assert not (tmp_path / "PWNED").exists()
+    assert_one_line_error(p, "line break or control character")
+    s = run_cli(*args, "--timeout", "5", cwd=tmp_path)
+    assert_one_line_error(s, "line break or control character")
+    assert not (tmp_path / "PWNED").exists() and not (hf_root / "logs" / "pwn").exists()
+
+
+def test_rendered_comments_escape_and_sbatch_lines_come_first(tmp_path):
+    """A served name the comment must hold (a control character that reached the renderer) stays in its comment:
+    bash parses both scripts, and every #SBATCH line precedes the first command."""
+    from llmcluster.serve.start import render_local, render_slurm
+
+    job = serve_job(tmp_path, served="m\x1b[2Jx")
+    for text in (render_local(job), render_slurm(job, "10", None)):
+        assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+        lines = text.splitlines()
+        assert all(ln.isascii() and ln.isprintable() for ln in lines if ln.startswith("#"))
+        first_cmd = next(i for i, ln in enumerate(lines) if ln.strip() and not ln.startswith("#"))
+        assert all(i < first_cmd for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))

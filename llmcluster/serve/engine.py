@@ -17,6 +17,7 @@ from pathlib import Path
 
 from llmcluster.config.serve import ServeConfig
 from llmcluster.errors import UserError
+from llmcluster.render import has_line_break
 from llmcluster.serve.engine_check import CPU_HEAD_DIMS
 from llmcluster.serve.model import ServedModel, from_directory
 
@@ -128,6 +129,7 @@ def resolve_target(ref: str, root: str | None, config_root: str | None) -> Targe
             raise UserError(f"--model {ref}: not a model directory, nor an exported run ({path} does not exist: "
                             f"`llmcluster export --run {ref}`)")
     path = path.resolve()
+    served_name(path.name)
     model = from_directory(path)          # config.json checked here: one line when missing
     if not any(path.glob("*.safetensors")):
         raise UserError(f"{path}: no *.safetensors weights (config.json alone can be planned, not served)")
@@ -142,7 +144,18 @@ def resolve_target(ref: str, root: str | None, config_root: str | None) -> Targe
     if not (base / "config.json").is_file():
         raise UserError(f"{cfg_file}: its base model {base} is not a model directory here (serve the merged "
                         f"export instead: copy it without adapter/)")
+    served_name(base.name)       # the base is served under its own name
     return Target(from_directory(base), base, path.name, path / "adapter", rank)
+
+
+def served_name(name: str) -> str:
+    """The export directory's name is the name requests give (vLLM's --served-model-name, a label, a comment of the
+    rendered script): a line break, NUL or other control character in it has no use and could end a line of what
+    is rendered (issue 32), so it is refused here, in one line, before anything is rendered."""
+    if has_line_break(name) or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise UserError(f"--model: the export directory's name {name!r} is the served model name and holds a line "
+                        "break or control character: rename the directory")
+    return name
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from llmcluster.launch.launcher import UMASK, _write_once, read_record, write_re
 from llmcluster.launch.scheduler import ACTIVE_STATES, get
 from llmcluster.launch.spec import next_launch_id
 from llmcluster.serve import engine as eng
-from llmcluster.render import directive_value, line_text, shell_join, shell_word
+from llmcluster.render import comment_text, directive_value, line_text, shell_join, shell_word
 from llmcluster.serve.engine_check import engine_warnings
 
 ENDPOINT = "endpoint-{job}"        # a Slurm job writes its URL here once /health answers
@@ -71,7 +71,8 @@ def free_port(host: str) -> int:
 # -- local: a detached process ------------------------------------------------------------------------------------
 
 def render_local(job: ServeJob) -> str:
-    lines = ["#!/bin/bash", f"# llmcluster serve start: {job.served} as job {job.name} on this machine",
+    lines = ["#!/bin/bash", f"# llmcluster serve start: {comment_text(job.served)} as job {comment_text(job.name)} "
+             "on this machine",
              "set -euo pipefail", "umask 027"]
     lines += [f"export {k}={shell_word(v)}" for k, v in eng.environment(job.engine).items()]
     lines.append("exec " + shell_join(job.argv()))
@@ -99,7 +100,7 @@ def render_slurm(job: ServeJob, time_limit: str | None, partition: str | None) -
     from llmcluster.launch.slurm import FREE_PORT
 
     logs, py = str(job.logs), job.engine.python
-    head = ["#!/bin/bash", f"# llmcluster serve start: {job.served} as job {job.name}",
+    head = ["#!/bin/bash", f"# llmcluster serve start: {comment_text(job.served)} as job {comment_text(job.name)}",
             f"#SBATCH --job-name={directive_value(job.name, 'job name')}", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
             f"#SBATCH --output={directive_value(logs, 'log directory')}/slurm-%j.out"]
     if not job.engine.cpu:
