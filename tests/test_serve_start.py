@@ -283,3 +283,104 @@ def test_rendered_comments_escape_and_sbatch_lines_come_first(tmp_path):
         first_cmd = next(i for i, ln in enumerate(lines) if ln.strip() and not ln.startswith("#"))
         assert all(i < first_cmd for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
 
+
+def test_an_export_named_port_gets_the_nodes_port(hf_root, tmp_path):
+    """Issue 32 (low): the Slurm script's port is the shell's $port, whatever the export is called."""
+    import shutil
+
+    shutil.copytree(hf_root / "models" / "hfx", tmp_path / "PORT")
+    p = run_cli("serve", "start", "--model", tmp_path / "PORT", "--root", hf_root, "--scheduler", "slurm",
+                "--engine-python", engine(tmp_path, cpu=False), "--cluster", "rtx4090-box", "--dry-run", check=True)
+    server = next(ln for ln in p.stdout.splitlines() if "vllm.entrypoints.openai.api_server" in ln)
+    assert " --served-model-name PORT " in server and ' --port "$port" ' in server, server
+    assert subprocess.run(["bash", "-n"], input=p.stdout, text=True).returncode == 0
+
+
+def test_a_relative_lora_base_is_relative_to_the_adapter(hf_root, tmp_path):
+    """Issue 32 (low): adapter_config.json's relative base_model_name_or_path resolves against the adapter's
+    directory, not against the directory `serve start` runs in."""
+    import shutil
+
+    shutil.copytree(hf_root / "models" / "hfx", tmp_path / "base")
+    export = tmp_path / "runs" / "tuned"
+    shutil.copytree(hf_root / "models" / "hfx", export)
+    (export / "adapter").mkdir()
+    (export / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "../../../base",
+                                                                         "r": 4}))
+    (tmp_path / "elsewhere").mkdir()
+    p = run_cli("serve", "start", "--model", export, "--root", hf_root, "--engine-python", engine(tmp_path, cpu=False),
+                "--cluster", "rtx4090-box", "--dry-run", cwd=tmp_path / "elsewhere", check=True)
+    server = next(ln for ln in p.stdout.splitlines() if "vllm.entrypoints.openai.api_server" in ln)
+    assert f" --model {tmp_path / 'base'} " in server and f"tuned={export / 'adapter'}" in server, server
+
+
+@pytest.mark.parametrize("flag,value", [("--port", "0"), ("--port", "99999"), ("--timeout", "-5"),
+                                        ("--timeout", "0"), ("--timeout", "nan")])
+def test_port_and_timeout_are_checked_before_launching(hf_root, tmp_path, flag, value):
+    """Issue 34 item 6: one line, exit 2, no record and no process (the stand-in engine would otherwise run)."""
+    p = run_cli("serve", "start", "--model", "hfx", "--root", hf_root, "--name", "bad-flags", "--engine-python",
+                engine(tmp_path, cpu=False), "--cluster", "rtx4090-box", flag, value)
+    assert_one_line_error(p, flag)
+    assert not (hf_root / "logs" / "bad-flags").exists()
+
+
+def fake_server(tmp_path: Path, port: int, own_group: bool, ignore_term: bool = False) -> subprocess.Popen:
+    """A process `jobs` takes for a local serving job's vLLM (its module and --port on its command line) that takes
+    2 s to stop after SIGTERM (or ignores it)."""
+    code = ("import signal, sys, time\n"
+            f"signal.signal(signal.SIGTERM, {'signal.SIG_IGN' if ignore_term else 'lambda *a: (time.sleep(2), sys.exit(0))'})\n"
+            "print('up', flush=True)\n"
+            "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, "vllm.entrypoints.openai.api_server", "--port", str(port)],
+                            stdout=subprocess.PIPE, start_new_session=own_group)
+    assert proc.stdout.readline() == b"up\n"
+    logs = tmp_path / "root" / "logs" / "srv"
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / "job.json").write_text(json.dumps({"run": "srv", "kind": "serve", "scheduler": "local", "pid": proc.pid,
+                                               "job_id": f"local-{proc.pid}", "port": port, "state": "RUNNING"}))
+    return proc
+
+
+def test_cancel_waits_for_the_server_to_be_gone(tmp_path, capsys):
+    from conftest import cli_inprocess
+
+    proc = fake_server(tmp_path, 18123, own_group=True)
+    try:
+        p = cli_inprocess(capsys, "jobs", "cancel", "srv", "--root", tmp_path / "root")
+        assert p.returncode == 0 and p.stdout.startswith("cancelled srv"), p
+        assert "stopping srv" in p.stderr
+        assert proc.poll() is not None or proc.wait(timeout=1) is not None    # gone before CANCELLED was said
+        rec = json.loads((tmp_path / "root" / "logs" / "srv" / "job.json").read_text())
+        assert rec["state"] == "CANCELLED"
+    finally:
+        proc.kill()
+
+
+def test_cancel_says_still_stopping_then_status_says_cancelled(tmp_path, capsys, monkeypatch):
+    from conftest import cli_inprocess
+    from llmcluster.launch import local
+
+    monkeypatch.setattr(local, "CANCEL_WAIT_S", 1)
+    proc = fake_server(tmp_path, 18124, own_group=True, ignore_term=True)
+    try:
+        p = cli_inprocess(capsys, "jobs", "cancel", "srv", "--root", tmp_path / "root")
+        assert p.returncode == 0 and "still stopping after 1 s" in p.stdout, p
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+    st = cli_inprocess(capsys, "jobs", "status", "srv", "--root", tmp_path / "root", "--json")
+    assert json.loads(st.stdout)["state"] == "CANCELLED"
+
+
+def test_cancel_of_a_pid_that_leads_no_group_is_one_line(tmp_path):
+    """Issue 32 (low): a live pid that matches the record but is not a group leader (not a process we started in
+    a session of its own) is not signalled, and said in one line (was a ProcessLookupError traceback)."""
+    proc = fake_server(tmp_path, 18125, own_group=False)
+    try:
+        p = run_cli("jobs", "cancel", "srv", "--root", tmp_path / "root")
+        assert_one_line_error(p, "does not lead its process group")
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()

@@ -141,6 +141,8 @@ def resolve_target(ref: str, root: str | None, config_root: str | None) -> Targe
         base, rank = Path(str(ad["base_model_name_or_path"])), int(ad["r"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{cfg_file}: not a PEFT adapter config ({type(e).__name__}: {e})") from None
+    # a relative base is relative to the adapter (an export moved with its base beside it), not to where we run
+    base = (cfg_file.parent / base).resolve()
     if not (base / "config.json").is_file():
         raise UserError(f"{cfg_file}: its base model {base} is not a model directory here (serve the merged "
                         f"export instead: copy it without adapter/)")
@@ -213,7 +215,7 @@ def argv(engine: Engine, target: Target, s: Sizing, served: str, host: str, port
     sampling defaults older exports carry are warned about before launch: engine_check)."""
     out = [engine.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target.directory),
            "--served-model-name", served if target.adapter is None else target.model.name,
-           "--host", host, "--port", str(port), "--tensor-parallel-size", str(s.tp), "--dtype", s.dtype,
+           "--host", host, "--port", port if isinstance(port, str) else str(port), "--tensor-parallel-size", str(s.tp), "--dtype", s.dtype,
            "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs), *s.extra]
     if target.adapter is not None:
         out += ["--enable-lora", "--lora-modules", f"{served}={target.adapter}"]

@@ -26,7 +26,7 @@ from llmcluster.launch.scheduler import ACTIVE_STATES, get
 from llmcluster.launch.spec import next_launch_id
 from llmcluster.serve import auth
 from llmcluster.serve import engine as eng
-from llmcluster.render import comment_text, directive_value, line_text, shell_join, shell_word
+from llmcluster.render import ShellVar, comment_text, directive_value, line_text, shell_join, shell_word
 from llmcluster.serve.engine_check import engine_warnings
 
 ENDPOINT = "endpoint-{job}"        # a Slurm job writes its URL here once /health answers
@@ -127,8 +127,8 @@ def render_slurm(job: ServeJob, time_limit: str | None, partition: str | None) -
     head += ["", "set -uo pipefail", "umask 027"]
     head += [f"export {k}={shell_word(v)}" for k, v in eng.environment(job.engine).items()]
     head += key_lines(job, "{ echo \"[llmcluster] cannot read the API key file\" >&2; exit 1; }")
-    argv = job.argv(host="0.0.0.0", port="PORT")
-    server = shell_join(argv[:argv.index("PORT")]) + ' "$port" ' + shell_join(argv[argv.index("PORT") + 1:])
+    # the port is the batch shell's $port, found free on the node at run time
+    server = shell_join(job.argv(host="0.0.0.0", port=ShellVar("$port")))
     body = [
         "# the node's address as Slurm knows it (a node name need not resolve), a port free on it",
         'addr=$(scontrol show node -o "$SLURMD_NODENAME" | tr " " "\\n" | sed -n "s/^NodeAddr=//p")',
@@ -304,6 +304,12 @@ def build(args, cfg, root: Path):
     from llmcluster.config.cluster_load import load_cluster
     from llmcluster.storage.layout import check_run_name
 
+    # before anything is launched: a server on a port that cannot exist, or a wait that ends before it begins,
+    # would be left running (or LOST) by a start that reports failure
+    if args.port is not None and not 1 <= args.port <= 65535:
+        raise UserError(f"--port {args.port}: expected 1..65535")
+    if not 0 < args.timeout < float("inf"):
+        raise UserError(f"--timeout {args.timeout:g}: expected a positive number of seconds")
     cluster = load_cluster(args.cluster).spec
     target = eng.resolve_target(args.model, args.root, cfg.run.storage)
     if args.scheduler == "k8s":   # the image's python, not one on this host
