@@ -73,3 +73,10 @@ def test_the_harness_gets_the_key_in_its_environment_only(tmp_path):
         del os.environ["ENV_DUMP"]
     assert "OPENAI_API_KEY=s3cret-key" in (tmp_path / "env").read_text().splitlines()
     assert "s3cret" not in (tmp_path / "env.argv").read_text() + (tmp_path / "log").read_text()
+
+
+def test_eval_api_key_file_goes_with_endpoint(capsys, tmp_path):
+    from conftest import assert_one_line_error, cli_inprocess
+
+    p = cli_inprocess(capsys, "eval", "--model", "x", "--api-key-file", tmp_path / "k", "--root", tmp_path)
+    assert_one_line_error(p, "--api-key-file goes with --endpoint")

@@ -44,4 +44,5 @@ def run(args) -> int:
     from llmcluster.eval.evaluate import eval_cli
 
     return eval_cli(args.root, model=args.model, step=args.step, endpoint=args.endpoint, name=args.name,
-                    api_key_file=args.api_key_file, tasks=args.tasks, batch_size=args.batch_size, limit=args.limit, as_json=args.json)
+                    api_key_file=args.api_key_file, tasks=args.tasks, batch_size=args.batch_size, limit=args.limit,
+                    as_json=args.json)
