@@ -188,7 +188,8 @@ def vllm_server(tmp_path_factory):
                              f"{(root / 'logs' / VLLM_JOB / 'server.log').read_text()[-4000:]}")
     url = next(ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("endpoint "))
     print(f"vLLM started and answered in {took:.0f} s", file=sys.stderr)
+    key = (root / "logs" / VLLM_JOB / "api_key").read_text().strip()    # serve start's key (issue 32)
     yield SimpleNamespace(base_url=url, model=VLLM_BASE, lora=VLLM_LORA, export_dir=export,
                           lora_dir=root / "models" / VLLM_LORA, root=root, name=VLLM_JOB, python=python,
-                          start=p, startup_s=took)
+                          start=p, startup_s=took, key=key, headers={"Authorization": f"Bearer {key}"})
     run_cli("jobs", "cancel", VLLM_JOB, "--root", root)

@@ -95,6 +95,6 @@ def logs(root: Path, run: str, follow: bool = False) -> int:
 
 def cancel(root: Path, run: str) -> int:
     logdir, rec = _record(root, run)
-    get(rec["scheduler"]).cancel(logdir, rec)
-    print(f"cancelled {run} ({rec['scheduler']} job {rec.get('job_id')})")
+    still = get(rec["scheduler"]).cancel(logdir, rec)    # a line when the job is still stopping
+    print(still or f"cancelled {run} ({rec['scheduler']} job {rec.get('job_id')})")
     return 0

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from llmcluster.errors import UserError
@@ -20,6 +21,7 @@ from llmcluster.render import shell_join
 
 SERVER_MODULE = b"vllm.entrypoints.openai.api_server"   # a serving job's process (serve/start.py)
 SERVER_LOG = "server.log"
+CANCEL_WAIT_S = 90     # vLLM takes up to a minute to shut down: `jobs cancel` waits that long before it says CANCELLED
 
 
 def missing_secrets(spec: LaunchSpec) -> list[str]:
@@ -90,6 +92,8 @@ class Local(Scheduler):
 
     def state(self, logs: Path, rec: dict) -> dict:
         if rec.get("state") == "RUNNING":
+            if self._alive(logs, rec) is None and rec.get("cancel_requested"):
+                return {"state": "CANCELLED"}
             if self._alive(logs, rec) is None:
                 gone = "the server is gone (its log says why)" if rec.get("kind") == "serve" else \
                     "the launcher is gone without recording an exit code"
@@ -103,13 +107,35 @@ class Local(Scheduler):
         # torchrun --log-dir: ranks/<id>/attempt_<n>/<local rank>/{stdout,stderr}.log
         return sorted((logs / "ranks").glob("*/attempt_*/*/std*.log"))
 
-    def cancel(self, logs: Path, rec: dict) -> None:
+    def cancel(self, logs: Path, rec: dict) -> str | None:
+        """SIGTERM to the job's process group. A serving job (no foreground launcher records its end) is waited
+        for, up to CANCEL_WAIT_S, and recorded CANCELLED once gone; the line to print when it is not yet."""
         pid = self._alive(logs, rec)
+        what = "vLLM server" if rec.get("kind") == "serve" else "torchrun"
         if pid is None:
-            what = "vLLM server" if rec.get("kind") == "serve" else "torchrun"
             raise UserError(f"{rec['run']} is not running (no live {what} of it)")
-        os.killpg(pid, signal.SIGTERM)  # torchrun forwards it (the ranks checkpoint); vLLM shuts down
-        if rec.get("kind") == "serve":  # no foreground launcher records a server's end: this is it
-            from llmcluster.launch.launcher import write_record
+        try:
+            leader = os.getpgid(pid) == pid
+        except ProcessLookupError:
+            raise UserError(f"{rec['run']} is not running (its {what} just ended)") from None
+        if not leader:   # we start ours in a session of their own: a pid that leads no group is not one we started
+            raise UserError(f"{rec['run']}: pid {pid} is alive but does not lead its process group, so it is not "
+                            f"the {what} llmcluster started; nothing signalled")
+        try:
+            os.killpg(pid, signal.SIGTERM)  # torchrun forwards it (the ranks checkpoint); vLLM shuts down
+        except ProcessLookupError:
+            pass
+        if rec.get("kind") != "serve":
+            return None
+        from llmcluster.launch.launcher import write_record
 
-            write_record(logs, {**rec, "state": "CANCELLED"})
+        write_record(logs, {**rec, "cancel_requested": True})
+        print(f"stopping {rec['run']} (vLLM pid {pid}; up to {CANCEL_WAIT_S} s)", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while self._alive(logs, rec) is not None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if self._alive(logs, rec) is not None:
+            return (f"{rec['run']} is still stopping after {CANCEL_WAIT_S} s (vLLM pid {pid}); "
+                    f"`llmcluster jobs status {rec['run']}` says CANCELLED once it is gone")
+        write_record(logs, {**rec, "state": "CANCELLED"})
+        return None
