@@ -72,8 +72,17 @@ class Local(Scheduler):
 
     def _alive(self, logs: Path, rec: dict) -> int | None:
         """The launcher's pid if it is alive AND is this run's torchrun (a serving job's: its vLLM server, on
-        the recorded port): job.json is a user-writable file, so a pid in it is checked against /proc before
-        anything is signalled."""
+        the recorded port) AND leads its process group (we start ours in a session of their own, so killpg
+        reaches only it): job.json is a user-writable file, so a pid in it is checked before anything is
+        signalled."""
+        pid = self._ours(logs, rec)
+        try:
+            return pid if pid is not None and os.getpgid(pid) == pid else None
+        except OSError:
+            return None
+
+    def _ours(self, logs: Path, rec: dict) -> int | None:
+        """The recorded pid if it is alive and its command line is this job's (leader or not)."""
         try:
             pid = int(rec["pid"])
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -84,11 +93,7 @@ class Local(Scheduler):
             ours = SERVER_MODULE in cmd and any(a == b"--port" and b == port for a, b in zip(cmd, cmd[1:]))
         else:
             ours = b"torch.distributed.run" in cmd and str(logs / "ranks").encode() in cmd
-        try:   # and it leads its process group (started in a session of its own): killpg reaches only it
-            leader = os.getpgid(pid) == pid
-        except OSError:
-            leader = False
-        return pid if ours and pid > 1 and leader else None
+        return pid if ours and pid > 1 else None
 
     def state(self, logs: Path, rec: dict) -> dict:
         if rec.get("state") == "RUNNING":
@@ -110,15 +115,12 @@ class Local(Scheduler):
     def cancel(self, logs: Path, rec: dict) -> str | None:
         """SIGTERM to the job's process group. A serving job (no foreground launcher records its end) is waited
         for, up to CANCEL_WAIT_S, and recorded CANCELLED once gone; the line to print when it is not yet."""
-        pid = self._alive(logs, rec)
         what = "vLLM server" if rec.get("kind") == "serve" else "torchrun"
-        if pid is None:
+        if self._ours(logs, rec) is None:
             raise UserError(f"{rec['run']} is not running (no live {what} of it)")
-        try:
-            leader = os.getpgid(pid) == pid
-        except ProcessLookupError:
-            raise UserError(f"{rec['run']} is not running (its {what} just ended)") from None
-        if not leader:   # we start ours in a session of their own: a pid that leads no group is not one we started
+        pid = self._alive(logs, rec)
+        if pid is None:   # we start ours in a session of their own: a pid that leads no group is not one we started
+            pid = rec["pid"]
             raise UserError(f"{rec['run']}: pid {pid} is alive but does not lead its process group, so it is not "
                             f"the {what} llmcluster started; nothing signalled")
         try:
