@@ -1,4 +1,9 @@
-"""Shared test helpers: run the real CLI in a subprocess, and free TCP ports for torchrun."""
+"""Shared test helpers: run the real CLI in a subprocess, and free TCP ports for torchrun.
+
+Every test states its own world (issue 33): it runs in a working directory of its own (the checkout's shipped
+`configs/ plans/ clusters/ monitoring/` linked in, so the README's relative paths resolve, but never a
+`./cluster.yaml` or `./storage` a user left in the clone), with no `LLMCLUSTER_*` variable of the caller's
+environment but the engine locations (MACHINE_ENV). A test that wants a variable sets it."""
 
 from __future__ import annotations
 
@@ -11,11 +16,47 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# What the README and the tests name relative to the checkout (configs/llm_tiny.yaml, plans/..., clusters/...).
+SHIPPED = ("configs", "plans", "clusters", "monitoring")
+# Where this machine keeps the engines and caches, not a test's state: kept from the caller's environment.
+MACHINE_ENV = ("LLMCLUSTER_VLLM_PYTHON", "LLMCLUSTER_LMEVAL_PYTHON", "LLMCLUSTER_CACHE")
+
+
+def clean_dir(path: Path) -> Path:
+    """`path` as a working directory: the shipped files linked in, nothing else (no cluster.yaml, no storage)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in SHIPPED:
+        (path / name).symlink_to(REPO / name)
+    return path
+
+
+def _scrub_env(mp: pytest.MonkeyPatch) -> None:
+    for k in list(os.environ):
+        if k.startswith("LLMCLUSTER_") and k not in MACHINE_ENV:
+            mp.delenv(k)
+    # `python -m llmcluster` from any working directory imports this checkout, installed or not
+    mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_world(tmp_path_factory):
+    """Session fixtures (trained runs, datasets, servers) start in a clean directory and environment too."""
+    with pytest.MonkeyPatch.context() as mp:
+        _scrub_env(mp)
+        mp.chdir(clean_dir(tmp_path_factory.mktemp("session-cwd")))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _own_world(tmp_path_factory, monkeypatch):
+    """Each test in a working directory of its own: what one writes to ./ (cluster init, monitor config -o) no
+    other reads, and the clone's ./cluster.yaml or ./storage reach none."""
+    _scrub_env(monkeypatch)
+    monkeypatch.chdir(clean_dir(tmp_path_factory.mktemp("cwd")))
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("LLMCLUSTER_STORAGE", None)
+    env = dict(os.environ)      # already scrubbed of the caller's LLMCLUSTER_* (_own_world)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -24,8 +65,9 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600,
             check: bool = False) -> subprocess.CompletedProcess:
-    """`python -m llmcluster ARGS` as a user would run it; returns the CompletedProcess (text)."""
-    proc = subprocess.run([sys.executable, "-m", "llmcluster", *map(str, args)], cwd=cwd or REPO,
+    """`python -m llmcluster ARGS` as a user would run it, in the test's own working directory unless `cwd`;
+    returns the CompletedProcess (text)."""
+    proc = subprocess.run([sys.executable, "-m", "llmcluster", *map(str, args)], cwd=cwd or Path.cwd(),
                           env=env or cli_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"llmcluster {' '.join(map(str, args))} -> {proc.returncode}\n"
@@ -124,7 +166,7 @@ def torchrun(nproc: int, *args: str, env: dict | None = None, timeout: float = 6
     """`torchrun --standalone --nproc-per-node N -m llmcluster ARGS` (real processes, gloo on CPU)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            *extra, "-m", "llmcluster", *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=env or cli_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=Path.cwd(), env=env or cli_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def assert_nowhere_under(root: Path, secret: str) -> None:
