@@ -141,6 +141,27 @@ def tiny_root(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def fault_data(tmp_path_factory) -> Path:
+    """faultkit's byte-level dataset `t`, made once for the fault-tolerance tests (read only: each test's storage
+    links it in, faultkit.fresh_root)."""
+    from faultkit import make_dataset
+
+    return make_dataset(tmp_path_factory.mktemp("fault-data") / "storage")
+
+
+@pytest.fixture(scope="session")
+def fault_run8(fault_data, tmp_path_factory) -> Path:
+    """A storage root where faultkit's llm-tiny ran 8 steps with checkpoints at 4 and 8: the start of many fault
+    tests, trained once per session; a test copies it (faultkit.copy_run) before it corrupts or resumes it."""
+    from faultkit import fresh_root, sets
+
+    root = fresh_root(fault_data, tmp_path_factory.mktemp("fault-run8"))
+    run_cli("train", "-c", "llm_tiny", "--root", root, *sets(train__steps=8, checkpoint__interval_steps=4),
+            check=True)
+    return root
+
+
 def repo_source_dataset(root: Path, n_files: int) -> Path:
     """Storage at `root` with a byte-level dataset 'src' made from the first `n_files` of this repo's own
     Python files (real code, no vocabulary to train)."""
