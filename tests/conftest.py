@@ -1,8 +1,8 @@
 """Shared test helpers: run the real CLI in a subprocess, and free TCP ports for torchrun.
 
-Every test states its own world (issue 33): it runs in a working directory of its own (the checkout's shipped
-`configs/ plans/ clusters/ monitoring/` linked in, so the README's relative paths resolve, but never a
-`./cluster.yaml` or `./storage` a user left in the clone), with no `LLMCLUSTER_*` variable of the caller's
+Every test states its own world (issue 33): it runs in a working directory of its own (the checkout's tracked
+entries linked in, SHIPPED, so the README's relative paths resolve, but never a `./cluster.yaml` or `./storage`
+a user left in the clone), with no `LLMCLUSTER_*` variable of the caller's
 environment but the engine locations (MACHINE_ENV). A test that wants a variable sets it."""
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# What the README and the tests name relative to the checkout (configs/llm_tiny.yaml, plans/..., clusters/...).
-SHIPPED = ("configs", "plans", "clusters", "monitoring")
+# The checkout's own top-level entries (what git tracks), which the README and the tests name relative to it
+# (configs/llm_tiny.yaml, plans/..., scripts/...); never what a user's steps leave beside them (cluster.yaml, storage/).
+SHIPPED = ("configs", "plans", "clusters", "monitoring", "llmcluster", "scripts", "benchmarks", "docs", "tests",
+           "pyproject.toml", "README.md", "Makefile", "Dockerfile")
 # Where this machine keeps the engines and caches, not a test's state: kept from the caller's environment.
 MACHINE_ENV = ("LLMCLUSTER_VLLM_PYTHON", "LLMCLUSTER_LMEVAL_PYTHON", "LLMCLUSTER_CACHE")
 
@@ -26,7 +28,8 @@ def clean_dir(path: Path) -> Path:
     """`path` as a working directory: the shipped files linked in, nothing else (no cluster.yaml, no storage)."""
     path.mkdir(parents=True, exist_ok=True)
     for name in SHIPPED:
-        (path / name).symlink_to(REPO / name)
+        if (REPO / name).exists():
+            (path / name).symlink_to(REPO / name)
     return path
 
 
