@@ -54,4 +54,6 @@ cat <<MSG
   metrics      $ROOT/logs/$RUN/metrics.jsonl
   model        $ROOT/models/$RUN/   (load with transformers.AutoModelForCausalLM.from_pretrained)
   demo took    $((SECONDS - T0)) s
+next: \`source $VENV/bin/activate\` puts llmcluster on your PATH (or type $LLMC); the README's worked examples
+continue from here, with this storage root ($ROOT) and the run $RUN.
 MSG

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from faultkit import assert_same_weights, fresh_root, make_dataset, model_tensors, sets
+from faultkit import assert_same_weights, copy_run, fresh_root, model_tensors, sets
 from llmcluster.cli import main
 from llmcluster.storage.layout import COMPLETE_MARKER
 from llmcluster.train.health import young_daly_steps
 
 
 @pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("fault") / "storage")
+def data_root(fault_data):
+    return fault_data
 
 
 @pytest.fixture
@@ -40,9 +40,8 @@ def ckpts(root, run="llm-tiny"):
     return root / "checkpoints" / run
 
 
-def test_corrupt_newest_checkpoint_falls_back_with_warning(capsys, root):
-    code, out, err = train(capsys, root, train__steps=8, checkpoint__interval_steps=4)
-    assert code == 0, err
+def test_corrupt_newest_checkpoint_falls_back_with_warning(capsys, root, fault_run8):
+    copy_run(fault_run8, root)     # trained 8 steps, checkpoints 4 and 8
     reference = model_tensors(ckpts(root) / "step_8")
     shard = next((ckpts(root) / "step_8").glob("*.distcp"))
     data = bytearray(shard.read_bytes())
@@ -58,9 +57,8 @@ def test_corrupt_newest_checkpoint_falls_back_with_warning(capsys, root):
     assert all(torch.equal(reference[k], again[k]) for k in reference)
 
 
-def test_export_skips_a_corrupt_newest_checkpoint_and_refuses_it_by_name(capsys, root):
-    code, out, err = train(capsys, root, train__steps=8, checkpoint__interval_steps=4)
-    assert code == 0, err
+def test_export_skips_a_corrupt_newest_checkpoint_and_refuses_it_by_name(capsys, root, fault_run8):
+    copy_run(fault_run8, root)     # trained 8 steps, checkpoints 4 and 8
     shard = next((ckpts(root) / "step_8").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-16])  # truncated
     assert main(["export", "--run", "llm-tiny", "--root", str(root)]) == 0

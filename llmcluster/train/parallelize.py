@@ -127,6 +127,14 @@ def apply_fsdp(model: nn.Module, dp_mesh, device: torch.device, precision: str, 
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         # Compute in low precision, reduce gradients in fp32 (the all-reduce sums many ranks' values).
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # FSDP2 warns when a wrapped module returns a view ("an in-place op on this view ... can cause backward to fail
+    # or produce wrong gradients"): the hazard is an in-place op on that output, which drops the pre-backward hook.
+    # Ours are never modified in place (the model rebinds h = block(h), the residual adds and the head are
+    # out-of-place, the returned loss is only divided out of place), so it does not apply to our modules; anyone
+    # else's still warns.
+    # (FSDP2 names the class it made, FSDP<ours>: FSDPLlama under FSDP x TP, where the loss comes back as a view)
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDP)?(Block|Llama|OptimizedModule)\) "
+                            "returned a view", category=UserWarning)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block is resharded by the root's post-backward anyway: keeping it gathered saves one
