@@ -73,7 +73,7 @@ def test_export_skips_a_corrupt_newest_checkpoint_and_refuses_it_by_name(capsys,
 
 def test_retention_keeps_last_k_and_milestones_and_never_the_newest_before_a_newer_is_complete(tmp_path):
     from llmcluster.storage.layout import Storage
-    from llmcluster.train.checkpoint import Checkpointer
+    from llmcluster.checkpoint.checkpointer import Checkpointer
 
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -102,7 +102,7 @@ def test_async_checkpoints_are_complete_and_match_sync_bitwise(capsys, root, tmp
                            run__name="async")
     assert code == 0, err
     assert "step_4: writing in the background" in out
-    from llmcluster.train.checkpoint import verify_checkpoint
+    from llmcluster.checkpoint.checkpointer import verify_checkpoint
 
     for s in (4, 8, 12):
         assert verify_checkpoint(ckpts(root, "async") / f"step_{s}") is None
@@ -122,7 +122,7 @@ def test_async_saves_stage_into_one_set_of_host_buffers(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from llmcluster.storage.layout import Storage
-    from llmcluster.train.checkpoint import Checkpointer
+    from llmcluster.checkpoint.checkpointer import Checkpointer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
@@ -188,7 +188,7 @@ def test_injected_nan_steps_are_skipped_then_stop_after_max_bad_steps(capsys, ro
     lines = [ln for ln in err.strip().splitlines() if not ln.startswith("WARNING: test hook")]
     assert len(lines) == 1 and "stopping: 3 non-finite steps in a row at step 4" in lines[0]
     # skipped steps leave the weights as they were: the checkpoints up to the stop are intact and resumable
-    from llmcluster.train.checkpoint import verify_checkpoint
+    from llmcluster.checkpoint.checkpointer import verify_checkpoint
     assert verify_checkpoint(ckpts(root, "nan") / "step_3") is None and not (ckpts(root, "nan") / "step_4").exists()
 
 
@@ -266,6 +266,6 @@ def test_full_disk_keeps_previous_checkpoint_and_says_how_much_space(capsys, roo
     code, out, err = train(capsys, root, train__steps=4, checkpoint__interval_steps=2, checkpoint__keep_last=2)
     _one_line(code, err, "disk full writing checkpoint step_4", "the previous checkpoint is intact")
     assert re.search(r"it needs about 1\.\d MB, 0\.\d MB free", err), err
-    from llmcluster.train.checkpoint import verify_checkpoint
+    from llmcluster.checkpoint.checkpointer import verify_checkpoint
     assert verify_checkpoint(tiny_fs / "step_2") is None
     assert not (tiny_fs / "step_4").exists() and not list(tiny_fs.glob(".tmp-step_4*"))

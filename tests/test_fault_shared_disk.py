@@ -22,9 +22,9 @@ from conftest import REPO, cli_inprocess
 from faultkit import cli_cmd, copy_run, fresh_root, run, sets, torchrun_cmd, train_env, wait_for
 from llmcluster.errors import UserError
 from llmcluster.storage.layout import OWNER_LOCK
-from llmcluster.train import ownership
-from llmcluster.train.checkpoint import verify_checkpoint
-from llmcluster.train.ownership import RunLock
+from llmcluster.checkpoint import ownership
+from llmcluster.checkpoint.checkpointer import verify_checkpoint
+from llmcluster.checkpoint.ownership import RunLock
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from conftest import REPO
 from faultkit import cli_cmd, copy_run, fresh_root, run, sets, torchrun_cmd, train_env, wait_for
 from llmcluster.cli import main
 from llmcluster.storage.layout import COMPLETE_MARKER, OWNER_LOCK
-from llmcluster.train.checkpoint import verify_checkpoint
+from llmcluster.checkpoint.checkpointer import verify_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,7 @@ def test_roll_back_sets_higher_checkpoints_aside_and_keeps_the_one_just_written(
 
 def test_retention_counts_only_steps_up_to_the_one_written(tmp_path):
     from llmcluster.storage.layout import Storage
-    from llmcluster.train.checkpoint import Checkpointer
+    from llmcluster.checkpoint.checkpointer import Checkpointer
 
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

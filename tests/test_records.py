@@ -9,9 +9,9 @@ import json
 import pytest
 
 from conftest import assert_one_line_error, cli_inprocess
-from llmcluster.launch.launcher import read_record
+from llmcluster.storage.job_record import read_record
 from llmcluster.storage.layout import check_marker, read_marker
-from llmcluster.train.events import EVENTS, EventLog, read_events
+from llmcluster.storage.events import EVENTS, EventLog, read_events
 from test_goodput import EVENTS_TWO, write_events
 
 

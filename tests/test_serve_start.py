@@ -237,7 +237,7 @@ def serve_job(root: Path, served: str = "m", scheduler: str = "local", name: str
               cpu: bool = True):
     """A ServeJob for the renderers without an engine or weights: a preset's shapes, a stand-in python."""
     from llmcluster.serve import engine as eng
-    from llmcluster.serve.model import from_preset
+    from llmcluster.plan.served_model import from_preset
     from llmcluster.serve.start import ServeJob
 
     target = eng.Target(from_preset("llm_tiny"), root / "models" / served, served)

@@ -69,8 +69,8 @@ def run_plan(args) -> int:
     from llmcluster.config.cluster_load import load_cluster
     from llmcluster.config.load import load_job_config
     from llmcluster.errors import UserError
-    from llmcluster.serve.model import resolve_model
-    from llmcluster.serve.plan import Box, serve_plan
+    from llmcluster.plan.served_model import resolve_model
+    from llmcluster.plan.serving import Box, serve_plan
 
     job = load_job_config(args.config, args.overrides)
     model = resolve_model(args.model, args.root, job.run.storage)
@@ -84,7 +84,7 @@ def run_plan(args) -> int:
     if "refusal" in result:
         raise UserError(result["refusal"])
     if not args.json:
-        from llmcluster.serve.report import render
+        from llmcluster.plan.serving_report import render
 
         render(result)
     return 0
@@ -165,8 +165,8 @@ def run_bench(args) -> int:
     plan = None
     if args.cluster:   # before the load: a bad --cluster or model is said at once
         from llmcluster.config.cluster_load import load_cluster
-        from llmcluster.serve.model import resolve_model
-        from llmcluster.serve.plan import Box, serve_plan
+        from llmcluster.plan.served_model import resolve_model
+        from llmcluster.plan.serving import Box, serve_plan
 
         ref = args.plan_model or entry.get("root")
         if not isinstance(ref, str):

@@ -52,7 +52,7 @@ def _read_json(path: Path) -> dict | None:
 
 def _provenance(target: Target, checkpoint: Path | None) -> Target:
     """Tokens seen and dataset digest from the checkpoint's train_state.json, when it is still there."""
-    from llmcluster.train.checkpoint import TRAIN_STATE
+    from llmcluster.checkpoint.checkpointer import TRAIN_STATE
 
     state = _read_json(checkpoint / TRAIN_STATE) if checkpoint else None
     if state:
@@ -164,7 +164,7 @@ def evaluate(root: Path, model: str | None = None, step: int | None = None, endp
     with open(logs / EVAL_LOG, "a") as f:
         f.write(json.dumps(record) + "\n")
     try:    # the run's own sinks too (TensorBoard, MLflow, W&B): the results above are already safe
-        from llmcluster.train.tracking import log_eval
+        from llmcluster.monitor.tracking import log_eval
 
         log_eval(root, logs, record)     # the record stays what eval.jsonl holds
     except Exception as e:   # a tracking server that is down must not fail an evaluation that is done

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from llmcluster.errors import UserError
-from llmcluster.launch.launcher import read_record
+from llmcluster.storage.job_record import read_record
 from llmcluster.launch.scheduler import ACTIVE_STATES, get
 from llmcluster.storage.layout import Storage
 

@@ -129,7 +129,7 @@ class Local(Scheduler):
             pass
         if rec.get("kind") != "serve":
             return None
-        from llmcluster.launch.launcher import write_record
+        from llmcluster.storage.job_record import write_record
 
         write_record(logs, {**rec, "cancel_requested": True})
         print(f"stopping {rec['run']} (vLLM pid {pid}; up to {CANCEL_WAIT_S} s)", file=sys.stderr, flush=True)

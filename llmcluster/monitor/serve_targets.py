@@ -18,7 +18,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from llmcluster.errors import UserError
-from llmcluster.launch.launcher import read_record
+from llmcluster.storage.job_record import read_record
 
 SERVE_JOB = "llmcluster-serve"
 SERVE_LABEL = "llmcluster.io/serve"   # the pod label of a serving Deployment (its value: the job's name)

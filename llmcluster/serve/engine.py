@@ -19,7 +19,7 @@ from llmcluster.config.serve import ServeConfig
 from llmcluster.errors import UserError
 from llmcluster.render import has_line_break
 from llmcluster.serve.engine_check import CPU_HEAD_DIMS
-from llmcluster.serve.model import ServedModel, from_directory
+from llmcluster.plan.served_model import ServedModel, from_directory
 
 # --max-lora-rank accepts these only (vLLM's LoRAConfig); its default is 16
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -173,7 +173,7 @@ class Sizing:
 def size(target: Target, cluster, cfg: ServeConfig, engine: Engine) -> Sizing:
     """`serve plan` on the cluster's GPUs; on the CPU engine (or a cluster without GPUs) the serve section's values,
     else one process, the checkpoint's dtype and the model's context (the KV cache is VLLM_CPU_KVCACHE_SPACE)."""
-    from llmcluster.serve.plan import Box, serve_plan
+    from llmcluster.plan.serving import Box, serve_plan
 
     m = target.model
     if cluster.hardware.spec is not None and not engine.cpu:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from llmcluster.errors import RunFailure, UserError
 from llmcluster.launch.local import SERVER_LOG
-from llmcluster.launch.launcher import UMASK, _write_once, read_record, write_record
+from llmcluster.launch.launcher import UMASK
+from llmcluster.storage.job_record import read_record, write_once, write_record
 from llmcluster.launch.scheduler import ACTIVE_STATES, get
 from llmcluster.launch.spec import next_launch_id
 from llmcluster.serve import auth
@@ -263,7 +264,7 @@ def start(job: ServeJob, *, dry_run: bool, timeout: float, time_limit: str | Non
     except OSError as e:
         raise UserError(f"cannot create {job.launch_dir}: {e.strerror or e}") from None
     artifact = job.launch_dir / get(job.scheduler).artifact
-    _write_once(artifact, text, 0o400)
+    write_once(artifact, text, 0o400)
     key = auth.new_key() if job.auth else None
     if key:     # a fresh key per start, in the file the rendered script (or the Secret) hands vLLM
         auth.write_key(job.logs, key, job.launch_id)

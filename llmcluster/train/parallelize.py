@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from llmcluster.config.schema import JobConfig
-from llmcluster.train import compat
-from llmcluster.train.distributed import DistEnv, ParallelDims
+from llmcluster.distributed import compat
+from llmcluster.distributed.process_groups import DistEnv, ParallelDims
 
 
 def uses_loss_parallel(dims: ParallelDims) -> bool:
@@ -178,12 +178,6 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, env: DistE
     return model
 
 
-def plain_name(name: str) -> str:
-    """A parameter's or module's name in the plain model: without the prefixes that the wrappers add
-    (activation checkpointing, compile)."""
-    return name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     """The module under DDP (FSDP2, TP, AC and compile modify modules in place or inside `layers`)."""
     return model.module if hasattr(model, "module") and isinstance(model, nn.parallel.DistributedDataParallel) \
@@ -200,7 +194,7 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims, env: DistEnv,
 
     raw = build_model(cfg.model, device="meta")
     if cfg.train.lora is not None:  # adapters exist before sharding, so FSDP shards them with their block
-        from llmcluster.train.lora import apply_lora, init_lora
+        from llmcluster.model.lora import apply_lora, init_lora
         apply_lora(raw, cfg.train.lora)
     sharded = dims.fsdp or dims.tp > 1
     model = parallelize(raw, cfg, dims, env) if sharded else raw
