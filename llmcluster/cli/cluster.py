@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from llmcluster.cli.common import add_actions
+
 
 def register(sub) -> None:
-    p = sub.add_parser("cluster", help="write a cluster.yaml from what this host sees; show the resolved cluster spec")
-    csub = p.add_subparsers(dest="cluster_cmd", metavar="ACTION")
-    csub.required = True
+    csub = add_actions(sub, "cluster", "write a cluster.yaml from what this host sees; show the resolved cluster spec")
     i = csub.add_parser("init", help="write a commented cluster.yaml (from scontrol show nodes / nvidia-smi if present)")
     i.add_argument("--out", "-o", default="cluster.yaml", metavar="FILE", help="where to write (default ./cluster.yaml)")
     i.add_argument("--name", default="cluster", help="the cluster's name (default: cluster)")

@@ -5,6 +5,14 @@ from __future__ import annotations
 import argparse
 
 
+def add_actions(sub, name: str, help: str, dest: str | None = None, **kw):
+    """`llmcluster NAME ACTION ...`: the command's parser with its required ACTION subparsers."""
+    p = sub.add_parser(name, help=help)
+    actions = p.add_subparsers(dest=dest or f"{name}_cmd", metavar="ACTION", **kw)
+    actions.required = True
+    return actions
+
+
 def add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--config", "-c", required=required, metavar="FILE",
                    help="job config YAML (or a preset name from configs/, e.g. llm_tiny)")

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from llmcluster.cli.common import add_root_arg
+from llmcluster.cli.common import add_actions, add_root_arg
 from llmcluster.data.sources import MAX_RECORD_BYTES
 
 
 def register(sub) -> None:
-    p = sub.add_parser("data", help="prepare datasets: tokenize corpora into checksummed token shards")
-    dsub = p.add_subparsers(dest="data_cmd", metavar="ACTION")
-    dsub.required = True
+    dsub = add_actions(sub, "data", "prepare datasets: tokenize corpora into checksummed token shards")
     prep = dsub.add_parser("prepare", help="tokenize sources into datasets/<kind>/<name>/")
     prep.add_argument("--source", nargs="+", metavar="PATH",
                       help="files, directories, .jsonl[.gz|.zst] / .parquet corpora or saved `datasets` "
@@ -38,17 +36,16 @@ def register(sub) -> None:
     prep.add_argument("--force", action="store_true", help="rebuild the dataset if it exists")
     add_root_arg(prep)
     prep.set_defaults(func=run)
-    mrg = dsub.add_parser("merge", help="seal the slices of `prepare --shard` into one dataset")
-    mrg.add_argument("--name", default="stdlib")
-    mrg.add_argument("--kind", choices=("code", "text"), default="code")
-    mrg.add_argument("--force", action="store_true", help="replace the dataset if it exists")
-    add_root_arg(mrg)
-    mrg.set_defaults(func=run)
-    ver = dsub.add_parser("verify", help="check a prepared dataset's shards against their checksums")
-    ver.add_argument("--name", default="stdlib")
-    ver.add_argument("--kind", choices=("code", "text"), default="code")
-    add_root_arg(ver)
-    ver.set_defaults(func=run)
+    for action, help_, force in (("merge", "seal the slices of `prepare --shard` into one dataset",
+                                  "replace the dataset if it exists"),
+                                 ("verify", "check a prepared dataset's shards against their checksums", None)):
+        a = dsub.add_parser(action, help=help_)
+        a.add_argument("--name", default="stdlib")
+        a.add_argument("--kind", choices=("code", "text"), default="code")
+        if force:
+            a.add_argument("--force", action="store_true", help=force)
+        add_root_arg(a)
+        a.set_defaults(func=run)
 
 
 def run(args) -> int:

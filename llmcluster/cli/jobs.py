@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from llmcluster.cli.common import add_root_arg
+from llmcluster.cli.common import add_actions, add_root_arg
 
 
 def register(sub) -> None:
-    p = sub.add_parser("jobs", help="list launched jobs; show the status or logs of one; cancel one")
-    jsub = p.add_subparsers(dest="jobs_cmd", metavar="ACTION")
-    jsub.required = True
+    jsub = add_actions(sub, "jobs", "list launched jobs; show the status or logs of one; cancel one")
     ls = jsub.add_parser("list", help="every launched run under the storage root, with its state")
     add_root_arg(ls)
     ls.set_defaults(func=run)

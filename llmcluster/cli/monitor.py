@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from llmcluster.cli.common import add_root_arg
+from llmcluster.cli.common import add_actions, add_root_arg
 
 
 def register(sub) -> None:
-    p = sub.add_parser("monitor", help="GPU/node/training metrics for Prometheus, scrape configs, a live view")
-    msub = p.add_subparsers(dest="monitor_cmd", metavar="ACTION")
-    msub.required = True
+    msub = add_actions(sub, "monitor", "GPU/node/training metrics for Prometheus, scrape configs, a live view")
 
     s = msub.add_parser("serve", help="run this node's exporter: GPUs (dcgm-exporter names), CPU, memory, storage")
     s.add_argument("--bind", default="127.0.0.1", help="address to listen on (default: loopback only)")

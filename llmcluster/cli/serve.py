@@ -3,14 +3,12 @@ load an endpoint and measure it (no torch)."""
 
 from __future__ import annotations
 
-from llmcluster.cli.common import add_config_args, add_root_arg
+from llmcluster.cli.common import add_actions, add_config_args, add_root_arg
 from llmcluster.serve.engine import VLLM_IMAGE
 
 
 def register(sub) -> None:
-    p = sub.add_parser("serve", help="size vLLM serving of a model on the cluster's GPUs")
-    actions = p.add_subparsers(dest="action", metavar="ACTION", parser_class=type(p))
-    actions.required = True
+    actions = add_actions(sub, "serve", "size vLLM serving of a model on the cluster's GPUs", dest="action")
     plan = actions.add_parser("plan", help="TP degree, dtype/quantization, context and concurrency that fit")
     plan.add_argument("--model", required=True, metavar="RUN_OR_PATH_OR_PRESET",
                       help="an HF Llama directory (config.json; weights optional), a run's export, or a preset")
@@ -19,9 +17,7 @@ def register(sub) -> None:
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     plan.add_argument("--calibrate", nargs="+", default=[], metavar="BENCH_JSON",
                       help="scale the decode bounds by the efficiency `serve bench` measured on this GPU")
-    add_config_args(plan, required=False)
-    add_root_arg(plan)
-    plan.set_defaults(func=run_plan)
+    _job_args(plan, run_plan)
     _register_bench(actions)
 
     st = actions.add_parser("start", help="launch vLLM for an export (local, slurm, k8s), wait for it, check it")
@@ -46,18 +42,28 @@ def register(sub) -> None:
                     help="k8s: the namespace of the Prometheus the NetworkPolicy lets scrape /metrics "
                          "(default monitoring)")
     st.add_argument("--dry-run", action="store_true", help="print what would be launched; launch nothing")
-    add_config_args(st, required=False)
-    add_root_arg(st)
-    st.set_defaults(func=run_start)
+    _job_args(st, run_start)
+
+
+def _job_args(p, func) -> None:
+    """The serving actions read serve: (and the storage root) from an optional job config."""
+    add_config_args(p, required=False)
+    add_root_arg(p)
+    p.set_defaults(func=func)
+
+
+def _job_and_root(args):
+    from llmcluster.config.load import load_job_config
+    from llmcluster.paths import resolve_storage_root
+
+    cfg = load_job_config(args.config, args.overrides)
+    return cfg, resolve_storage_root(args.root, cfg.run.storage)
 
 
 def run_start(args) -> int:
-    from llmcluster.config.load import load_job_config
-    from llmcluster.paths import resolve_storage_root
     from llmcluster.serve.start import build, start
 
-    cfg = load_job_config(args.config, args.overrides)
-    root = resolve_storage_root(args.root, cfg.run.storage)
+    cfg, root = _job_and_root(args)
     job, k8s = build(args, cfg, root)
     return start(job, dry_run=args.dry_run, timeout=args.timeout, time_limit=args.time, partition=args.partition,
                  k8s=k8s)
@@ -134,9 +140,7 @@ def _register_bench(actions) -> None:
     b.add_argument("--api-key-file", metavar="FILE", help="the server's API key (default: the key of the serving "
                    "job whose recorded endpoint this is, logs/<name>/api_key)")
     b.add_argument("--json", action="store_true", help="print the record as one JSON object")
-    add_config_args(b, required=False)
-    add_root_arg(b)
-    b.set_defaults(func=run_bench)
+    _job_args(b, run_bench)
 
 
 def run_bench(args) -> int:
@@ -144,16 +148,12 @@ def run_bench(args) -> int:
     import sys
     from pathlib import Path
 
-    from llmcluster.config.load import load_job_config
     from llmcluster.errors import UserError
-    from llmcluster.paths import resolve_storage_root
+    from llmcluster.serve.auth import key_for
     from llmcluster.serve.bench import Endpoint, bench, decode_efficiency, write
     from llmcluster.storage.layout import Storage, check_run_name
 
-    from llmcluster.serve.auth import key_for
-
-    job = load_job_config(args.config, args.overrides)
-    root = resolve_storage_root(args.root, job.run.storage)
+    job, root = _job_and_root(args)
     ep = Endpoint(args.endpoint, key=key_for(args.endpoint, root, args.api_key_file))
     served = ep.models()
     entry = next((m for m in served if m["id"] == args.model), None) if args.model else served[0]

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from llmcluster.cli.common import add_root_arg
+from llmcluster.cli.common import add_actions, add_root_arg
 
 
 def register(sub) -> None:
-    p = sub.add_parser("storage", help="create the storage layout and show what is in it")
-    ssub = p.add_subparsers(dest="storage_cmd", metavar="ACTION")
-    ssub.required = True
+    ssub = add_actions(sub, "storage", "create the storage layout and show what is in it")
     i = ssub.add_parser("init", help="create datasets/{code,text,multimodal}, checkpoints/, logs/, models/, scratch/")
     add_root_arg(i)
     i.add_argument("--config", "-c", metavar="FILE", help="take the root from this config's run.storage")

@@ -19,7 +19,7 @@ from llmcluster.storage import records
 from llmcluster.errors import UserError
 from llmcluster.launch.scheduler import ACTIVE_STATES, get
 from llmcluster.launch.spec import LaunchSpec
-from llmcluster.storage.job_record import read_record, write_once, write_record
+from llmcluster.storage.job_record import make_launch_dir, read_record, write_once, write_record
 
 UMASK = 0o027
 
@@ -61,12 +61,7 @@ def launch(spec: LaunchSpec, *, dry_run: bool, apply: bool = False, force: bool 
     if not force:
         refuse_if_active(spec, old)
     os.umask(UMASK)                       # this process and what it starts: 0750 directories, 0640 files
-    try:
-        spec.launch_dir.mkdir(parents=True)
-    except FileExistsError:
-        raise UserError(f"{spec.launch_dir} exists: another launch of {spec.run} is starting; try again") from None
-    except OSError as e:
-        raise UserError(f"cannot create {spec.launch_dir}: {e.strerror or e}") from None
+    make_launch_dir(spec.launch_dir, f"launch of {spec.run}")
     artifact = spec.launch_dir / sched.artifact
     write_once(artifact, text, 0o400)            # the submitter's own: no one else has a reason to read it
     write_once(spec.config_path, spec.config_yaml, 0o440)

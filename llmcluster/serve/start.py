@@ -22,7 +22,7 @@ from pathlib import Path
 from llmcluster.errors import RunFailure, UserError
 from llmcluster.launch.local import SERVER_LOG
 from llmcluster.launch.launcher import UMASK
-from llmcluster.storage.job_record import read_record, write_once, write_record
+from llmcluster.storage.job_record import make_launch_dir, read_record, write_once, write_record
 from llmcluster.launch.scheduler import ACTIVE_STATES, get
 from llmcluster.launch.spec import next_launch_id
 from llmcluster.serve import auth
@@ -257,12 +257,7 @@ def start(job: ServeJob, *, dry_run: bool, timeout: float, time_limit: str | Non
             raise UserError(f"{job.name} is already {st} ({old['scheduler']} job {old['job_id']}): "
                             f"`llmcluster jobs cancel {job.name}` it first, or give another --name")
     os.umask(UMASK)
-    try:
-        job.launch_dir.mkdir(parents=True)
-    except FileExistsError:
-        raise UserError(f"{job.launch_dir} exists: another start of {job.name} is under way; try again") from None
-    except OSError as e:
-        raise UserError(f"cannot create {job.launch_dir}: {e.strerror or e}") from None
+    make_launch_dir(job.launch_dir, f"start of {job.name}")
     artifact = job.launch_dir / get(job.scheduler).artifact
     write_once(artifact, text, 0o400)
     key = auth.new_key() if job.auth else None

@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+from llmcluster.errors import UserError
 from llmcluster.storage import records
 
 RECORD = "job.json"
@@ -57,3 +58,13 @@ def write_once(path: Path, text: str, mode: int) -> None:
     with open(path, "x") as f:            # "x": a launch directory is never written twice
         f.write(text)
     path.chmod(mode)
+
+
+def make_launch_dir(path: Path, what: str) -> None:
+    """logs/<name>/launches/<n>/, made once: of two launches that raced for the same number, the second is told."""
+    try:
+        path.mkdir(parents=True)
+    except FileExistsError:
+        raise UserError(f"{path} exists: another {what} is under way; try again") from None
+    except OSError as e:
+        raise UserError(f"cannot create {path}: {e.strerror or e}") from None
