@@ -39,12 +39,15 @@ CPU_ONLY = "none"
 # Every string of the spec reaches a file another program parses (slurm.conf, topology.conf, an Ansible var, a
 # shell script run as root, a systemd unit, prometheus.yml): each is held to a grammar here, whatever the
 # scheduler, and the renderers quote or escape on top (docs/security.md).
-REL_PATH_RE = re.compile(r"[A-Za-z0-9._+][A-Za-z0-9._/+-]*")      # a local storage root may be relative
+REL_PATH_RE = re.compile(r"[A-Za-z0-9._+][A-Za-z0-9._/+-]*", re.ASCII)      # a local storage root may be relative
 # Prometheus durations (units in this order, as Prometheus parses them): 15s, 1m30s, 500ms
-DURATION_RE = re.compile(r"(?:\d+y)?(?:\d+w)?(?:\d+d)?(?:\d+h)?(?:\d+m)?(?:\d+s)?(?:\d+ms)?")
+# ([0-9], not \d: `1٥s` is no duration to Prometheus; every grammar of the spec is ASCII and fullmatched)
+DURATION_RE = re.compile(r"(?:[0-9]+y)?(?:[0-9]+w)?(?:[0-9]+d)?(?:[0-9]+h)?(?:[0-9]+m)?(?:[0-9]+s)?(?:[0-9]+ms)?",
+                         re.ASCII)
 # Kubernetes label keys ([prefix/]name) and values
-LABEL_KEY_RE = re.compile(r"(?:[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
-LABEL_VALUE_RE = re.compile(r"(?:[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+LABEL_KEY_RE = re.compile(r"(?:[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?",
+                          re.ASCII)
+LABEL_VALUE_RE = re.compile(r"(?:[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?", re.ASCII)
 
 
 def check_storage_root(root: str, absolute_for: str | None = None) -> str:
@@ -324,7 +327,7 @@ class Cost(Section):
     api_usd_per_million_tokens: float | None = Field(None, gt=0)  # a cloud API's price: serving's alternative
 
 
-URL_RE = re.compile(r"https?://[A-Za-z0-9._~:/@+=-]+")     # a package index: no spaces, quotes or shell characters
+URL_RE = re.compile(r"https?://[A-Za-z0-9._~:/@+=-]+", re.ASCII)     # a package index: no spaces, quotes or shell characters
 
 
 class Provision(Section):

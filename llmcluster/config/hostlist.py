@@ -14,9 +14,10 @@ from llmcluster.errors import UserError
 # characters a hostlist expression may hold: a name goes into slurm.conf, topology.conf, the Ansible inventory
 # and prometheus.yml, where a newline or a space would start a new directive.
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-HOST_RE = re.compile(rf"(?=.{{1,253}}\Z){_LABEL}(?:\.{_LABEL})*")
+HOST_RE = re.compile(rf"(?=.{{1,253}}\Z){_LABEL}(?:\.{_LABEL})*", re.ASCII)
 HOST_CHARS = "letters, digits, inner '-' and '.' (RFC 1123)"
-HOSTLIST_RE = re.compile(r"[A-Za-z0-9.,\[\]-]+")
+HOSTLIST_RE = re.compile(r"[A-Za-z0-9.,\[\]-]+", re.ASCII)
+_NUMBER = re.compile(r"[0-9]+", re.ASCII)   # a range bound ('٥'.isdigit() is True, and int() reads it)
 MAX_HOSTS = 100_000     # a typo like gpu[1-99999999] is refused, not expanded into memory
 
 _PART = re.compile(r"([^,\[]+)(?:\[([^\]]*)\])?([^,\[]*)")
@@ -40,7 +41,7 @@ def expand_hostlist(expr: str) -> list[str]:
         else:
             for item in ranges.split(","):
                 lo, _, hi = item.partition("-")
-                if not lo.isdigit() or (hi and not hi.isdigit()):
+                if not _NUMBER.fullmatch(lo) or (hi and not _NUMBER.fullmatch(hi)):
                     raise UserError(f"bad range {item!r} in Slurm node list {expr!r}")
                 hi = hi or lo
                 if int(hi) < int(lo):
@@ -64,7 +65,7 @@ def compress_hostlist(names: list[str]) -> str:
     groups: dict[tuple[str, int], list[int]] = {}
     plain: list[str] = []
     for n in names:
-        m = re.fullmatch(r"(.*?)(\d+)", n)
+        m = re.fullmatch(r"(.*?)([0-9]+)", n)
         if not m:
             plain.append(n)
             continue
