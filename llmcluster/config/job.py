@@ -93,16 +93,18 @@ SECRET_ADVICE = ("list its name in job.secret_env instead (passed from the submi
                  "Secret, never written to a file)")
 # A value that carries a credential whatever its key is called: a URL's user:password@ (or token@), or a
 # key=value / key: value pair whose key ends in a secret word, as a whole word (password=..., api_token: ...,
-# ?secret=...; not monkey=1).
-_URL_USERINFO = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s]*@", re.ASCII)
-_SECRET_PAIR = re.compile(r"(?:^|[^A-Za-z0-9])(?:[A-Za-z0-9]+[_-])*(token|key|secret|password|passwd|"
-                          r"credentials?)\s*[=:]\s*[^\s&;,]", re.ASCII | re.IGNORECASE)
+# ?secret=...; not monkey=1). Both scans are linear (a 100k-character value must not take minutes).
+_NETLOC_END = re.compile(r"[/?#\s]")
+_SECRET_PAIR = re.compile(r"(?<![A-Za-z0-9])(token|key|secret|password|passwd|credentials?)[ \t]*[=:][ \t]*[^\s&;,]",
+                          re.ASCII | re.IGNORECASE)
 
 
 def credential_in(value: str) -> str | None:
     """What in `value` looks like a credential (for the error line, never the secret itself), or None."""
-    if _URL_USERINFO.search(value):
-        return "user:password@ in a URL"   # or a bare token@: both are sent as credentials
+    for m in re.finditer("://", value):
+        end = _NETLOC_END.search(value, m.end())
+        if "@" in value[m.end():end.start() if end else len(value)]:
+            return "user:password@ in a URL"   # or a bare token@: both are sent as credentials
     if m := _SECRET_PAIR.search(value):
         return f"a {m.group(1).lower()}= pair"
     return None

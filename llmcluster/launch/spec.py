@@ -13,7 +13,7 @@ from pathlib import Path
 
 from llmcluster.config.job import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_FILES, JobSpec
 from llmcluster.errors import UserError
-from llmcluster.render import line_text, yaml_text
+from llmcluster.render import line_text, show_value, yaml_text
 
 SCHEDULERS = ("local", "slurm", "k8s")
 # torchrun forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT to its workers by default; SIGUSR2 ("checkpoint now",
@@ -132,7 +132,10 @@ def apply_flags(job: JobSpec, args) -> JobSpec:
 def next_launch_id(logs: Path) -> int:
     """One more than the highest launch number under logs/<run>/launches/ (1 for a new run)."""
     d = logs / LAUNCHES
-    ids = [int(p.name) for p in d.iterdir() if p.name.isdigit()] if d.is_dir() else []
+    try:
+        ids = [int(p.name) for p in d.iterdir() if p.name.isdigit()] if d.is_dir() else []
+    except OSError as e:          # a name too long for the filesystem, a directory we may not read
+        raise UserError(f"cannot read {show_value(str(d))}: {e.strerror or e}") from None
     return max(ids, default=0) + 1
 
 

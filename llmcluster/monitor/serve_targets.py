@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 from llmcluster.config.hostlist import HOST_RE
 from llmcluster.errors import UserError
-from llmcluster.render import show_value
+from llmcluster.render import line_text, show_value
 
 SERVE_JOB = "llmcluster-serve"
 SERVE_LABEL = "llmcluster.io/serve"   # the pod label of a serving Deployment (its value: the job's name)
@@ -55,6 +55,7 @@ class ServeTarget:
 
 def parse_endpoint(url: str) -> str:
     """HOST:PORT of an http(s) endpoint URL (`http://h:8000/v1`), or UserError saying what is wrong."""
+    line_text(url.strip(), "serving endpoint")   # urlsplit would drop a tab, CR or LF inside it without a word
     try:
         parts = urlsplit(url.strip())
         port = parts.port

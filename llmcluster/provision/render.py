@@ -25,7 +25,7 @@ from llmcluster.config.cluster import CPU_ONLY, ClusterSpec, check_storage_root
 from llmcluster.errors import UserError
 from llmcluster.paths import asset_dir
 from llmcluster.provision import slurm, wheel as ml_wheel
-from llmcluster.render import comment_text, shell_join
+from llmcluster.render import comment_text, line_text, shell_join
 from llmcluster.storage.layout import AREAS, DATASET_KINDS
 
 MARKER = ".llmcluster-provision"
@@ -212,6 +212,7 @@ def provision(spec: ClusterSpec, cluster_text: str, out: Path, scheduler: str | 
         check_storage_root(spec.storage.root, "on the nodes provision sets up")
     except ValueError as e:
         raise UserError(str(e)) from None
+    line_text(str(out), "--out")          # the apply line printed at the end names it: refused before writing
     check_out_dir(out)
     whl = ml_wheel.resolve(wheel or spec.provision.wheel)
     hosts, warnings = host_names(spec)
@@ -248,6 +249,11 @@ def provision(spec: ClusterSpec, cluster_text: str, out: Path, scheduler: str | 
     return Rendered(out, hosts, head, scheduler, warnings, whl.name)
 
 
+def apply_command(out: Path | str) -> str:
+    """The copyable ansible-playbook line for a rendered project, quoted for the shell."""
+    return shell_join(["ansible-playbook", "-i", f"{out}/inventory.yml", f"{out}/site.yml"])
+
+
 def run(cluster: str | None, out: Path, overrides: list[str] | None = None, scheduler: str | None = None,
         wheel: str | None = None) -> int:
     from llmcluster.config.cluster_load import load_cluster
@@ -261,6 +267,5 @@ def run(cluster: str | None, out: Path, overrides: list[str] | None = None, sche
         print(f"llmcluster provision: warning: {w}", file=sys.stderr)
     print(f"provisioned {resolved.spec.name}: {len(r.hosts)} node(s), head {r.head}, scheduler {r.scheduler} "
           f"-> {out}/ (inventory.yml, site.yml, roles/, group_vars/, files/{r.wheel})")
-    apply = shell_join(["ansible-playbook", "-i", f"{out}/inventory.yml", f"{out}/site.yml"])
-    print(f"  apply:  {apply} [--tags os,gpu,fabric,storage,scheduler,container,ml,monitoring]")
+    print(f"  apply:  {apply_command(out)} [--tags os,gpu,fabric,storage,scheduler,container,ml,monitoring]")
     return 0
