@@ -14,12 +14,22 @@ as its consumer would yields exactly the intended value and nothing else changed
 To cover a new renderer, add ONE entry to RENDERERS: `"artefact: field": build`, where `build(value)` renders
 the artefact with `value` in that field the way the command does (through its own validation: a refusal is a
 UserError) and returns `(artefact_text, parse_back)`; `parse_back()` reads the field back out of artefact_text
-as its consumer would and asserts it holds exactly the intended value and that nothing else changed. The
-helpers below do the reading: `script_words` / `check_script` (bash), `sbatch_directives`, `check_yaml` +
-`kubelet` (YAML, Kubernetes). E.g. a serving script's model name:
+as its consumer would and asserts it holds exactly the intended value and that nothing else changed. Three
+makers build such entries from a render function `render(value) -> text` (they also render a benign value once,
+the reference every other line / key must match):
 
-    "serve local: served-model name": lambda v: script_entry(render_serve_script(name=v), "benign-render",
-                                                              lambda words: words[...] == v),
+    # a bash script (serve start's launch.sh / sbatch, the downstream eval sbatch): bash's words of the lines
+    # that carry the value (`differs` picks them in the benign render), asserted by `check(words, value)`
+    "serve local: served-model name": script_entry(lambda v: <render the script with name v>,
+                                                   check=lambda words, v: <assert on bash's words>,
+                                                   differs=lambda line: <the line carries the name>),
+    # an #SBATCH value, read as sbatch reads it (all #SBATCH lines before the first command)
+    "eval sbatch: job name": sbatch_entry(lambda v: <render with v>, "job-name", want=lambda v: v),
+    # YAML (serve's Deployment): the documents loaded, same keys as the benign render; container
+    # command/args/env compared after `kubelet()` expansion
+    "serve k8s: model name": yaml_entry(lambda v: <render with v>, lambda docs, v: <assert on docs>),
+
+`benign=` names a value the field's grammar takes when the word "benign" is not one (a time limit, a duration).
 """
 
 from __future__ import annotations
@@ -300,12 +310,14 @@ def secret_names(lines: list[str]) -> list[list[str]]:
 K8S_FORMS = ("indexed-job", "volcano", "jobset", "pytorchjob")
 
 
-def containers(docs: list) -> list[dict]:
+def pods(docs: list) -> list[dict]:
+    """Every pod spec (a mapping with `containers`) anywhere in the documents."""
     found = []
 
     def walk(o):
         if isinstance(o, dict):
-            found.extend(c for c in o.get("containers", []) if isinstance(c, dict))
+            if isinstance(o.get("containers"), list):
+                found.append(o)
             for v in o.values():
                 walk(v)
         elif isinstance(o, list):
@@ -316,20 +328,8 @@ def containers(docs: list) -> list[dict]:
     return found
 
 
-def pods(docs: list) -> list[dict]:
-    found = []
-
-    def walk(o):
-        if isinstance(o, dict):
-            if "containers" in o:
-                found.append(o)
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, list):
-            for v in o:
-                walk(v)
-    walk(docs)
-    return found
+def containers(docs: list) -> list[dict]:
+    return [c for p in pods(docs) for c in p["containers"]]
 
 
 def k8s_entries(form: str) -> dict[str, Callable]:

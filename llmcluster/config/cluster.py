@@ -327,7 +327,8 @@ class Cost(Section):
     api_usd_per_million_tokens: float | None = Field(None, gt=0)  # a cloud API's price: serving's alternative
 
 
-URL_RE = re.compile(r"https?://[A-Za-z0-9._~:/@+=-]+", re.ASCII)     # a package index: no spaces, quotes or shell characters
+# a package index: no spaces, quotes or shell characters
+URL_RE = re.compile(r"https?://[A-Za-z0-9._~:/@+=-]+", re.ASCII)
 
 
 class Provision(Section):

@@ -23,8 +23,8 @@ from pathlib import Path
 from llmcluster.errors import EXIT_PREEMPTED, UserError
 from llmcluster.launch.scheduler import Scheduler
 from llmcluster.launch.spec import LaunchSpec
-from llmcluster.render import (Program, ShellVar, comment_text, directive_path, directive_value, list_item, shell_export,
-                               shell_join, shell_word)
+from llmcluster.render import (Program, ShellVar, comment_text, directive_path, directive_value, list_item,
+                               shell_export, shell_join, shell_word)
 from llmcluster.train.exit_reason import EXIT_DIR_ENV
 
 JOB_ID = re.compile(r"\d+(?:_\d+)?")

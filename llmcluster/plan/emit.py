@@ -69,7 +69,8 @@ def write_job_config(path: str | Path, plan: PlanSpec, candidate: dict) -> Path:
     out = Path(line_text(path, "--emit-config"))   # before writing: the printed command must be able to name it
     head = (f"# Written by `llmcluster plan --emit-config`: the best layout the planner found for "
             f"{comment_text(plan.model.name or 'this model')} on {plan.cluster.nodes} x {plan.cluster.gpus_per_node} "
-            f"{comment_text(plan.cluster.gpu)}\n# (predicted {candidate['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+            f"{comment_text(plan.cluster.gpu)}"
+            f"\n# (predicted {candidate['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
             f"MFU {candidate['mfu']:.1%}, {candidate['memory_bytes'] / 2**30:.1f} GiB per GPU).\n")
     try:
         out.write_text(head + yaml_text([job_config(plan, candidate)]))

@@ -112,7 +112,8 @@ def pod_template(spec: LaunchSpec, rdzv_endpoint: str, container: str = "trainer
     # the kubelet expands $(VAR) in command, args and env values: ours are K8sRefs, every other '$' is doubled
     log_dir = K8sRef(f"{k.storage_path}/logs/{spec.run}/ranks/$(POD_NAME)")   # both validated: no '$'
     argv = [k8s_text(a) for a in spec.torchrun("python", rdzv_endpoint, spec.run, log_dir, node_rank=node_rank)]
-    env = {n: k8s_text(line_text(v, f"the environment value of {n}")) for n, v in {**spec.rank_env(), **CACHE_ENV}.items()}
+    env = {n: k8s_text(line_text(v, f"the environment value of {n}"))
+           for n, v in {**spec.rank_env(), **CACHE_ENV}.items()}
     resources = {}
     if j.gpus_per_node:
         resources["nvidia.com/gpu"] = str(j.gpus_per_node)
