@@ -701,18 +701,6 @@ def test_ordinary_job_env_values_pass(value):
     assert JobSpec(env={"V": value}).env["V"] == value
 
 
-@pytest.mark.parametrize("uri", ["  http://u:p@mlflow:5000", "postgresql://db/mlflow?password=x",
-                                 "http://mlflow:5000/?api_token=x", "http://tok@mlflow:5000"])
-def test_tracking_uris_with_credentials_are_refused_naming_secret_env(uri):
-    from llmcluster.config.load import validate
-    from llmcluster.config.schema import JobConfig
-
-    with pytest.raises(UserError, match="job.secret_env"):
-        validate({"log": {"mlflow": {"tracking_uri": uri}}}, JobConfig)
-    ok = validate({"log": {"mlflow": {"tracking_uri": " http://mlflow:5000 "}}}, JobConfig)
-    assert ok.log.mlflow.tracking_uri == "http://mlflow:5000"
-
-
 @pytest.mark.parametrize("key,value", [("job.time", "0١:00:00"), ("job.mem_per_node", "4٥G"),
                                        ("job.k8s.shm_size", "1٦Gi"), ("log.metrics_bind", "0.0.0.0:9٤01")])
 def test_non_ascii_digits_are_refused_by_every_job_grammar(key, value):
