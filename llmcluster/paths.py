@@ -8,6 +8,7 @@ checkout does (the checkout's top-level `configs/`, `plans/` and `monitoring/` a
 from __future__ import annotations
 
 import os
+import stat
 from importlib.resources import files
 from pathlib import Path
 
@@ -68,3 +69,54 @@ def locate_shipped(kind: str, ref: str | Path, what: str) -> Path:
 def preset_path(name: str) -> Path | None:
     """The preset job config `name` (llm_tiny, llm_7b, ...), else None."""
     return shipped_file("configs", name)
+
+
+# What a file we write starts with: an existing file is overwritten only if it looks like one of ours.
+SIGNATURES = {".png": b"\x89PNG\r\n\x1a\n", ".prom": b"# HELP llmcluster_"}
+
+
+def check_output_path(path: str | Path, what: str, inside: tuple[str, ...] = ()) -> Path:
+    """Check an output path before any work starts (issue 34); one line (UserError) for each refusal.
+
+    Without `inside`: `path` is a file to write. Its directory must exist and be writable; an existing path
+    is overwritten only if it is a regular file (not a link, not a directory) owned by the caller, with the
+    suffix `path` asks for and the start of a file of ours (SIGNATURES; an empty file passes) - so a typo
+    like `--plot /etc/passwd` or a colleague's file is never replaced.
+    With `inside` (e.g. ("goodput.png",)): `path` is a directory to write those files into. It may be
+    missing (made later, one level: its parent must exist) or a directory; each of the files in it is then
+    checked as above."""
+    p = Path(path).expanduser()
+    if inside:
+        if p.is_symlink() or p.exists():
+            if not p.is_dir():
+                raise UserError(f"{what} {path}: not a directory")
+            for name in inside:
+                check_output_path(p / name, what)
+        elif not p.parent.is_dir():
+            raise UserError(f"{what} {path}: no such directory {p.parent} (make it first)")
+        elif not os.access(p.parent, os.W_OK):
+            raise UserError(f"{what} {path}: cannot create it in {p.parent} (permission denied)")
+        return p
+    if not p.parent.is_dir():
+        raise UserError(f"{what} {path}: no such directory {p.parent} (make it first)")
+    if p.is_symlink() or p.exists():
+        st = p.lstat()
+        if stat.S_ISDIR(st.st_mode):
+            raise UserError(f"{what} {path}: is a directory (give a file name)")
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or not _looks_ours(p, st.st_size):
+            raise UserError(f"{what} {path}: exists and is not a {p.suffix or 'file'} file written by llmcluster; "
+                            "refusing to overwrite it (remove it or choose another path)")
+    if not os.access(p.parent, os.W_OK):
+        raise UserError(f"{what} {path}: cannot write into {p.parent} (permission denied)")
+    return p
+
+
+def _looks_ours(p: Path, size: int) -> bool:
+    sig = SIGNATURES.get(p.suffix)
+    if sig is None:
+        return False      # no suffix we write: not ours
+    try:
+        with open(p, "rb") as f:
+            return size == 0 or f.read(len(sig)) == sig
+    except OSError:
+        return False

@@ -83,7 +83,15 @@ def test_launch_slurm_on_the_seed(capsys, tmp_path):
                 "--set", "job.gpus_per_node=2", "--root", tmp_path)
     assert "#SBATCH --partition=debug" in script and "#SBATCH --gpus-per-node=2" in script
     assert_one_line_error(run_cli("launch", "--cluster", SEED, "--nodes", "9", "--dry-run"),
-                          "job.nodes (9)", "cluster seed has (8)")
+                          "job.nodes (9) is more than the 8 node(s) of cluster 'seed'", str(SEED))
+
+
+def test_too_many_nodes_reads_well_for_a_cluster_named_cluster(capsys, tmp_path):
+    """Issue 34: "is more than cluster cluster has (1)" read as a stutter; the name is quoted, its file named."""
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text(SEED.read_text().replace("name: seed", "name: cluster"))
+    proc = cli_inprocess(capsys, "launch", "--cluster", spec, "--config", "llm_7b", "--nodes", "9", "--dry-run")
+    assert_one_line_error(proc, "the 8 node(s) of cluster 'cluster'", str(spec))
 
 
 @pytest.mark.parametrize("kind", ["indexed-job", "volcano", "jobset", "pytorchjob"])

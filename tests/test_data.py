@@ -108,6 +108,14 @@ def test_missing_dataset_and_existing_name(capsys, tiny_root, tmp_path):
                                         "--tokenizer", "bpe:abc"), "bpe:N")
 
 
+def test_a_bad_dataset_name_is_called_a_dataset_name(capsys, storage, tmp_path):
+    """A dataset is not a run: the refusal names what the user named (issue 34)."""
+    proc = cli_inprocess(capsys, "data", "prepare", "--name", "my data", "--root", storage, "--source", tmp_path,
+                         "--tokenizer", "byte")
+    assert_one_line_error(proc, "invalid dataset name 'my data'")
+    assert "run name" not in proc.stderr
+
+
 def test_sampler_is_deterministic_resumable_and_rank_partitioned(tiny_root):
     from llmcluster.data.dataset import Sampler, open_dataset
 

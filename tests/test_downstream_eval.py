@@ -35,15 +35,17 @@ def test_submits_every_nth_checkpoint_and_the_last(tmp_path, monkeypatch):
     real = downstream.eval_argv
     monkeypatch.setattr(downstream, "eval_argv", lambda *a: stand_in(real(*a)))
     logs = tmp_path / "logs" / "r"
-    d = Downstream(cfg("eval.tasks=[arc_easy, ./my_task.yaml]", "eval.interval_checkpoints=2", "eval.local=true"),
+    task = tmp_path / "my_task.yaml"
+    task.write_text("task: mine\ndataset_path: json\ndoc_to_text: '{{ text }}'\n")
+    d = Downstream(cfg(f"eval.tasks=[arc_easy, {task}]", "eval.interval_checkpoints=2", "eval.local=true"),
                    tmp_path, logs, True, log=lambda s: None, environ={})
     for step, final in ((10, False), (20, False), (30, False), (35, True)):
         d.checkpointed(step, final)
     markers = {m["step"]: m for m in (json.loads(f.read_text()) for f in (logs / "eval" / "pending").glob("*.json"))}
     assert sorted(markers) == [20, 35]
-    argv = real("r", 20, tmp_path, ["arc_easy", "./my_task.yaml"])
+    argv = real("r", 20, tmp_path, ["arc_easy", str(task)])
     assert argv[3:] == ["eval", "--model", "r", "--step", "20", "--root", str(tmp_path),
-                        "--tasks", "arc_easy,./my_task.yaml"]
+                        "--tasks", f"arc_easy,{task}"]
     assert markers[20]["argv"][3:] == argv[3:] and markers[20]["scheduler"] == "local"
     assert pending_steps(logs) == {20, 35}
     # a result line ends step 20's pending state; the end of 35's job ends it too (a failed evaluation)
@@ -62,6 +64,18 @@ def _wait(pred, timeout=10.0):
             return True
         time.sleep(0.05)
     return False
+
+
+def test_a_task_file_that_is_not_data_is_not_submitted(tmp_path):
+    """The same check as `eval --tasks` (issue 32): a Jinja expression in doc_to_text submits no job."""
+    task = tmp_path / "t.yaml"
+    task.write_text("task: t\ndoc_to_text: \"{{ cycler.__init__.__globals__.os.popen('id').read() }}\"\n")
+    said = []
+    d = Downstream(cfg(f"eval.tasks=[{task}]", "eval.local=true"), tmp_path, tmp_path / "logs", True,
+                   log=said.append, environ={})
+    d.checkpointed(10, True)
+    assert not (tmp_path / "logs" / "eval").exists() and not d.procs
+    assert len(said) == 1 and "not submitted" in said[0] and "key 'doc_to_text'" in said[0], said
 
 
 def test_local_scheduler_needs_the_opt_in(tmp_path):
@@ -98,3 +112,41 @@ def test_retention_keeps_a_checkpoint_with_a_pending_evaluation(tmp_path):
 def test_bad_task_names_are_one_line(tmp_path):
     p = run_cli("train", "-c", "llm_tiny", "--root", tmp_path, "--set", "eval.tasks=[--output, x]")
     assert_one_line_error(p, "eval.tasks")
+
+
+def test_the_slurm_job_is_rendered_through_the_boundary(tmp_path, monkeypatch):
+    """render_sbatch/sbatch_argv (pure) are what the Slurm submission writes and runs: a fake sbatch on PATH
+    records its argv; the script's comment cannot be ended by a run name, the command parses back as argv."""
+    import os
+    import shlex
+
+    from llmcluster.errors import UserError
+
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/bash\nprintf '%s\\n' \"$@\" > {tmp_path / 'args'}\necho 4242\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    logs = tmp_path / "lo%gs" / "r"
+    d = Downstream(cfg("eval.tasks=[arc_easy]"), tmp_path, logs, True, log=lambda s: None,
+                   environ={"SLURM_JOB_ID": "1"})
+    d.checkpointed(10, True)
+    script = logs / "eval" / "job-step_10.sh"
+    args = (tmp_path / "args").read_text().splitlines()
+    assert ["sbatch", *args] == downstream.sbatch_argv("r", 10, logs / "eval" / "job-step_10.log", script)
+    assert args[1] == "--job-name=r-eval-10" and args[2] == f"--output={tmp_path}/lo%%gs/r/eval/job-step_10.log"
+    argv = downstream.eval_argv("r", 10, tmp_path, ["arc_easy"])
+    assert script.read_text() == downstream.render_sbatch("r", 10, argv)
+    assert json.loads((logs / "eval" / "pending" / "step_10.json").read_text())["job_id"] == "4242"
+
+    hostile = "r\nid > PWNED\n#\u2028x"
+    word = "$(touch PWNED) `id` 'q\" {{ x }} %s --x"
+    text = downstream.render_sbatch(hostile, 10, [*argv, word])
+    lines = text.splitlines()
+    assert len(lines) == 3 and lines[1].startswith("# llmcluster: downstream evaluation of r\\nid")
+    assert shlex.split(lines[2]) == ["exec", *argv, word]
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    with pytest.raises(UserError, match="line break"):   # an argument cannot hold a line break at all
+        downstream.render_sbatch("r", 10, [*argv, hostile])
+    with pytest.raises(UserError, match="#SBATCH"):
+        downstream.sbatch_argv(hostile, 10, logs / "x.log", script)

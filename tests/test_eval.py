@@ -263,5 +263,7 @@ def test_compare_keeps_each_tasks_newest_scores_per_step_and_endpoint(capsys, tm
     got = [(r["step"], r["endpoint"], {t: v["metrics"]["acc"] for t, v in sorted(r["tasks"].items())})
            for r in json.loads(out.stdout)["rows"]]
     assert got == [(10, None, {"a": 0.3}), (20, None, {"a": 0.1, "b": 0.5}), (20, "http://s", {"a": 0.7})]
-    (logs / "eval.jsonl").write_text("{not json\n")
-    assert_one_line_error(cli_inprocess(capsys, "eval", "--compare", "r", "--root", tmp_path), "not a JSON line")
+    (logs / "eval.jsonl").write_text("{not json\n")   # skipped with a note (tests/test_eval_compare.py): none left
+    out = cli_inprocess(capsys, "eval", "--compare", "r", "--root", tmp_path)
+    assert out.returncode == 2 and "eval.jsonl:1: skipped (not a JSON line)" in out.stderr
+    assert "error:" in out.stderr.strip().splitlines()[-1] and "no evaluation" in out.stderr

@@ -98,7 +98,8 @@ def test_search_70b_on_1024_gpus():
 def test_calibrate_with_bench_records(tmp_path):
     plan = REPO / "plans" / "rtx4090-1b.yaml"
     before = plan_json(plan)
-    assert "Epoch" in before["compute"]["efficiency_source"]
+    # no fit runs on an RTX 4090: the mean of the fitted families' residuals
+    assert "mean of A100/H100 residual" in before["compute"]["efficiency_source"]
     record = {"model_params": 1.0e9, "flops_per_token": 6.4e9, "tokens_per_s_per_device": 14000.0, "mfu": 0.6,
               "peak_tflops": 165.0, "device_name": "NVIDIA GeForce RTX 4090", "precision": "bf16",
               "world_size": 2, "seq_len": 2048, "micro_batch": 4, "parallel": {"activation_checkpoint": "none"}}
@@ -106,7 +107,10 @@ def test_calibrate_with_bench_records(tmp_path):
     bench.write_text(json.dumps(record))
     after = plan_json(plan, "--calibrate", str(bench))
     assert "bench" in after["compute"]["efficiency_source"]
-    assert after["compute"]["efficiency"] == pytest.approx(0.6)
+    # the record's 60% of peak as a residual on the achievable rate (80% of peak without a MAMF figure)
+    # at this shape, capped at 1
+    c = after["compute"]
+    assert c["efficiency"] == pytest.approx(min(1.0, 0.6 / (0.8 * c["gemm_efficiency"])))
     assert after["compute"]["tokens_per_s_per_gpu"] > before["compute"]["tokens_per_s_per_gpu"]
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"mfu": 0.5}))
@@ -115,7 +119,7 @@ def test_calibrate_with_bench_records(tmp_path):
 
 def test_plot_writes_memory_and_cost_charts(tmp_path):
     r = plan_json(REPO / "plans" / "rtx4090-1b.yaml", "--plot", str(tmp_path))
-    for name in ("memory.png", "cost.png"):
+    for name in ("memory.png", "cost.png", "step.png"):
         png = tmp_path / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert str(png) in r["plots"]
@@ -196,3 +200,14 @@ def test_plan_names_its_cluster_file_relative_to_itself(tmp_path):
     data["cluster"] = {"base": "sub/mine.yaml", "nodes": {"count": 1}, "hardware": {"gpus_per_node": 4}}
     plan.write_text(yaml.safe_dump(data))
     assert plan_json(plan)["parallel"]["world"] == 4
+
+
+def test_search_from_a_plan_without_sequence_parallelism_returns_trainable_layouts(tmp_path):
+    plan = write_plan(tmp_path, parallel={"tp": 2, "sequence_parallel": False, "global_batch": 16})
+    r = plan_json(plan, "--search")
+    assert any("sequence parallelism" in g for g in r["parallel"]["trainer_gaps"])
+    from llmcluster.plan.load import load_plan
+    from llmcluster.plan.search import search
+
+    every = search(load_plan(plan), top=10_000)
+    assert any(c["tp"] > 1 for c in every)   # TP layouts are searched, with SP: what the trainer runs

@@ -42,6 +42,25 @@ def test_status_lists_runs_and_latest_complete(tmp_path: Path):
     assert "r1" in table and "step_30" in table
 
 
+def test_status_lists_serving_jobs_apart_from_runs(tmp_path: Path):
+    """Issue 34: a `serve start` job has a logs/<name>/ folder (its job.json says kind serve) but no checkpoints:
+    it is listed as a serving job, not as a run with 0 checkpoints."""
+    import json
+    root = tmp_path / "s"
+    run_cli("storage", "init", "--root", root, check=True)
+    (root / "checkpoints" / "r1" / "step_10").mkdir(parents=True)
+    (root / "logs" / "serve-r1").mkdir(parents=True)
+    (root / "logs" / "serve-r1" / "job.json").write_text(json.dumps(
+        {"run": "serve-r1", "kind": "serve", "scheduler": "local", "job_id": "local-123", "state": "RUNNING",
+         "endpoint": "http://127.0.0.1:8000/v1"}))
+    info = json.loads(run_cli("storage", "status", "--root", root, "--json", check=True).stdout)
+    assert list(info["runs"]) == ["r1"]
+    assert info["serving"] == {"serve-r1": {"scheduler": "local", "job_id": "local-123", "state": "RUNNING",
+                                            "endpoint": "http://127.0.0.1:8000/v1"}}
+    table = run_cli("storage", "status", "--root", root, check=True).stdout
+    assert "serving jobs" in table and table.index("serve-r1") > table.index("serving jobs")
+
+
 def test_unwritable_root_is_one_line(tmp_path: Path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

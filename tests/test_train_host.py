@@ -74,3 +74,14 @@ def test_one_host_read_before_the_optimizer_step(capsys, monkeypatch, tiny_root)
     counting[0] = False
     assert reads == {s: 1 for s in range(1, 7)}, reads
     assert [r["step"] for r in records] == list(range(1, 7)) and all(r["loss"] > 0 for r in records), records
+
+
+@pytest.mark.parametrize("precision, explained", [("bf16", True), ("fp32", False)])
+def test_cpu_16bit_mfu_says_why_it_reads_low(monkeypatch, precision, explained):
+    """Issue 34: bf16 MFU on CPU reads 2-5% of the AMX matmul peak; the start line's peak note says why."""
+    from llmcluster.train import metrics
+
+    monkeypatch.setattr(metrics, "measured_cpu_peak_flops", lambda dtype, threads: 1e12)
+    flops, source = metrics.device_peak_flops(torch.device("cpu"), precision)
+    assert flops == 1e12 and source.startswith(f"measured CPU {precision} matmul peak")
+    assert ("a small model's step reaches a few % of it, docs/training.md" in source) == explained

@@ -66,7 +66,24 @@ def test_storage_on_a_tmp_dir_reports_write_and_read(tmp_path):
         assert a["bytes"] == 16 << 20 and a["write_GBps"] > 0 and a["read_GBps"] > 0 and a["create_per_s"] > 0
         assert a["read_method"] in ("O_DIRECT", "fadvise DONTNEED")
     assert "checkpoints write" in proc.stdout and "GB/s" in proc.stdout
+    # said first (issue 34): a full run writes 2 GiB into each of 5 areas
+    assert proc.stdout.splitlines()[0].startswith(
+        f"storage: will write up to 16 MiB into each of 5 area(s) under {tmp_path / 's'} (80 MiB in all")
     assert not list((tmp_path / "s").rglob(".llmcluster-validate-*"))   # it cleans up after itself
+
+
+def test_validate_all_says_what_storage_will_write_before_it_starts(tmp_path, monkeypatch):
+    """Issue 34: `validate all` wrote 2 GiB per storage area (10 GiB) without a word; the plan line names it."""
+    from collections import namedtuple
+
+    from llmcluster.validate import storage
+
+    run_cli("storage", "init", "--root", tmp_path / "s", check=True)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: usage(1 << 42, 0, 1 << 41))   # 2 TiB free
+    line = storage.write_plan(tmp_path / "s", quick=False)
+    assert "will write up to 2 GiB into each of 5 area(s)" in line and "(10 GiB in all" in line
+    assert "64 MiB into each" in storage.write_plan(tmp_path / "s", quick=True)
 
 
 @pytest.mark.slow

@@ -35,14 +35,16 @@ def register(sub) -> None:
 
 
 def goodput(args) -> int:
-    import json
-    from pathlib import Path
-
+    from llmcluster import records
     from llmcluster.launch import goodput as gp
-    from llmcluster.paths import resolve_storage_root
+    from llmcluster.paths import check_output_path, resolve_storage_root
     from llmcluster.storage.layout import check_run_name
 
-    result = gp.run_goodput(resolve_storage_root(args.root), check_run_name(args.job))
+    run = check_run_name(args.job)
+    # output paths before any work: a missing folder, a folder, someone else's file -> one line, exit 2
+    textfile = check_output_path(args.textfile, "--textfile") if args.textfile else None
+    plot_dir = check_output_path(args.plot, "--plot", inside=(gp.PLOT,)) if args.plot else None
+    result = gp.run_goodput(resolve_storage_root(args.root), run)
     plan = None
     if args.plan:
         from llmcluster.plan.analyse import analyse
@@ -53,11 +55,20 @@ def goodput(args) -> int:
     # beside it: the plan's prediction, else the same model fed with this run's own C, R, MTBF and interval
     label = "plan" if plan else "model"
     plan = plan or result["model"]
-    if args.textfile:
-        gp.write_textfile(result, Path(args.textfile))
-    if args.plot:
-        result["plot"] = str(gp.plot(result, Path(args.plot), plan, label))
-    print(json.dumps(result) if args.json else gp.render(result, plan, label=label))
+    wrote = []
+    if textfile:
+        gp.write_textfile(result, textfile)
+        result["textfile"] = str(textfile)
+        wrote.append(result["textfile"])
+    if plot_dir:
+        result["plot"] = str(gp.plot(result, plot_dir, plan, label))
+        wrote.append(result["plot"])
+    if args.json:   # one JSON object: never NaN/Infinity (a non-finite figure is null)
+        print(records.dumps(result))
+    else:
+        print(gp.render(result, plan, label=label))
+        if wrote:
+            print(f"wrote {', '.join(wrote)}")
     return 0
 
 

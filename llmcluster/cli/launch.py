@@ -65,7 +65,9 @@ def run(args) -> int:
     spec = build_spec(cfg, args, root, cluster.scheduler.kubernetes.host_paths,
                       None if resolved.is_default else cluster.name)
     if "nodes" in cluster.model_fields_set and spec.job.nodes > cluster.node_count:
-        raise UserError(f"job.nodes ({spec.job.nodes}) is more than cluster {cluster.name} has ({cluster.node_count})")
+        # The name quoted and its file named: a cluster.yaml from `cluster init` may be called "cluster".
+        raise UserError(f"job.nodes ({spec.job.nodes}) is more than the {cluster.node_count} node(s) of cluster "
+                        f"{cluster.name!r} ({resolved.source})")
     gpu = args.gpu or (cluster.hardware.gpu if cluster.hardware.gpu != CPU_ONLY else None)
     if gpu and spec.job.gpus_per_node and not args.force and not args.program:  # planner's memory estimate
         from llmcluster.plan.fit import require_fit

@@ -23,12 +23,16 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    import json
-
+    from llmcluster import records
     from llmcluster.plan.analyse import analyse
     from llmcluster.plan.calibration import bench_rows
     from llmcluster.plan.load import load_plan
 
+    if args.plot:   # before any work: a missing folder, a file, someone else's PNG -> one line, exit 2
+        from llmcluster.paths import check_output_path
+        from llmcluster.plan.plots import FILES
+
+        check_output_path(args.plot, "--plot", inside=FILES)
     plan = load_plan(args.file, args.overrides, cluster=args.cluster)
     bench = bench_rows(args.calibrate) if args.calibrate else None
     result = analyse(plan, bench)
@@ -44,8 +48,8 @@ def run(args) -> int:
         from llmcluster.plan.plots import plot
 
         result["plots"] = [str(p) for p in plot(result, args.plot)]
-    if args.json:
-        print(json.dumps(result))
+    if args.json:   # one JSON object, never NaN/Infinity (a non-finite figure is null)
+        print(records.dumps(result))
         return 0
     from llmcluster.plan.report import render, render_search
 

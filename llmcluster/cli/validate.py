@@ -3,6 +3,8 @@ storage, thermal) with PASS/WARN/FAIL/SKIP, a JSON report, plots, and cross-node
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 from llmcluster.cli.common import add_root_arg
@@ -82,4 +84,10 @@ def run(args) -> int:
                    warmup=args.warmup_iters, ops=ops, tune=args.tune, drain=args.drain, max_drain=args.max_drain,
                    spec_path=None if cluster.is_default else cluster.source, seconds=args.seconds,
                    storage_size=parse_size(args.storage_size) if args.storage_size else None)
+    if "storage" in checks and int(os.environ.get("RANK", "0")) == 0:   # said once, before the first check runs
+        from llmcluster.validate.storage import write_plan
+        from llmcluster.validate.run import nodes_writing
+
+        print(write_plan(opts.root, args.quick, opts.storage_size, nodes_writing()),
+              file=sys.stderr if args.json else sys.stdout, flush=True)
     return run_checks(opts)

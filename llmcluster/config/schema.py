@@ -122,6 +122,9 @@ class TrainConfig(Section):
     micro_batch: int = Field(8, ge=1)          # sequences per rank per forward
     grad_accum: int = Field(1, ge=1)           # micro-batches per optimizer step
     global_batch: int | None = Field(None, ge=1)  # if set: must equal micro_batch * grad_accum * dp
+    # A resume at another data-parallel degree keeps the checkpoint's global batch by adjusting grad_accum
+    # (train/batch.py) or is refused; true trains on at this config's global batch instead.
+    allow_batch_change: bool = False
     lr: float = Field(3e-4, ge=0)             # 0: a run that changes nothing (checks an import round trip)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(100, ge=0)
@@ -218,12 +221,40 @@ class MlflowConfig(Section):
     @field_validator("tracking_uri")
     @classmethod
     def _no_credentials(cls, v: str | None) -> str | None:
-        # The config is copied into the launch directory, run.json and every sink: no secret may be in it.
-        if v is not None and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/@]*@.*", v, re.DOTALL):
-            raise ValueError("log.mlflow.tracking_uri must not carry credentials (user:password@): set "
-                             "MLFLOW_TRACKING_USERNAME and "
-                             "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in job.env instead")
-        return v
+        # The config is copied into the launch directory, run.json, train_state.json and every sink: no secret
+        # may be in it. Parsed as MLflow parses it (after strip), so leading blanks do not hide a user:pass@.
+        if v is None:
+            return None
+        where = uri_credential(v)
+        if where:
+            raise ValueError(f"log.mlflow.tracking_uri must not carry credentials ({where}): pass them through "
+                             "job.secret_env (MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
+                             "MLFLOW_TRACKING_TOKEN; a database store: its driver's variable, e.g. PGPASSWORD), "
+                             "taken from the submitting environment and never written to a file")
+        return v.strip()
+
+
+# query keys that carry a secret: whole words of the key (api_key, X-Amz-Signature, sslpassword), any case
+_SECRET_QUERY = re.compile(r"(?:^|[^a-z])(?:password|passwd|pwd|pass|token|secret|key|apikey|accesskey|auth|"
+                           r"authorization|credentials?|sig|signature|sas)(?:$|[^a-z])|password|secret|token",
+                           re.ASCII)
+
+
+def uri_credential(uri: str) -> str | None:
+    """What in a URI is a credential (userinfo, or a query key such as password=), named without its value;
+    None when there is none. An unparsable URI is not one: whatever reads it refuses it later."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    try:
+        parts = urlsplit(uri.strip())
+    except ValueError:
+        return None
+    if "@" in parts.netloc:
+        return "user:password@"
+    for key, _ in parse_qsl(parts.query, keep_blank_values=True):
+        if _SECRET_QUERY.search(key.lower()):
+            return f"the query key {key[:40]!r}"
+    return None
 
 
 class LogConfig(Section):

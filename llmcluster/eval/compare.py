@@ -5,6 +5,8 @@ tokens the model had trained on (its step where the checkpoint is gone)."""
 from __future__ import annotations
 
 import json
+import math
+import sys
 from pathlib import Path
 
 from llmcluster.errors import UserError
@@ -19,20 +21,60 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
     return check_run_name(run), int(step) if sep else None
 
 
+Z95 = 1.96   # a 95% confidence interval of a mean score: ± 1.96 × the stderr the harness reports
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _scores(d) -> bool:
+    return isinstance(d, dict) and all(isinstance(k, str) and _finite(v) for k, v in d.items())
+
+
+def _why_bad(rec) -> str | None:
+    """What makes a line of eval.jsonl not an evaluation record we can show (None: it is one)."""
+    if not isinstance(rec, dict):
+        return "not an object"
+    for key, ok in (("run", lambda v: isinstance(v, str)),
+                    ("step", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)),
+                    ("tokens", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)),
+                    ("endpoint", lambda v: v is None or isinstance(v, str)),
+                    ("backend", lambda v: v is None or isinstance(v, str)),
+                    ("tasks", lambda v: isinstance(v, dict))):
+        if key not in rec and key in ("run", "tasks"):
+            return f"no {key!r}"
+        if not ok(rec.get(key)):
+            return f"{key!r} has the wrong type"
+    for task, t in rec["tasks"].items():
+        if not isinstance(t, dict) or not _scores(t.get("metrics", {})) or not _scores(t.get("stderr", {})):
+            return f"task {str(task)[:60]!r}: scores that are not finite numbers"
+    return None
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
 def read_log(root: Path, run: str) -> list[dict]:
+    """The records of logs/<run>/eval.jsonl; a line that is not one (not JSON, NaN or Infinity, a wrong type, a
+    missing key) is skipped with one note naming the file and line."""
     path = Storage(root).run_logs(run) / EVAL_LOG
     if not path.is_file():
         return []
     out = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            raise UserError(f"{path}:{i}: not a JSON line") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("tasks"), dict):
-            raise UserError(f"{path}:{i}: not an evaluation record")
+        try:   # NaN/Infinity literals are not JSON; 1e400 parses to inf and is caught by _why_bad
+            rec = json.loads(line, parse_constant=_not_json)
+            why = _why_bad(rec)
+        except (ValueError, RecursionError):
+            why = "not a JSON line"
+        if why:
+            print(f"note: {path}:{i}: skipped ({why})", file=sys.stderr)
+            continue
+        rec.setdefault("step", None)
         out.append(rec)
     return out
 
@@ -75,8 +117,9 @@ def table(recs: list[dict]):
         for task, metric in cols:
             t_ = r["tasks"].get(task, {})
             v, se = t_.get("metrics", {}).get(metric), t_.get("stderr", {}).get(metric)
-            cells.append("" if v is None else f"{v:.4f}" + (f" ± {se:.4f}" if isinstance(se, (int, float)) else ""))
+            cells.append("" if v is None else f"{v:.4f}" + (f" ± {Z95 * se:.4f}" if se is not None else ""))
         t.add_row(*cells)
+    t.caption = "± : 95% confidence interval (1.96 × the harness's stderr): differences inside it are noise"
     return t
 
 
@@ -93,19 +136,22 @@ def plot(recs: list[dict], out_dir: Path) -> Path:
     for ax, (task, metric) in zip(axes[:, 0], cols):
         series: dict[str, list] = {}
         for r in recs:
-            v = r["tasks"].get(task, {}).get("metrics", {}).get(metric)
+            t_ = r["tasks"].get(task, {})
+            v, se = t_.get("metrics", {}).get(metric), t_.get("stderr", {}).get(metric)
             x = r.get("tokens") if by_tokens else r.get("step")
             if v is not None and x is not None:
                 label = r["run"] + (f" @ {r['endpoint']}" if r.get("endpoint") else "")
-                series.setdefault(label, []).append((x, v))
+                series.setdefault(label, []).append((x, v, Z95 * se if se is not None else 0.0))
         for label, pts in series.items():
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        ax.set_title(f"{task}: {metric}", fontsize=9)
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
+                        capsize=3, label=label)
+        ax.set_title(f"{task}: {metric} (bars: 95% CI)", fontsize=9)
         ax.set_xlabel("tokens trained on" if by_tokens else "step")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(exist_ok=True)
     path = out_dir / "eval_compare.png"
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -115,12 +161,14 @@ def plot(recs: list[dict], out_dir: Path) -> Path:
 
 def compare_cli(root: str | None, specs: list[str], as_json: bool = False, plot_dir: str | None = None) -> int:
     from llmcluster.console import console
-    from llmcluster.paths import resolve_storage_root
+    from llmcluster.paths import check_output_path, resolve_storage_root
 
+    # before any work (issue 34 item 5): the one output-path check every --plot and --textfile goes through
+    out_dir = check_output_path(plot_dir, "--plot", inside=("eval_compare.png",)) if plot_dir else None
     recs = rows(resolve_storage_root(root), specs)
-    written = plot(recs, Path(plot_dir)) if plot_dir else None
+    written = plot(recs, out_dir) if out_dir else None
     if as_json:
-        print(json.dumps({"rows": recs, "plot": str(written) if written else None}, indent=1))
+        print(json.dumps({"rows": recs, "plot": str(written) if written else None}, indent=1, allow_nan=False))
         return 0
     console().print(table(recs))
     if written:

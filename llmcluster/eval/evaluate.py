@@ -20,7 +20,7 @@ from pathlib import Path
 
 from llmcluster.errors import UserError
 from llmcluster.eval import harness
-from llmcluster.eval.tasks import resolve, write_include_dir
+from llmcluster.eval.tasks import check_harness_tasks, resolve, write_include_dir
 from llmcluster.storage.layout import Storage, check_run_name
 
 EVAL_LOG = "eval.jsonl"
@@ -123,6 +123,10 @@ def evaluate(root: Path, model: str | None = None, step: int | None = None, endp
     if batch_size < 1 or (limit is not None and limit < 1):
         raise UserError("--batch-size and --limit must be at least 1")
     chosen = resolve(tasks)
+    python = None
+    if any(t.yaml_text is None for t in chosen):   # a harness task name: known to it? before an export or a start
+        python = harness.harness_python()
+        check_harness_tasks(chosen, python)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="llmcluster-eval-") as tmp:
         scratch = Path(tmp)
@@ -131,7 +135,7 @@ def evaluate(root: Path, model: str | None = None, step: int | None = None, endp
         cfg = _read_json(target.model_dir / "config.json") or {}
         model_args = harness.model_arguments(target.model_dir, target.endpoint, name,
                                              int(cfg.get("max_position_embeddings") or 2048))
-        python = harness.harness_python()
+        python = python or harness.harness_python()
         log = out / f"harness_{time.strftime('%Y-%m-%dT%H-%M-%S')}.log"   # kept, failed or not
         results_file = harness.run_harness(python, model_args, [t.name for t in chosen],
                                            write_include_dir(chosen, scratch / "tasks"), scratch / "out", log,

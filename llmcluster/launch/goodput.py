@@ -25,12 +25,13 @@ import statistics
 from pathlib import Path
 
 from llmcluster.errors import UserError
-from llmcluster.train.events import EVENTS, read_events
+from llmcluster.train.events import EVENTS, NOOP, read_events
 
 BUCKETS = ("startup", "checkpoint_restore", "checkpoint_save", "eval", "lost_progress", "hang_or_straggler",
            "failure", "other")
 BAR = {"productive": "#", "startup": "s", "checkpoint_restore": "r", "checkpoint_save": "c", "eval": "e",
        "lost_progress": "l", "hang_or_straggler": "h", "failure": "f", "other": "o"}   # the text bar's letters
+PLOT = "goodput.png"   # what --plot DIR writes
 SLOW = 3.0   # a step over this many median steps counts its excess as hang_or_straggler
 _STEP_END = {"step", "eval_start", "save_start", "checkpointed"}   # closes an interval of training at `step`
 _SPANS = {"eval_end": "eval", "save_end": "checkpoint_save", "restore_end": "checkpoint_restore",
@@ -38,11 +39,14 @@ _SPANS = {"eval_end": "eval", "save_end": "checkpoint_save", "restore_end": "che
 
 
 def attempts(events: list[dict]) -> list[list[dict]]:
-    """The run's attempts in order, each its events in time order."""
+    """The run's attempts that could train, in order, each its events in time order. A no-op start (already
+    finished, refused: it says so with a noop_start event) is no attempt: its seconds are neither the job's
+    wall time nor queued time, so re-running a finished run leaves its goodput as it was."""
     by: dict[int, list[dict]] = {}
     for e in events:
         by.setdefault(e["attempt"], []).append(e)
-    return [sorted(by[a], key=lambda e: e["t"]) for a in sorted(by)]
+    return [sorted(by[a], key=lambda e: e["t"]) for a in sorted(by)
+            if not any(e["event"] == NOOP for e in by[a])]
 
 
 def _start_step(att: list[dict]) -> int | None:
@@ -72,7 +76,8 @@ def _step_intervals(att: list[dict]) -> list[float]:
 def goodput(events: list[dict]) -> dict:
     atts = attempts(events)
     if not atts:
-        raise UserError("no events recorded for this run (events.jsonl is written by the trainer's rank 0)")
+        raise UserError("no attempt that trained is recorded for this run (events.jsonl is written by the "
+                        "trainer's rank 0; starts that did nothing are left out)")
     bad = dict.fromkeys(BUCKETS, 0.0)
     productive = wall = queued = 0.0
     step_times = [dt for att in atts for dt in _step_intervals(att)]
@@ -220,7 +225,7 @@ def plot(result: dict, out_dir: Path, plan: dict | None = None, label: str = "pl
     ax.set_ylabel("% of attempts' wall time")
     ax.set_title(f"{result['run']}: goodput")
     ax.legend(fontsize=7)
-    path = out_dir / "goodput.png"
+    path = out_dir / PLOT
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

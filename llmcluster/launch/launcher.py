@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from llmcluster import records
 from llmcluster.errors import UserError
 from llmcluster.launch.scheduler import ACTIVE_STATES, get
 from llmcluster.launch.spec import LaunchSpec
@@ -30,12 +31,37 @@ def write_record(logs: Path, record: dict) -> None:
     os.replace(tmp, logs / RECORD)        # readers never see half a record
 
 
+# job.json's shape (records.py). logs/ is shared and the record user-writable: a record without its run and
+# scheduler is no record; a known field of the wrong type is dropped (read as absent) with one note, so that
+# `jobs status|cancel` never trips over it (a pid that is a string, a port that is a list).
+RECORD_REQUIRED = {"run": records.TEXT, "scheduler": records.TEXT}
+RECORD_OPTIONAL = {"job_id": records.of_type(str, int, what="a string or an integer"), "launch": records.integer(1),
+                   "nodes": records.integer(1), "procs_per_node": records.integer(1),
+                   "world_size": records.integer(1), "pid": records.integer(2), "port": records.integer(1, 65535),
+                   "exit_code": records.integer(), "state": records.TEXT, "kind": records.TEXT,
+                   "artifact": records.TEXT, "submitted_at": records.TEXT, "code_version": records.TEXT,
+                   "cluster": records.TEXT, "endpoint": records.TEXT, "previous_job_ids": records.LIST,
+                   "k8s": records.OBJECT, "slo_ttft_p99_ms": records.number(0)}
+
+
 def read_record(logs: Path) -> dict | None:
+    """logs/<run>/job.json if it is a record of ours (see RECORD_REQUIRED), its ill-typed fields left out."""
+    path = logs / RECORD
     try:
-        rec = json.loads((logs / RECORD).read_text())
-    except (OSError, ValueError):
+        rec = records.loads(path.read_text())
+    except FileNotFoundError:
         return None
-    return rec if isinstance(rec, dict) and isinstance(rec.get("run"), str) else None
+    except (OSError, ValueError, RecursionError) as e:
+        records.note(f"{path}: ignored: {e.strerror if isinstance(e, OSError) else 'not JSON'}")
+        return None
+    why = records.problem(rec, RECORD_REQUIRED)
+    if why:
+        records.note(f"{path}: ignored: {why}")
+        return None
+    bad = records.bad_fields(rec, RECORD_OPTIONAL)
+    if bad:
+        records.note(f"{path}: ignored field(s) {', '.join(bad)}: not of their type")
+    return {k: v for k, v in rec.items() if k not in bad}
 
 
 def refuse_if_active(spec: LaunchSpec, old: dict | None) -> None:

@@ -83,7 +83,11 @@ class Local(Scheduler):
             ours = SERVER_MODULE in cmd and any(a == b"--port" and b == port for a, b in zip(cmd, cmd[1:]))
         else:
             ours = b"torch.distributed.run" in cmd and str(logs / "ranks").encode() in cmd
-        return pid if ours and pid > 1 else None
+        try:   # and it leads its process group (started in a session of its own): killpg reaches only it
+            leader = os.getpgid(pid) == pid
+        except OSError:
+            leader = False
+        return pid if ours and pid > 1 and leader else None
 
     def state(self, logs: Path, rec: dict) -> dict:
         if rec.get("state") == "RUNNING":

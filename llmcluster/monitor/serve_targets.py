@@ -11,7 +11,6 @@ endpoint that is not a plain http URL with a host and a numeric port is skipped 
 from __future__ import annotations
 
 import ipaddress
-import json
 import math
 import re
 import sys
@@ -21,6 +20,7 @@ from urllib.parse import urlsplit
 
 from llmcluster.config.hostlist import HOST_RE
 from llmcluster.errors import UserError
+from llmcluster.launch.launcher import read_record
 from llmcluster.render import line_text, show_value
 
 SERVE_JOB = "llmcluster-serve"
@@ -71,11 +71,8 @@ def from_records(root: Path) -> list[ServeTarget]:
     logs = root / "logs"
     found = []
     for rec_path in sorted(logs.glob("*/job.json")) if logs.is_dir() else []:
-        try:
-            rec = json.loads(rec_path.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(rec, dict) or rec.get("kind") != "serve" or rec.get("state") in ENDED:
+        rec = read_record(rec_path.parent)   # the one reader of job.json: its shape checked
+        if rec is None or rec.get("kind") != "serve" or rec.get("state") in ENDED:
             continue
         name = rec_path.parent.name
         if not _NAME.fullmatch(name):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmcluster.plan.calibration import CalRow, foundry_rows, pick_efficiency
+from llmcluster.plan.calibration import CalRow, pick_efficiency
 from llmcluster.plan.checkpoint import checkpoint
 from llmcluster.plan.comm import plan_links
-from llmcluster.plan.compute import efficiency_for_mfu, flops_per_token, params, step_time
+from llmcluster.plan.compute import StepTime, efficiency_for_mfu, flops_per_token, params, step_time
 from llmcluster.plan.cost import cost
 from llmcluster.plan.memory import count_params, plan_memory
 from llmcluster.plan.network import fat_tree
@@ -18,9 +18,7 @@ from llmcluster.plan.spec import PlanSpec
 def efficiency(plan: PlanSpec, bench: list[CalRow] | None = None) -> tuple[float, str]:
     if plan.training.mfu is not None:
         return efficiency_for_mfu(plan, plan.training.mfu), f"training.mfu = {plan.training.mfu:.1%} (given)"
-    if bench:
-        return pick_efficiency(plan, bench)
-    return pick_efficiency(plan, foundry_rows())
+    return pick_efficiency(plan, bench or [])  # no bench records: the fitted residual
 
 
 def job_overrides(plan: PlanSpec) -> list[str]:
@@ -47,12 +45,9 @@ def analyse(plan: PlanSpec, bench: list[CalRow] | None = None) -> dict[str, Any]
     mem = plan_memory(plan)
     eff, eff_source = efficiency(plan, bench)
     st = step_time(plan, eff)
-    ck = checkpoint(plan, n)
-    goodput = plan.training.goodput or ck.goodput
-    # the same keys as `jobs goodput` measures; a goodput given in the plan leaves its waste unexplained
-    badput = ck.badput if not plan.training.goodput else {**dict.fromkeys(ck.badput, 0.0), "other": 1 - goodput}
-    cluster_tps = st.tokens_per_s_per_gpu * plan.world * goodput
-    wall_s = plan.training.tokens / cluster_tps
+    ck = run_checkpoint(plan, st)
+    goodput, badput = run_goodput(plan, ck)
+    wall_s = run_wall_s(plan, st, goodput)
     gpu_hours = wall_s / 3600 * plan.world
     tree = fat_tree(c)
     links = plan_links(plan)
@@ -81,12 +76,17 @@ def analyse(plan: PlanSpec, bench: list[CalRow] | None = None) -> dict[str, Any]
         "compute": {"step_time_s": st.step_s, "tokens_per_s_per_gpu": st.tokens_per_s_per_gpu,
                     "tflops_per_gpu": st.tflops_per_gpu, "mfu": st.mfu, "efficiency": eff,
                     "efficiency_source": eff_source,
-                    "breakdown_s": {"compute": st.compute_s, "tp_comm": st.tp_s, "dp_comm": st.dp_s,
+                    "gemm_efficiency": st.gemm_efficiency,
+                    # per optimizer step; the terms add up to step_time_s ("compute" = gemm + memory_bound)
+                    "breakdown_s": {"compute": st.compute_s, "gemm": st.gemm_s, "memory_bound": st.memory_s,
+                                    "optimizer": st.optimizer_s, "tp_comm": st.tp_s, "dp_comm": st.dp_s,
                                     "pp_bubble": st.bubble_s, "pp_p2p": st.p2p_s},
                     "links_GBps": {"tp": links.tp.busbw_GBps, "dp": links.dp.busbw_GBps,
                                    "pp": links.pp.busbw_GBps}},
         "time": {"tokens": plan.training.tokens, "goodput": goodput, "wall_s": wall_s,
-                 "days": wall_s / 86400, "gpu_hours": gpu_hours, "badput": badput,
+                 "days": wall_s / 86400, "gpu_hours": gpu_hours,
+                 "gpu_hours_include": ["steps", *(k for k, v in badput.items() if v > 0)],
+                 "productive_gpu_hours": gpu_hours * goodput, "badput": badput,
                  "badput_s": {k: v * wall_s for k, v in badput.items()}},
         "checkpoint": {"size_bytes": ck.size_bytes, "weights_bytes": ck.weights_bytes, "write_s": ck.write_s,
                        "read_s": ck.read_s, "job_mtbf_s": ck.job_mtbf_s,
@@ -108,6 +108,24 @@ def analyse(plan: PlanSpec, bench: list[CalRow] | None = None) -> dict[str, Any]
                                                    for u, row in co.sensitivity.items()},
                  "advice": co.advice, "serving": co.serving},
     }
+
+
+def run_checkpoint(plan: PlanSpec, st: StepTime):
+    """The checkpoint/badput model with this step: evaluation runs forwards of one micro-batch (a third of
+    its compute without recomputation), a failure loses the step in flight."""
+    forward = st.compute_s / (1 + plan.parallel.recomputed_share / 3) / 3 / plan.micro_batches
+    return checkpoint(plan, params(plan.model), st.step_s, forward)
+
+
+def run_goodput(plan: PlanSpec, ck) -> tuple[float, dict[str, float]]:
+    """(goodput, badput by `jobs goodput`'s keys); a goodput given in the plan leaves its waste unexplained."""
+    if plan.training.goodput:
+        return plan.training.goodput, {**dict.fromkeys(ck.badput, 0.0), "other": 1 - plan.training.goodput}
+    return ck.goodput, ck.badput
+
+
+def run_wall_s(plan: PlanSpec, st: StepTime, goodput: float) -> float:
+    return plan.training.tokens / (st.tokens_per_s_per_gpu * plan.world * goodput)
 
 
 def _pue(plan: PlanSpec) -> float:

@@ -1,10 +1,10 @@
-"""Where the compute efficiency comes from: published runs, or `llmcluster bench` records of this cluster.
+"""Where the step model's constants come from: published runs, or `llmcluster bench` records of this cluster.
 
-A published row (llm-foundry's MPT table) is turned into a plan of the same model, cluster and
-parallelism, and `compute.efficiency_for_mfu` finds the efficiency at which our step-time model gives the
-published MFU. A new plan takes the efficiency of the nearest row on the same GPU (by model size, then
-sequence length, then GPU count). `loo_errors` predicts every row from the others: that is the planner's
-known error against published runs (docs/planning.md).
+`fit_step_model` fits the shape curve's `d_half` and the GEMM residual on the *fit* runs only: llm-foundry's
+MPT table (data/calibration.yaml), torchtitan's Llama-3 rows, OPT-175B, TinyLlama and LLaMA-1
+(data/published_runs.yaml); `published_errors` then predicts every run, fit and validation (Llama-2
+7B/13B/70B, BLOOM-176B, which no fitted constant sees), as docs/planning.md reports. Bench records of
+the user's own cluster (`--calibrate`) replace the fitted residual by the nearest record's.
 """
 
 from __future__ import annotations
@@ -12,18 +12,17 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 from llmcluster.config.gpus import match_device_name
 from llmcluster.errors import UserError
-from llmcluster.plan.compute import efficiency_for_mfu, step_time
+from llmcluster.plan.compute import step_time
 from llmcluster.plan.spec import PlanCluster, ModelSpec, ParallelSpec, PlanSpec
-from llmcluster.plan.tables import calibration
+from llmcluster.plan.step_model import RESIDUAL_FAMILY, achievable_tflops, block_gemm_efficiency, fitted, fitted_residual
+from llmcluster.plan.tables import calibration, published_runs
 
 # Where a GPU without rows of its own borrows them: same compute die, or the other memory size.
 FAMILY = {"H200": "H100", "H100": "H200", "A100-40GB": "A100-80GB", "A100-80GB": "A100-40GB"}
-EPOCH_MEDIAN_MFU = 0.375  # Epoch AI: median MFU over 33 published training runs
 
 
 @dataclass(frozen=True)
@@ -50,17 +49,6 @@ def foundry_plan(row: list) -> PlanSpec:
                             fabric=cal["fabric"][gpu]),
         parallel=ParallelSpec(dp_shard=-1, activation_checkpoint="full" if ckpt else "none", micro_batch=micro,
                               global_batch=micro * accum * gpus, memory_convention="fsdp2"))
-
-
-@lru_cache(maxsize=1)
-def foundry_rows() -> tuple[CalRow, ...]:
-    rows = []
-    for row in calibration()["rows"]:
-        model, seq, gpus, gpu, mfu = row[:5]
-        plan = foundry_plan(row)
-        rows.append(CalRow(f"MPT-{model} seq {seq}, {gpus}x {gpu}", gpu, row[10], seq, gpus, mfu / 100,
-                           efficiency_for_mfu(plan, mfu / 100), "llm-foundry", plan.parallel.activation_checkpoint))
-    return tuple(rows)
 
 
 _BENCH_KEYS = ("model_params", "tokens_per_s_per_device", "mfu", "device_name", "world_size", "seq_len")
@@ -105,7 +93,10 @@ def _full(recompute: str) -> bool:
 
 
 def pick_efficiency(plan: PlanSpec, rows: list[CalRow] | tuple[CalRow, ...]) -> tuple[float, str]:
-    """(efficiency, where it came from) for this plan."""
+    """(GEMM residual, where it came from) for this plan: the nearest bench record on the same GPU (or its
+    family), its efficiency (a share of peak) turned into a residual on this plan's achievable, shape-limited
+    matmul rate (conservative: the record's memory-bound time is in its MFU and is counted again); else
+    the fitted residual."""
     from llmcluster.plan.compute import params
 
     gpu = plan.cluster.gpu
@@ -115,19 +106,135 @@ def pick_efficiency(plan: PlanSpec, rows: list[CalRow] | tuple[CalRow, ...]) -> 
             best = min(same, key=lambda r: _distance(r, params(plan.model), plan.model.seq_len, plan.world,
                                                         plan.parallel.activation_checkpoint))
             borrowed = "" if candidate == gpu else f" (borrowed from {candidate})"
-            return best.efficiency, f"{best.source}: {best.label}, MFU {best.mfu:.1%}{borrowed}"
-    return (efficiency_for_mfu(plan, EPOCH_MEDIAN_MFU),
-            f"no calibration for {gpu}: Epoch AI's median MFU {EPOCH_MEDIAN_MFU:.1%}")
+            shape = achievable_tflops(plan) * block_gemm_efficiency(plan.model, plan.parallel.tp, fitted()["d_half"])
+            residual = min(1.0, best.efficiency * plan.cluster.spec.peak_tflops(plan.parallel.precision) / shape)
+            return residual, f"{best.source}: {best.label}, MFU {best.mfu:.1%}{borrowed}"
+    f = fitted()
+    residual, family = fitted_residual(gpu)
+    return residual, (f"step model fitted on {f['fit_runs']} published runs (docs/planning.md): "
+                      f"{family} residual {residual:.2f}, shape d_half {f['d_half']:g}")
 
 
-def loo_errors() -> list[dict]:
-    """Each llm-foundry row predicted from the others (leave-one-out): the planner's known error."""
-    rows = foundry_rows()
+# ---------------------------------------------------------------------------------------------------
+# Published runs: fit and validation
+
+
+@dataclass(frozen=True)
+class Run:
+    label: str
+    role: str          # fit | validate
+    source: str
+    measure: str       # tokens_per_s_per_gpu | tflops_per_gpu | gpu_hours
+    published: float
+    plan: PlanSpec
+
+
+def runs(role: str | None = None) -> list[Run]:
+    """llm-foundry's rows (fit, tokens/s per GPU) and data/published_runs.yaml's, as plans."""
+    from llmcluster.paths import locate_shipped
+    from llmcluster.plan.load import load_plan
+
+    out = [Run(f"MPT-{r[0]} seq {r[1]}, {r[2]}x {r[3]}", "fit", "llm-foundry benchmarking README",
+               "tokens_per_s_per_gpu", float(r[8]), foundry_plan(r)) for r in calibration()["rows"]]
+    for r in published_runs()["runs"]:
+        measure = next(k for k in ("tokens_per_s_per_gpu", "tflops_per_gpu", "gpu_hours") if k in r)
+        if "plan_file" in r:
+            plan = load_plan(locate_shipped("plans", r["plan_file"], "plan"), r.get("set"))
+        else:
+            plan = _inline_plan(r["plan"])
+        out.append(Run(r["label"], r["role"], r["source"], measure, float(r[measure]), plan))
+    return [r for r in out if role is None or r.role == role]
+
+
+def _inline_plan(d: dict) -> PlanSpec:
+    """A run's plan; `tp: fit` is the layout rule for runs that do not state their TP degree: the smallest
+    TP >= 2 dividing the heads at which the plan fits in memory (data/published_runs.yaml)."""
+    from llmcluster.plan.memory import plan_memory
+
+    def make(par: dict) -> PlanSpec:
+        return PlanSpec(model=ModelSpec(**d["model"]), cluster=PlanCluster(**d["cluster"]),
+                        parallel=ParallelSpec(**par), training=d.get("training", {}))
+
+    if d["parallel"].get("tp") != "fit":
+        return make(d["parallel"])
+    heads = ModelSpec(**d["model"]).kv_heads
+    for tp in (t for t in (2, 4, 8) if heads % t == 0):
+        plan = make({**d["parallel"], "tp": tp})
+        if plan_memory(plan).fits or tp == 8:
+            return plan
+    raise UserError(f"published run {d['model']['name']}: no TP degree divides its {heads} kv heads")
+
+
+def predict(run: Run, residual: float) -> float:
+    """The run's published measure as the planner predicts it at this residual."""
+    from llmcluster.plan.analyse import run_checkpoint, run_goodput, run_wall_s
+
+    st = step_time(run.plan, residual)
+    if run.measure == "tokens_per_s_per_gpu":
+        return st.tokens_per_s_per_gpu
+    if run.measure == "tflops_per_gpu":
+        return st.tflops_per_gpu
+    goodput = run_goodput(run.plan, run_checkpoint(run.plan, st))[0]
+    return run_wall_s(run.plan, st, goodput) / 3600 * run.plan.world
+
+
+def _error(run: Run, residual: float) -> float:
+    """Signed relative error of the predicted *time* (GPU-hours, or 1 / throughput) against the published."""
+    p = predict(run, residual)
+    return p / run.published - 1 if run.measure == "gpu_hours" else run.published / p - 1
+
+
+GRID = {"d_half": tuple(range(0, 1025, 32)), "memory_passes": (1.0, 1.5, 2.0, 2.5, 3.0, 4.0),
+        "residual": tuple(x / 100 for x in range(50, 101)), "straggler": tuple(x / 1000 for x in range(0, 31))}
+
+
+def fit_loss(fit: list[Run], d_half: float, memory_passes: float, residual: dict[str, float],
+             straggler: float = 0.0) -> float:
+    from llmcluster.plan import step_model
+
+    step_model._OVERRIDE = {"d_half": d_half, "memory_passes": memory_passes,
+                            "straggler_per_node_doubling": straggler}
+    try:
+        return sum(math.log1p(_error(r, residual[RESIDUAL_FAMILY[r.plan.cluster.gpu]])) ** 2 for r in fit)
+    finally:
+        step_model._OVERRIDE = None
+
+
+def fit_step_model(grid: dict = GRID) -> dict:
+    """Least squares on log time over the fit runs only: the shape curve's d_half and the memory-bound
+    passes (all GPUs) and a GEMM residual per GPU family (RESIDUAL_FAMILY), without stragglers; then the
+    straggler share per node doubling on the end-to-end (GPU-hours) fit runs, the only ones it touches. A
+    grid, not an optimiser: every point reproducible (tests/test_plan_step_model.py checks
+    data/step_model.yaml)."""
+    fit = runs("fit")
+    families = sorted({RESIDUAL_FAMILY[r.plan.cluster.gpu] for r in fit})
+    best = None
+    for d_half in grid["d_half"]:
+        for passes in grid["memory_passes"]:
+            total, residual = 0.0, {}
+            for fam in families:  # the residuals are separable: each family's runs see only their own
+                mine = [r for r in fit if RESIDUAL_FAMILY[r.plan.cluster.gpu] == fam]
+                loss, residual[fam] = min((fit_loss(mine, d_half, passes, {fam: x}), x) for x in grid["residual"])
+                total += loss
+            if best is None or total < best[0]:
+                best = (total, d_half, passes, residual)
+    _, d_half, passes, residual = best
+    end_to_end = [r for r in fit if r.measure == "gpu_hours"]
+    straggler = min(grid["straggler"], key=lambda x: fit_loss(end_to_end, d_half, passes, residual, x))
+    return {"d_half": d_half, "memory_passes": passes, "residual": residual,
+            "straggler_per_node_doubling": straggler, "fit_runs": len(fit)}
+
+
+def published_errors() -> list[dict]:
+    """Every published run predicted with the fitted constants: the planner's known error (docs/planning.md)."""
     out = []
-    for i, (raw, row) in enumerate(zip(calibration()["rows"], rows)):
-        plan = foundry_plan(raw)
-        eff, source = pick_efficiency(plan, rows[:i] + rows[i + 1:])
-        predicted = step_time(plan, eff).mfu
-        out.append({"run": row.label, "published_mfu": row.mfu, "predicted_mfu": predicted,
-                    "error_pp": 100 * (predicted - row.mfu), "from": source})
+    for r in runs():
+        residual = fitted_residual(r.plan.cluster.gpu)[0]
+        st = step_time(r.plan, residual)
+        out.append({"run": r.label, "role": r.role, "source": r.source, "measure": r.measure,
+                    "published": r.published, "predicted": predict(r, residual), "error": _error(r, residual),
+                    "mfu": st.mfu, "breakdown_s": {"gemm": st.gemm_s, "memory_bound": st.memory_s,
+                                                   "optimizer": st.optimizer_s, "tp_comm": st.tp_s,
+                                                   "dp_comm": st.dp_s, "pp_bubble": st.bubble_s,
+                                                   "pp_p2p": st.p2p_s}})
     return out

@@ -30,23 +30,48 @@ class Checkpoint:
     badput: dict[str, float]   # the waste by cause, as fractions of wall time (`jobs goodput`'s keys)
 
 
-def badput_model(write_s: float, read_s: float, restart_s: float, mtbf_s: float, interval_s: float) -> dict[str, float]:
-    """Young/Daly's waste by cause, as fractions of wall time, under `jobs goodput`'s keys: writing
+def badput_model(write_s: float, read_s: float, restart_s: float, mtbf_s: float, interval_s: float,
+                 eval_share: float = 0.0, failure_s: float = 0.0, straggler_share: float = 0.0) -> dict[str, float]:
+    """The waste by cause, as fractions of wall time, under `jobs goodput`'s keys. Young/Daly: writing
     (C/τ), the work lost per failure (τ/2 per M) and the restart R per M, of which reading the checkpoint
-    back is `checkpoint_restore` and the rest `startup`."""
+    back is `checkpoint_restore` and the rest `startup`; per failure also `failure_s` (the step in flight and
+    the time until the failure is noticed) per M; evaluation and stragglers as given shares."""
     return {"startup": max(0.0, restart_s - read_s) / mtbf_s, "checkpoint_restore": min(read_s, restart_s) / mtbf_s,
-            "checkpoint_save": write_s / interval_s, "eval": 0.0, "lost_progress": interval_s / 2 / mtbf_s,
-            "hang_or_straggler": 0.0, "failure": 0.0, "other": 0.0}
+            "checkpoint_save": write_s / interval_s, "eval": eval_share, "lost_progress": interval_s / 2 / mtbf_s,
+            "hang_or_straggler": straggler_share, "failure": failure_s / mtbf_s, "other": 0.0}
 
 
-def checkpoint(plan: PlanSpec, params: float) -> Checkpoint:
+def eval_share(plan: PlanSpec, step_s: float, forward_s: float) -> float:
+    """In-training evaluation (the plan's `eval:` section, the trainer's log.eval_interval / eval_batches):
+    `batches` forwards of one micro-batch every `interval_steps` steps, as a share of wall time."""
+    e = plan.eval
+    spent = e.batches * forward_s
+    return spent / (e.interval_steps * step_s + spent)
+
+
+def straggler_share(plan: PlanSpec) -> float:
+    """The plan's, or the fitted share per doubling of the nodes that wait on each other at every step
+    (one node: none), fitted on the end-to-end fit runs (calibration.fit_step_model)."""
+    if plan.training.straggler_share is not None:
+        return plan.training.straggler_share
+    from llmcluster.plan.step_model import fitted
+
+    return fitted().get("straggler_per_node_doubling", 0.0) * math.log2(plan.cluster.nodes)
+
+
+def checkpoint(plan: PlanSpec, params: float, step_s: float = 0.0, forward_s: float = 0.0) -> Checkpoint:
+    """`step_s`: the optimizer step's time and `forward_s` one micro-batch's forward (evaluation and the
+    step in flight at a failure); 0 leaves those terms out."""
     c = plan.cluster
     size = params * CHECKPOINT_BYTES[plan.parallel.memory_convention]
     write = size / (c.storage_write_GBps * 1e9)
     mtbf = c.node_mtbf_hours * 3600 / c.nodes
     tau = math.sqrt(2 * write * mtbf)
     read = size / (c.storage_read_GBps * 1e9)
-    badput = badput_model(write, read, c.restart_minutes * 60, mtbf, tau)
+    t = plan.training
+    badput = badput_model(write, read, c.restart_minutes * 60, mtbf, tau,
+                          eval_share=eval_share(plan, step_s, forward_s) if step_s else 0.0,
+                          failure_s=step_s / 2 + t.failure_detect_minutes * 60, straggler_share=straggler_share(plan))
     return Checkpoint(size_bytes=size, weights_bytes=params * EXPORT_BYTES, write_s=write, read_s=read,
                       job_mtbf_s=mtbf, optimal_interval_s=tau, goodput=max(0.0, 1 - sum(badput.values())),
                       badput=badput)

@@ -1,10 +1,11 @@
-"""Step time, throughput and MFU: FLOPs over peak x efficiency, plus the communication left exposed.
+"""Step time, throughput and MFU: the step model's compute terms plus the communication left exposed.
 
-    step = compute / efficiency + exposed TP all-reduces + exposed DP/ZeRO traffic + PP bubble + PP sends
+    step = GEMM + memory-bound + optimizer + exposed TP all-reduces + exposed DP/ZeRO traffic + PP bubble + PP sends
 
-`efficiency` is the fraction of peak the matmuls reach while the GPU computes (hardware FLOPs, so
-recomputation counts); it is calibrated by inverting this same model on published runs (llm-foundry's
-table, `calibration.py`) or on `llmcluster bench` records of this very cluster.
+GEMM, memory-bound and optimizer time come from bytes and shapes (`step_model.py`). `efficiency` is the
+residual factor on the GEMMs' achievable rate (the GPU's MAMF x the shape efficiency): fitted once on
+published runs (`calibration.fit_step_model`), or inverted from `llmcluster bench` records of this very
+cluster or from a given `training.mfu`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from llmcluster.model.flops import matmul_params, train_flops_per_token
 from llmcluster.plan.comm import collective_time, plan_links
 from llmcluster.plan.memory import count_params, stage_params
 from llmcluster.plan.spec import ModelSpec, PlanSpec
+from llmcluster.plan.step_model import step_terms
 
 
 def params(m: ModelSpec) -> int:
@@ -41,7 +43,10 @@ def mfu(flops_per_token_: float, tokens_per_s: float, gpus: int, peak_tflops: fl
 @dataclass
 class StepTime:
     step_s: float
-    compute_s: float
+    compute_s: float          # GEMM + memory-bound (what the pipeline bubble idles a share of)
+    gemm_s: float
+    memory_s: float
+    optimizer_s: float
     tp_s: float
     dp_s: float
     bubble_s: float
@@ -50,6 +55,7 @@ class StepTime:
     tflops_per_gpu: float     # model FLOPs (MFU numerator), TFLOP/s
     mfu: float
     efficiency: float
+    gemm_efficiency: float    # the blocks' shape efficiency (fraction of the GPU's achievable matmul rate)
 
 
 def step_time(plan: PlanSpec, efficiency: float) -> StepTime:
@@ -58,10 +64,10 @@ def step_time(plan: PlanSpec, efficiency: float) -> StepTime:
     world, dp, n_micro = plan.world, plan.dp, plan.micro_batches
     tokens_step = plan.global_batch * m.seq_len
     peak = c.spec.peak_tflops(p.precision) * 1e12
-    compute = hardware_flops_per_token(m, p.recomputed_share) * tokens_step / world / (peak * efficiency)
     # The slowest pipeline rank sets the pace (uneven stages: the one with the most blocks).
+    terms = step_terms(plan, hardware_flops_per_token(m, p.recomputed_share), efficiency)
+    compute = terms.gemm_s + terms.memory_s
     layers = max(plan.stage_layer_counts)
-    compute *= layers / (m.n_layers / p.pp)
     per_micro = compute / n_micro
     act_bytes = 2 * m.seq_len * p.micro_batch * m.d_model  # one layer's input/output, 16-bit
 
@@ -96,20 +102,22 @@ def step_time(plan: PlanSpec, efficiency: float) -> StepTime:
     if p.pp > 1:
         v = p.virtual_stages
         bubble = (p.pp - 1) / (v * n_micro) * (compute + tp)
-        sent = act_bytes / p.tp  # sequence parallelism: each TP rank sends its slice
+        sent = act_bytes / p.tp if p.sequence_parallel else act_bytes  # SP: each TP rank sends its slice
         p2p = 2 * n_micro * v * (sent / (links.pp.busbw_GBps * 1e9) + links.pp.latency_s)
 
-    step = compute + tp + dp_s + bubble + p2p
+    step = compute + terms.optimizer_s + tp + dp_s + bubble + p2p
     tps = tokens_step / step / world
     f = flops_per_token(m)
-    return StepTime(step_s=step, compute_s=compute, tp_s=tp, dp_s=dp_s, bubble_s=bubble, p2p_s=p2p,
+    return StepTime(step_s=step, compute_s=compute, gemm_s=terms.gemm_s, memory_s=terms.memory_s,
+                    optimizer_s=terms.optimizer_s, tp_s=tp, dp_s=dp_s, bubble_s=bubble, p2p_s=p2p,
                     tokens_per_s_per_gpu=tps, tflops_per_gpu=f * tps / 1e12, mfu=f * tps / peak,
-                    efficiency=efficiency)
+                    efficiency=efficiency, gemm_efficiency=terms.gemm_efficiency)
 
 
 def efficiency_for_mfu(plan: PlanSpec, target_mfu: float) -> float:
-    """Invert step_time: the efficiency at which this plan reaches `target_mfu` (bisection; MFU rises
-    monotonically with efficiency). Capped at 1: a target the model cannot reach returns 1."""
+    """Invert step_time: the residual at which this plan reaches `target_mfu` (bisection; MFU rises
+    monotonically with it). Capped at 1 (the GPU's achievable matmul rate at this shape): a target the
+    model cannot reach returns 1."""
     lo, hi = 1e-3, 1.0
     if step_time(plan, hi).mfu <= target_mfu:
         return hi

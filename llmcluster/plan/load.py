@@ -29,9 +29,19 @@ def preset_model(name: str) -> dict[str, Any]:
     return dims
 
 
+def preset_eval(name: str) -> dict[str, Any]:
+    """The preset job's in-training eval cadence (log.eval_interval, log.eval_batches), as a plan's `eval:`."""
+    log = read_yaml(preset_path(name), "preset").get("log") or {}
+    keys = {"eval_interval": "interval_steps", "eval_batches": "batches"}
+    return {keys[k]: v for k, v in log.items() if k in keys}
+
+
 def resolve_model(data: dict[str, Any]) -> None:
     """`model: llm_7b` or `model: {preset: llm_7b, seq_len: 4096}` -> explicit dims, in place."""
     model = data.get("model")
+    preset = model if isinstance(model, str) else model.get("preset") if isinstance(model, dict) else None
+    if preset is not None and "eval" not in data:  # the preset job's eval cadence unless the plan gives one
+        data["eval"] = preset_eval(str(preset)) if preset_path(str(preset)) else {}
     if isinstance(model, str):
         data["model"] = preset_model(model)
     elif isinstance(model, dict) and "preset" in model:

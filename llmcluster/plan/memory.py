@@ -200,10 +200,11 @@ class MemoryReport:
 
 
 def checkpointed_layer_bytes(m: ModelSpec, seq: int, micro_batch: int, tp: int, share: float,
-                             flash: bool) -> float:
+                             flash: bool, sequence_parallel: bool = True) -> float:
     """Per-layer activations when a `share` of the blocks is recomputed whole (the trainer's AC: full is
-    share 1, selective every k-th block 1/k); sequence parallelism whenever tp > 1, as the trainer does."""
-    sp = tp > 1
+    share 1, selective every k-th block 1/k); sequence parallelism with tp > 1 unless the plan turns it off
+    (`parallel.sequence_parallel: false`, Megatron's layouts before SP)."""
+    sp = tp > 1 and sequence_parallel
     kept = layer_activation_bytes(m, seq, micro_batch, tp, sp, "none", flash)
     return share * layer_activation_bytes(m, seq, micro_batch, tp, sp, "full", flash) + (1 - share) * kept
 
@@ -212,7 +213,7 @@ def plan_memory(plan: PlanSpec) -> MemoryReport:
     m, c, p = plan.model, plan.cluster, plan.parallel
     pc = count_params(m)
     per_layer = checkpointed_layer_bytes(m, m.seq_len, p.micro_batch, p.tp, p.recomputed_share,
-                                         p.flash_attention)
+                                         p.flash_attention, p.sequence_parallel)
     blocks = plan.stage_layer_counts  # per pp rank: uneven splits allowed
     unit = pc.largest_layer / p.tp if p.memory_convention == "deepspeed" else pc.per_layer / p.tp
     schedule = "interleaved" if p.pp_schedule == "interleaved_1F1B" else "1f1b"

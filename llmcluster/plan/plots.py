@@ -1,9 +1,12 @@
-"""`--plot DIR`: memory breakdown per GPU, and cumulative cost over months (cloud vs on-premise)."""
+"""`--plot DIR`: memory breakdown per GPU, cumulative cost over months (cloud vs on-premise), and where a
+step's time goes (the step model's terms, stacked)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+FILES = ("memory.png", "cost.png", "step.png")   # what --plot DIR writes (checked before any work: paths.check_output_path)
 
 
 def plot(r: dict[str, Any], out_dir: str | Path) -> list[Path]:
@@ -19,19 +22,9 @@ def plot(r: dict[str, Any], out_dir: str | Path) -> list[Path]:
     per = r["memory"]["per_gpu_bytes"]
     parts = ("weights", "gradients", "optimizer", "activations", "buffers")
     fig, ax = plt.subplots(figsize=(6, 4))
-    bottom = 0.0
-    for part in parts:
-        gib = per[part] / 1024**3
-        ax.bar(["per GPU"], [gib], bottom=bottom, label=part)
-        bottom += gib
+    _stacked(ax, "per GPU", [(part, per[part] / 1024**3) for part in parts])
     ax.axhline(r["memory"]["gpu_capacity_bytes"] / 1024**3, color="black", linestyle="--", label="GPU memory")
-    ax.set_ylabel("GiB")
-    ax.set_title(f"{name}: memory per GPU")
-    ax.legend(fontsize=8)
-    mem_path = out / "memory.png"
-    fig.tight_layout()
-    fig.savefig(mem_path, dpi=120)
-    plt.close(fig)
+    mem_path = _save(fig, ax, "GiB", f"{name}: memory per GPU", out / FILES[0])
 
     cs = r["cost"]
     be = cs["break_even_months"]
@@ -44,11 +37,37 @@ def plot(r: dict[str, Any], out_dir: str | Path) -> list[Path]:
     if be and be <= horizon:
         ax.axvline(be, color="grey", linestyle=":", label=f"break-even {be:.0f} months")
     ax.set_xlabel(f"months at {cs['utilisation']:.0%} utilisation")
-    ax.set_ylabel("cumulative cost (M$)")
-    ax.set_title(f"{name}: cloud vs on-premise")
+    cost_path = _save(fig, ax, "cumulative cost (M$)", f"{name}: cloud vs on-premise", out / FILES[1])
+    return [mem_path, cost_path, breakdown_plot(r, out)]
+
+
+def breakdown_plot(r: dict[str, Any], out: Path) -> Path:
+    """step.png: one optimizer step's time stacked by term (compute.breakdown_s, without the "compute" sum)."""
+    import matplotlib.pyplot as plt
+
+    from llmcluster.plan.report import BREAKDOWN
+
+    b, step = r["compute"]["breakdown_s"], r["compute"]["step_time_s"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    _stacked(ax, "one optimizer step", [(f"{label} ({b[key] / step:.0%})", b[key]) for key, label in BREAKDOWN])
+    return _save(fig, ax, "seconds", f"{r['model']['name'] or 'model'}: where the step time goes", out / FILES[2])
+
+
+def _stacked(ax, bar: str, parts: list[tuple[str, float]]) -> None:
+    """One bar of `parts` stacked bottom-up, each its own legend entry."""
+    bottom = 0.0
+    for label, value in parts:
+        ax.bar([bar], [value], bottom=bottom, label=label)
+        bottom += value
+
+
+def _save(fig, ax, ylabel: str, title: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=8)
-    cost_path = out / "cost.png"
     fig.tight_layout()
-    fig.savefig(cost_path, dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return [mem_path, cost_path]
+    return path

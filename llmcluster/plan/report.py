@@ -10,6 +10,10 @@ from rich.table import Table
 from llmcluster.console import console as piped_or_terminal
 
 GB = 1e9
+# compute.breakdown_s's terms, in the order a step spends them ("compute" is gemm + memory_bound)
+BREAKDOWN = (("gemm", "GEMM"), ("memory_bound", "memory-bound ops"), ("optimizer", "optimizer + clipping"),
+             ("tp_comm", "TP comm"), ("dp_comm", "DP comm (exposed)"), ("pp_bubble", "PP bubble"),
+             ("pp_p2p", "PP sends"))
 
 
 def _gib(b: float) -> str:
@@ -66,14 +70,17 @@ def render(r: dict[str, Any], console: Console | None = None) -> None:
         ("total", f"{_gib(per['total'])} of {_gib(me['gpu_capacity_bytes'])}: {fit}")]))
     b = co["breakdown_s"]
     con.print(_table("Compute", [
-        ("step time", f"{co['step_time_s']:,.2f} s (compute {b['compute']:.2f}, TP {b['tp_comm']:.2f}, "
-                      f"DP {b['dp_comm']:.2f}, bubble {b['pp_bubble']:.2f}, p2p {b['pp_p2p']:.2f})"),
+        ("step time", f"{co['step_time_s']:,.2f} s per optimizer step"),
+        *((f"  {label}", f"{b[key]:,.3f} s ({b[key] / co['step_time_s']:.1%})") for key, label in BREAKDOWN),
+        ("GEMM shape efficiency", f"{co['gemm_efficiency']:.1%} of the GPU's achievable matmul rate"),
         ("tokens/s per GPU", f"{co['tokens_per_s_per_gpu']:,.0f}"),
         ("model TFLOP/s per GPU", f"{co['tflops_per_gpu']:,.1f}"),
         ("MFU", f"{co['mfu']:.1%}"),
         ("efficiency from", co["efficiency_source"]),
         ("training", f"{ti['tokens'] / 1e9:,.0f}B tokens: {ti['days']:,.1f} days, "
-                     f"{ti['gpu_hours']:,.0f} GPU-hours (goodput {ti['goodput']:.1%})")]))
+                     f"{ti['gpu_hours']:,.0f} GPU-hours (goodput {ti['goodput']:.1%}: steps + badput below)")]))
+    con.print(_table("Badput (jobs goodput's buckets)", [
+        (k, f"{v:.2%} ({_dur(ti['badput_s'][k])})") for k, v in ti["badput"].items()]))
     con.print(_table("Checkpoint", [
         ("full training state", f"{ck['size_bytes'] / GB:,.1f} GB, written in {_dur(ck['write_s'])}"),
         ("weights only (bf16)", f"{ck['weights_bytes'] / GB:,.1f} GB"),

@@ -8,7 +8,7 @@ split by layer count, config/stages.py) but at most one stage per block; data pa
 TP or PP), FSDP (resharding after forward or not: ZeRO-3 or ZeRO-2-like) or HSDP (sharded inside a node,
 replicated across). The global batch is kept (a training hyper-parameter, not a systems knob). Each
 candidate is costed with the trainer's byte convention (`fsdp2`) and the same memory and step-time model as
-a single plan; the efficiency is looked up once per activation-checkpointing mode.
+a single plan; the GEMM residual is looked up once per activation-checkpointing mode and TP degree.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def search(plan: PlanSpec, bench: list[CalRow] | None = None, top: int = 10) -> 
     base = plan.model_dump()
     tps = [t for t in _divisors(m.n_heads, c.gpus_per_node) if m.kv_heads % t == 0]
     pps = [q for q in range(1, min(64, m.n_layers) + 1) if world % q == 0]
-    eff_cache: dict[str, float] = {}
+    eff_cache: dict[tuple[str, int], float] = {}
     results = []
     for tp, pp in product(tps, pps):
         if world % (tp * pp):
@@ -74,7 +74,8 @@ def search(plan: PlanSpec, bench: list[CalRow] | None = None, top: int = 10) -> 
             par = {**base["parallel"], "dp_replicate": r, "dp_shard": s, "tp": tp, "pp": pp, "pp_schedule": sched,
                    "pp_virtual_stages": v if sched == "interleaved_1F1B" else None, "activation_checkpoint": ac,
                    "ac_every": 2, "fsdp_reshard_after_forward": reshard, "micro_batch": micro,
-                   "grad_accum": accum, "global_batch": gb, "zero": None, "memory_convention": "fsdp2"}
+                   "grad_accum": accum, "global_batch": gb, "zero": None, "memory_convention": "fsdp2",
+                   "sequence_parallel": True}  # the trainer runs TP with SP
             try:
                 cand = PlanSpec.model_validate({**base, "parallel": par})
             except ValidationError:
@@ -84,9 +85,9 @@ def search(plan: PlanSpec, bench: list[CalRow] | None = None, top: int = 10) -> 
             mem = plan_memory(cand)
             if not mem.fits:
                 continue
-            if ac not in eff_cache:
-                eff_cache[ac] = efficiency(cand, bench)[0]
-            st = step_time(cand, eff_cache[ac])
+            if (ac, tp) not in eff_cache:  # a bench record's residual depends on the TP shard's shape
+                eff_cache[ac, tp] = efficiency(cand, bench)[0]
+            st = step_time(cand, eff_cache[ac, tp])
             results.append({"dp_replicate": r, "dp_shard": s, "tp": tp, "pp": pp, "pp_schedule": sched,
                             "pp_virtual_stages": v, "dp": dp, "zero": cand.zero_stage,
                             "activation_checkpoint": ac, "fsdp_reshard_after_forward": reshard,

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from llmcluster.config.cluster import ClusterSpec, Cost, Hardware, Reliability, Topology
 from llmcluster.config.gpus import GPUSpec, gpu_spec
-from llmcluster.config.schema import ModelConfig, check_parallel_keys
+from llmcluster.config.schema import LogConfig, ModelConfig, check_parallel_keys
 from llmcluster.errors import UserError
 
 
@@ -153,6 +153,10 @@ class ParallelSpec(Section):
     global_batch: int | None = Field(None, ge=1)  # sequences per optimizer step; None: micro x accum x dp
     zero: Literal[0, 1, 2, 3] | None = None       # None: what the keys above give (see `zero_stage`)
     flash_attention: bool = True
+    # Sequence parallelism with TP (Korthikanti et al.): norms, dropout and residuals sharded along the sequence.
+    # false: Megatron's layouts before it (TP only; the published no-SP activation figures). Planner-only:
+    # the trainer always runs SP with TP (trainer_gaps says so).
+    sequence_parallel: bool = True
     precision: Literal["bf16", "fp16", "fp8", "fp32"] = "bf16"
     memory_convention: Literal["zero-paper", "megatron", "fsdp2", "deepspeed"] = "zero-paper"
 
@@ -177,6 +181,19 @@ class TrainingSpec(Section):
     tokens: float = Field(1e12, gt=0)
     mfu: float | None = Field(None, gt=0, le=1)        # override the calibrated efficiency model
     goodput: float | None = Field(None, gt=0, le=1)    # override the restart/checkpoint model
+    # Time from a failure to its detection: PyTorch's default NCCL process-group timeout (10 minutes) for
+    # a rank that hangs; a crash is noticed sooner (then lower it).
+    failure_detect_minutes: float = Field(10.0, ge=0)
+    # Slow steps (stragglers, stalled reads, hangs that recover) as a share of wall time. None: the fitted
+    # share per doubling of the nodes (plan/data/step_model.yaml); measure yours with `llmcluster jobs goodput`
+    # (its hang_or_straggler bucket) and set it.
+    straggler_share: float | None = Field(None, ge=0, lt=1)
+
+
+class EvalSpec(Section):
+    """In-training evaluation, as the job config's log.eval_interval / log.eval_batches (their defaults)."""
+    interval_steps: int = Field(LogConfig.model_fields["eval_interval"].default, ge=1)
+    batches: int = Field(LogConfig.model_fields["eval_batches"].default, ge=0)
 
 
 class PlanSpec(Section):
@@ -184,6 +201,7 @@ class PlanSpec(Section):
     cluster: PlanCluster
     parallel: ParallelSpec = ParallelSpec()
     training: TrainingSpec = TrainingSpec()
+    eval: EvalSpec = EvalSpec()
     cost: Cost = Cost()             # the cluster spec's `cost:` (load_plan copies it here)
 
     @model_validator(mode="after")
@@ -284,6 +302,8 @@ class PlanSpec(Section):
         if (m.ffn_type != "swiglu" or m.head_dim not in (None, m.d_model // m.n_heads) or m.dropout
                 or m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2):
             gaps.append("the model is not a Llama shape (SwiGLU, an even head_dim = d_model / n_heads, no dropout)")
+        if p.tp > 1 and not p.sequence_parallel:
+            gaps.append("tp without sequence parallelism (the trainer shards the norms along the sequence)")
         if p.precision not in ("bf16", "fp16", "fp32"):
             gaps.append(f"precision {p.precision}")
         return gaps

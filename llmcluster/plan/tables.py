@@ -30,3 +30,11 @@ def prices(path: str | None = None) -> dict[str, Any]:
     if path is None:
         return bundled
     return {**bundled, **_read(str(Path(path).expanduser()))}
+
+
+def published_runs() -> dict[str, Any]:
+    return _read(str(DATA_DIR / "published_runs.yaml"))
+
+
+def step_model_constants() -> dict[str, Any]:
+    return _read(str(DATA_DIR / "step_model.yaml"))

@@ -14,6 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmcluster import records
 from llmcluster.errors import UserError
 
 AREAS = ("datasets", "checkpoints", "logs", "models", "scratch")
@@ -27,11 +28,12 @@ ABANDONED_PREFIX = ".abandoned-"    # steps set aside by a roll-back or a rewrit
 RESERVED_LOG_DIRS = ("bench",)
 
 
-def check_run_name(name: str) -> str:
+def check_run_name(name: str, what: str = "run") -> str:
+    """A name that becomes a directory under the storage root; `what` names it in the error (run, dataset)."""
     from llmcluster.config.schema import RUN_NAME_RE
 
     if not isinstance(name, str) or not RUN_NAME_RE.fullmatch(name) or ".." in name:
-        raise UserError(f"invalid run name {name!r}: use letters, digits, '.', '_' and '-' "
+        raise UserError(f"invalid {what} name {name!r}: use letters, digits, '.', '_' and '-' "
                         "(no '/', '..', spaces or shell metacharacters)")
     return name
 
@@ -45,7 +47,7 @@ class Storage:
         return self.root / "datasets"
 
     def dataset_dir(self, kind: str, name: str) -> Path:
-        return self.datasets / kind / check_run_name(name)
+        return self.datasets / kind / check_run_name(name, "dataset")
 
     def run_checkpoints(self, run: str) -> Path:
         return self.root / "checkpoints" / check_run_name(run)
@@ -139,11 +141,38 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def read_marker(step_dir: Path) -> dict | None:
+# COMPLETE.json's shape (checkpoint.py writes it): anything else is not a marker of ours, and the step is
+# skipped like an interrupted write - resume falls back to the previous one instead of crashing every requeue.
+MARKER_REQUIRED = {"step": records.integer(0), "files": records.OBJECT}
+MARKER_OPTIONAL = {"bytes": records.integer(0), "world_size": records.integer(1), "attempt": records.TEXT,
+                   "written_s": records.number(0), "time": records.TEXT}
+
+
+def check_marker(step_dir: Path) -> dict | str:
+    """The step's completion marker, or what is wrong with it (missing, not JSON, not of its shape). An
+    unreadable one (EIO, EACCES) raises OSError: the verifier reports it as a read error of that step."""
     try:
-        return json.loads((step_dir / COMPLETE_MARKER).read_text())
-    except (OSError, ValueError):
+        text = (step_dir / COMPLETE_MARKER).read_text()
+    except FileNotFoundError:
+        return "no completion marker (interrupted write)"
+    try:
+        marker = records.loads(text)
+    except (ValueError, RecursionError):
+        return f"{COMPLETE_MARKER} is not JSON"
+    why = records.problem(marker, MARKER_REQUIRED, MARKER_OPTIONAL)
+    m = STEP_DIR_RE.fullmatch(step_dir.name)
+    if why is None and m and marker["step"] != int(m.group(1)):
+        why = f"'step' is {marker['step']}, not the directory's {int(m.group(1))}"
+    return f"{COMPLETE_MARKER} is not a completion marker: {why}" if why else marker
+
+
+def read_marker(step_dir: Path) -> dict | None:
+    """The step's completion marker if it has its shape, else None (unreadable too: EIO, EACCES)."""
+    try:
+        marker = check_marker(step_dir)
+    except OSError:
         return None
+    return marker if isinstance(marker, dict) else None
 
 
 def read_owner(run_dir: Path) -> dict | None:

@@ -34,8 +34,12 @@ def status_dict(root: Path) -> dict:
         size, files = disk_usage(p) if p.is_dir() else (0, 0)
         areas[a] = {"exists": p.is_dir(), "bytes": size, "files": files,
                     "free_bytes": free_bytes(p)}
-    runs = {}
+    runs, serving = {}, {}
     for run in st.runs():
+        record = _serving_record(st, run)
+        if record is not None:
+            serving[run] = {k: record.get(k) for k in ("scheduler", "job_id", "state", "endpoint")}
+            continue
         try:
             steps = st.checkpoint_steps(run)
         except Exception:
@@ -55,7 +59,18 @@ def status_dict(root: Path) -> dict:
                      # steps set aside by a roll-back, a rewrite or a failed verification: never resumed
                      # or pruned; the operator's (listed as .abandoned-<time>/step_<N>)
                      "abandoned": _abandoned(st.run_checkpoints(run))}
-    return {"root": str(root), "areas": areas, "runs": runs}
+    return {"root": str(root), "areas": areas, "runs": runs, "serving": serving}
+
+
+def _serving_record(st: Storage, name: str) -> dict | None:
+    """The job record of a serving job (`serve start`: logs/<name>/job.json, kind serve, no checkpoints): it
+    has a logs folder like a run but is not one, so it is listed apart."""
+    from llmcluster.launch.launcher import read_record
+
+    record = read_record(st.run_logs(name))
+    if not record or record.get("kind") != "serve" or st.run_checkpoints(name).is_dir():
+        return None
+    return record
 
 
 def _dot_dirs(run_dir: Path, prefix: str) -> list[str]:
@@ -105,4 +120,11 @@ def status(root: Path, as_json: bool = False) -> int:
                       ", ".join(v["leftovers"] + v["abandoned"]) or "-",
                       "yes" if v["exported"] else "no")
         c.print(r)
+    if info["serving"]:
+        s = Table(title="serving jobs (logs/<name>/; `jobs status NAME` asks the scheduler)")
+        for col in ("job", "scheduler", "job id", "last recorded state", "endpoint"):
+            s.add_column(col)
+        for name, v in info["serving"].items():
+            s.add_row(name, *(str(v[k] or "-") for k in ("scheduler", "job_id", "state", "endpoint")))
+        c.print(s)
     return 0

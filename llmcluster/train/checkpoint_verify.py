@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from llmcluster.storage.layout import Storage, read_marker, sha256_file
+from llmcluster.storage.layout import Storage, check_marker, sha256_file
 from llmcluster.testing import test_hook
 from llmcluster.train.distributed import control_group
 from llmcluster.train.safe_load import check_data_only, marker_problem
@@ -50,9 +50,9 @@ def _unreadable(name: str, e: OSError) -> str:
 
 
 def _verify_share(step_dir: Path, rank: int, world: int) -> str | None:
-    marker = read_marker(step_dir)
-    if marker is None:
-        return "no completion marker (interrupted write)"
+    marker = check_marker(step_dir)
+    if isinstance(marker, str):   # missing, not JSON, or not a marker's shape ([], "x", {"step": "a"}, NaN)
+        return marker
     problem = marker_problem(step_dir, marker)
     if problem:
         return problem

@@ -5,7 +5,8 @@ pod, else local). On the local scheduler the job shares the training's cores, so
 `eval.local: true`; on Slurm it is an sbatch job of its own; Kubernetes is not supported yet (said once).
 
 A submitted evaluation is pending until `logs/<run>/eval.jsonl` has a line for its step or its job has
-ended: `logs/<run>/eval/pending/step_<N>.json` records it, and checkpoint retention keeps a step whose
+ended: `logs/<run>/eval/pending/step_<N>.json` records it. Its task files are checked as data (eval/taskdata.py)
+before each submission, as `llmcluster eval` checks them again when the job runs, and checkpoint retention keeps a step whose
 evaluation is pending (`pending_steps`). No torch here.
 """
 
@@ -18,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from llmcluster.errors import UserError
+
 PENDING = "pending"
 
 
@@ -25,6 +28,25 @@ def eval_argv(run: str, step: int, root: Path, tasks: list[str] | None) -> list[
     """The evaluation job's command (a list: nothing of the config is ever put through a shell)."""
     argv = [sys.executable, "-m", "llmcluster", "eval", "--model", run, "--step", str(step), "--root", str(root)]
     return argv + (["--tasks", ",".join(tasks)] if tasks else [])
+
+
+def render_sbatch(run: str, step: int, argv: list[str]) -> str:
+    """The evaluation job's batch script (pure: the text only). Every value goes through the rendering boundary:
+    the comment through comment_text (it cannot end the line early), the command through shell_join."""
+    from llmcluster.render import comment_text, shell_join
+
+    return (f"#!/bin/bash\n# llmcluster: downstream evaluation of {comment_text(run)} step {comment_text(step)}\n"
+            f"exec {shell_join(argv)}\n")
+
+
+def sbatch_argv(run: str, step: int, out: Path, script: Path) -> list[str]:
+    """sbatch's command line for the script (pure). The job name is a directive value (its small grammar); the
+    output path an argv element ('%' doubled: sbatch reads %j-style patterns in it); the script positional."""
+    from llmcluster.render import argv_element, directive_value
+
+    return ["sbatch", "--parsable", f"--job-name={directive_value(f'{run}-eval-{step}', 'eval job name')}",
+            f"--output={argv_element(str(out).replace('%', '%%'), 'eval job output')}", "--nodes=1",
+            argv_element(script, "eval job script", positional=True)]
 
 
 def _results_steps(logs: Path) -> set[int]:
@@ -122,6 +144,13 @@ class Downstream:
         self.count += 1
         if self.count % self.cfg.interval_checkpoints and not final:
             return
+        from llmcluster.eval.tasks import resolve
+
+        try:   # task files read as data now (no harness, no torch), so a refused file costs no job
+            resolve(",".join(self.cfg.tasks) if self.cfg.tasks else None)
+        except UserError as e:
+            self.log(f"warning: eval: the evaluation of step {step} is not submitted: {e}")
+            return
         argv = eval_argv(self.run, step, self.root, self.cfg.tasks)
         folder = self.logs / "eval" / PENDING
         folder.mkdir(parents=True, exist_ok=True)
@@ -130,7 +159,7 @@ class Downstream:
                "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         try:
             rec.update(self._submit(argv, out, step))
-        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        except (OSError, subprocess.SubprocessError, RuntimeError, UserError) as e:
             self.log(f"warning: eval: could not submit the evaluation of step {step}: {e}")
             return
         tmp = folder / f".step_{step}.json.tmp"
@@ -145,13 +174,9 @@ class Downstream:
                                      start_new_session=True)
             self.procs.append(p)
             return {"job_id": f"local-{p.pid}", "pid": p.pid}
-        from llmcluster.render import shell_join
-
         script = out.with_suffix(".sh")
-        script.write_text(f"#!/bin/bash\n# llmcluster: downstream evaluation of {self.run} step {step}\n"
-                          f"exec {shell_join(argv)}\n")
-        p = subprocess.run(["sbatch", "--parsable", f"--job-name={self.run}-eval-{step}", f"--output={out}",
-                            "--nodes=1", str(script)], capture_output=True, text=True, timeout=60)
+        script.write_text(render_sbatch(self.run, step, argv))
+        p = subprocess.run(sbatch_argv(self.run, step, out, script), capture_output=True, text=True, timeout=60)
         if p.returncode != 0:
             raise RuntimeError(p.stderr.strip() or f"sbatch exited {p.returncode}")
         return {"job_id": p.stdout.strip().split(";")[0]}

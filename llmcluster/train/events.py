@@ -1,7 +1,8 @@
 """logs/<run>/events.jsonl: the run's own record of where its time went, for `llmcluster jobs goodput`.
 
 Rank 0 appends one line per lifecycle event — attempt_start (the process's start time), restore_start/end,
-init_done, eval_start/end, save_start/end, checkpointed (a checkpoint became durable), exit — plus a `step`
+init_done, eval_start/end, save_start/end, checkpointed (a checkpoint became durable), noop_start (this start
+trains nothing: already finished, or refused after start-up; its reason), exit — plus a `step`
 heartbeat at every step boundary (about 70 bytes a step), so a killed attempt's end is known to a step. Every line has the time, the attempt number (one more than the attempts
 already in the file) and the training step reached. Lifecycle lines are fsynced (a few per checkpoint
 interval); heartbeats are only flushed, which a killed process does not lose.
@@ -16,7 +17,10 @@ import os
 import time
 from pathlib import Path
 
+from llmcluster import records
+
 EVENTS = "events.jsonl"
+NOOP = "noop_start"   # {"reason": ...}: an attempt that trained nothing (jobs goodput leaves it out)
 
 
 def process_start_time() -> float:
@@ -30,22 +34,29 @@ def process_start_time() -> float:
         return time.time()
 
 
-def read_events(path: Path) -> list[dict]:
-    """The well-formed records of an events file (anything else, e.g. a line cut by a crash, is skipped)."""
-    out = []
+# A line's shape (records.py): `jobs goodput` computes with every one of these, so a line without them, or
+# with a non-finite time (1e400 parses as inf), is skipped rather than allowed to crash or poison the sums.
+REQUIRED = {"t": records.number(0), "attempt": records.integer(1), "event": records.TEXT, "step": records.integer(0)}
+OPTIONAL = {"ckpt": records.integer(0), "reason": records.TEXT}
+
+
+def read_events(path: Path, warn=records.note) -> list[dict]:
+    """The records of an events file that have their shape; anything else (a line cut by a crash, a hand
+    edit) is skipped, with one note for the file through `warn` (None: silently)."""
+    return records.read_jsonl(path, REQUIRED, OPTIONAL, warn)
+
+
+def _cut(path: Path) -> bool:
+    """Whether the file's last line lacks its newline (a writer killed mid-line)."""
     try:
-        text = path.read_text(errors="replace")
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
     except OSError:
-        return out
-    for line in text.splitlines():
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        if (isinstance(r, dict) and isinstance(r.get("t"), (int, float)) and isinstance(r.get("attempt"), int)
-                and isinstance(r.get("event"), str) and isinstance(r.get("step", 0), int)):
-            out.append(r)
-    return out
+        return False
 
 
 class EventLog:
@@ -55,12 +66,15 @@ class EventLog:
         self.file = None
         self.attempt = 0
         self.step = 0
+        self.trained = self.noted = False   # a step heartbeat written / a no-op start said
         if not enabled:
             return
         self.path = log_dir / EVENTS
-        self.attempt = 1 + max((r["attempt"] for r in read_events(self.path)), default=0)
+        self.attempt = 1 + max((r["attempt"] for r in read_events(self.path, warn=None)), default=0)
         self.created = not self.path.exists()    # ours to remove again if the run is refused (discard)
         self.file = open(self.path, "a")
+        if not self.created and _cut(self.path):
+            self.file.write("\n")   # a line cut by a crash must not swallow this attempt's first line
         self.emit("attempt_start", t=process_start_time(), pid=os.getpid())
 
     def emit(self, event: str, step: int | None = None, sync: bool = True, t: float | None = None,
@@ -77,17 +91,34 @@ class EventLog:
             os.fsync(self.file.fileno())
 
     def heartbeat(self, step: int) -> None:
+        self.trained = True
         self.emit("step", step, sync=False)
 
-    def discard(self) -> None:
-        """A refused start (bad input) leaves no run folder behind: the file goes if this writer made it."""
+    def noop(self, reason: str) -> None:
+        """This attempt trains nothing (already finished, refused): said once, so that `jobs goodput` leaves
+        it out of the attempts, their wall time and the queued time (issue 34: re-running a finished run
+        must not change its goodput)."""
+        if not self.noted:
+            self.noted = True
+            self.emit(NOOP, reason=" ".join(reason.split())[:300])
+
+    def discard(self, reason: str = "refused") -> None:
+        """A refused start (bad input): a file this writer made goes (no run folder left behind); in a run's
+        existing file the attempt is recorded as a no-op start."""
         created = self.file is not None and self.created
+        if not created:
+            self.noop(reason)
         self.close()
         if created:
             self.path.unlink(missing_ok=True)
 
-    def close(self, reason: str | None = None) -> None:
+    def close(self, reason: str | None = None, detail: str = "") -> None:
+        """`reason`: how the attempt ended (exit_reason's words). A fatal end before any step (a refusal
+        after start-up) makes it a no-op start; a failure or a preemption stays an attempt (its time was
+        spent by the job)."""
         if self.file is not None:
+            if reason == "fatal" and not self.trained:
+                self.noop(detail or "refused before the first step")
             if reason:
                 self.emit("exit", reason=reason)
             self.file.close()

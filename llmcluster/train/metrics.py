@@ -93,5 +93,9 @@ def device_peak_flops(device: torch.device, precision: str) -> tuple[float, str]
             return spec.peak_tflops(key) * 1e12, f"{spec.name} datasheet {key} peak"
         return 0.0, f"unknown GPU {name!r}: no datasheet peak"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    # A 16-bit peak is what AMX / AVX-512 BF16 reach on a large matmul; a small model's step mostly is not that
+    # work, so its MFU reads a few percent (issue 34): said where the figure is printed.
+    why = ("; large matmuls only: a small model's step reaches a few % of it, docs/training.md"
+           if precision != "fp32" else "")
     return measured_cpu_peak_flops(dtype, torch.get_num_threads()), \
-        f"measured CPU {precision} matmul peak ({torch.get_num_threads()} threads, best seen on this machine)"
+        f"measured CPU {precision} matmul peak ({torch.get_num_threads()} threads, best seen on this machine{why})"

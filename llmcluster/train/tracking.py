@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -189,11 +190,11 @@ class MlflowSink(Sink):
         c = self.client
         exp = c.get_experiment_by_name(self.experiment)
         exp_id = exp.experiment_id if exp else c.create_experiment(self.experiment)
-        found = c.search_runs([exp_id], f"tags.`llmcluster.run` = '{self.name}'", max_results=1)
+        found = find_mlflow_run(c, exp_id, self.name)
         tags = {"llmcluster.run": self.name, "code_version": str(info["code_version"]),
                 "package_version": info["package_version"], "dataset_digest": info["dataset_digest"]}
         if found:
-            self.id = found[0].info.run_id
+            self.id = found.info.run_id
             c.update_run(self.id, status="RUNNING")
         else:
             self.id = c.create_run(exp_id, run_name=self.name).info.run_id
@@ -243,6 +244,42 @@ def _safe_id(run: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "-" for c in run)[:64]
 
 
+def find_mlflow_run(client, experiment_id: str, run: str):
+    """The MLflow run tagged `llmcluster.run = run`, or None. MLflow's filter grammar has no escape inside a
+    quoted value (its parser trims the two quotes and keeps the rest, mlflow/utils/search_utils.py
+    _strip_quotes), so a name goes into the filter only when it is a run name of ours (letters, digits and
+    ._-: no quote, backslash or space, check_run_name); the tag is compared again here."""
+    from llmcluster.config.schema import RUN_NAME_RE
+
+    if not isinstance(run, str) or not RUN_NAME_RE.fullmatch(run):
+        return None
+    found = client.search_runs([experiment_id], f"tags.`llmcluster.run` = '{run}'", max_results=10)
+    return next((r for r in found if r.data.tags.get("llmcluster.run") == run), None)
+
+
+def read_own_run_json(log_dir: Path) -> tuple[dict | None, str | None]:
+    """run.json of a run, when it is the caller's own file: (its record, None), else (None, why not). Its
+    config names the tracking URIs `eval` would send the caller's credentials to ($MLFLOW_TRACKING_TOKEN, W&B's
+    key), so a run.json someone else wrote (or a link to one) in a shared logs/ is not followed. Opened once
+    (no link followed) and checked on the open file, so it cannot be swapped between the check and the read."""
+    try:
+        fd = os.open(log_dir / RUN_JSON, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None, None     # not a run of ours (an export from elsewhere): nothing to say
+    except OSError as e:
+        return None, f"{log_dir / RUN_JSON} cannot be read ({e.strerror or e})"
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return None, (f"{log_dir / RUN_JSON} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}): "
+                          "its tracking sinks are not used")
+        try:
+            info = json.loads(f.read())
+        except (OSError, ValueError):
+            return None, f"{log_dir / RUN_JSON} is not JSON"
+    return (info, None) if isinstance(info, dict) else (None, f"{log_dir / RUN_JSON} is not a run record")
+
+
 def mlflow_uri(uri: str | None, root: Path) -> str:
     """The tracking URI: a SQLite file on this node by default. SQLite's locking is unreliable on network
     file systems, so a sqlite store under the (shared) storage root is refused."""
@@ -261,17 +298,20 @@ def mlflow_uri(uri: str | None, root: Path) -> str:
 
 
 # -- the processor ---------------------------------------------------------------------------------
-def log_eval(root: Path, log_dir: Path, record: dict) -> list[str]:
+def log_eval(root: Path, log_dir: Path, record: dict, say=lambda s: print(s, file=sys.stderr)) -> list[str]:
     """`llmcluster eval`'s scores into the sinks the run logs to (its run.json's config says which), as
     eval/<task>/<metric> at the evaluated checkpoint's step: TensorBoard's directory and the MLflow run of the
     training run; on W&B a run of its own (`<run>-eval`, grouped with the training run), because W&B drops a
-    step below the last one logged and evaluations come after training. Returns the sinks written."""
-    from llmcluster.config.schema import LogConfig
+    step below the last one logged and evaluations come after training. Only a run.json the caller owns is
+    followed (read_own_run_json); otherwise one line through `say`. Returns the sinks written."""
+    from llmcluster.config.schema import RUN_NAME_RE, LogConfig
 
+    info, why = read_own_run_json(log_dir)
+    if why:
+        say(f"eval: {why}; the results are in eval.jsonl and the harness's files only")
     try:
-        info = json.loads((log_dir / RUN_JSON).read_text())
         log = LogConfig.model_validate(info["config"]["log"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):   # pydantic's ValidationError is a ValueError
         return []       # not a run of ours (an export from elsewhere, an endpoint): nothing to log to
     step = record.get("step")
     values = {f"eval/{task}/{m}": float(v) for task, r in (record.get("tasks") or {}).items()
@@ -279,6 +319,9 @@ def log_eval(root: Path, log_dir: Path, record: dict) -> list[str]:
     if not isinstance(step, int) or not values:
         return []
     run, done = info.get("run") or log_dir.name, []
+    if not isinstance(run, str) or not RUN_NAME_RE.fullmatch(run):
+        say(f"eval: {log_dir / RUN_JSON} names the run {str(run)[:80]!r}, not a run name: its sinks are not used")
+        return []
     if log.tensorboard:
         tb = TensorBoardSink(log_dir)
         tb.write({"step": step, **values})
@@ -289,10 +332,10 @@ def log_eval(root: Path, log_dir: Path, record: dict) -> list[str]:
 
         sink = MlflowSink(log.mlflow, root, run)
         exp = sink.client.get_experiment_by_name(sink.experiment)
-        found = exp and sink.client.search_runs([exp.experiment_id], f"tags.`llmcluster.run` = '{run}'", max_results=1)
+        found = exp and find_mlflow_run(sink.client, exp.experiment_id, run)
         if found:
             ms = int(time.time() * 1000)
-            sink.client.log_batch(found[0].info.run_id, metrics=[Metric(k, v, ms, step) for k, v in values.items()])
+            sink.client.log_batch(found.info.run_id, metrics=[Metric(k, v, ms, step) for k, v in values.items()])
             done.append("mlflow")
     if log.wandb is not None:
         wandb, c = _import("wandb", "log.wandb"), log.wandb

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import json
 import math
 import os
 import statistics
@@ -32,7 +33,8 @@ from llmcluster.model.llama import cross_entropy_sum
 from llmcluster.paths import resolve_storage_root
 from llmcluster.storage.layout import Storage, sha256_file
 from llmcluster.train import distributed as D
-from llmcluster.train.checkpoint import Checkpointer
+from llmcluster.train.batch import resume_batch
+from llmcluster.train.checkpoint import TRAIN_STATE, Checkpointer
 from llmcluster.train.downstream import Downstream, pending_steps
 from llmcluster.train.gc_cadence import GarbageCollection
 from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
@@ -43,6 +45,7 @@ from llmcluster.train.events import EventLog
 from llmcluster.train.metrics import device_peak_flops, peak_note
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
 from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, loss_context
+from llmcluster.train.resources import require_fit
 from llmcluster.train.pipeline import bubble_fraction, build_pipeline, grad_scaler
 from llmcluster.train import exit_reason
 from llmcluster.train.signals import PreemptionFlag
@@ -77,6 +80,8 @@ class Trainer:
                 f"train.grad_accum ({t.grad_accum}) × data-parallel degree ({self.dp_size})")
         if cfg.data.seq_len > cfg.model.max_seq_len:
             raise UserError("data.seq_len exceeds model.max_seq_len")
+        # Before any allocation or run folder: a job that cannot fit is one line, not an OOM per rank.
+        require_fit(cfg, dims, env.device, env.local_world_size)
 
         # Storage and data first: bad input fails before any expensive work.
         fresh = self.storage.require_run_dirs(cfg.run.name)  # removed again (if still empty) when refused
@@ -91,12 +96,16 @@ class Trainer:
             self._build(resume)
         except BaseException as e:
             self.ckpt.close()
-            self.events.discard() if isinstance(e, UserError) else self.events.close()  # refused: no trace
+            # refused: no trace in a new run, a no-op start in an existing one (not an attempt for goodput)
+            self.events.discard(str(e)) if isinstance(e, UserError) else self.events.close()
             self.storage.remove_if_empty(fresh)
             raise
 
     def _build(self, resume: str) -> None:
         cfg, env, dims, root, t = self.cfg, self.env, self.dims, self.storage.root, self.cfg.train
+        path = self.ckpt.find_resume(resume)
+        if path is not None:  # before the model and the pipeline schedule are built for a grad_accum
+            self._keep_global_batch(json.loads((path / TRAIN_STATE).read_text()))
         self.dataset, sampler = open_training_data(root, cfg.data, cfg.run.seed, verify=env.is_main,
                                                    max_vocab=cfg.model.vocab_size)
         self.sampler = Prefetcher(sampler)  # steps gathered ahead on a thread; position as trained
@@ -127,7 +136,6 @@ class Trainer:
         self.busy_timer = BusyTimer(env.device)   # straggler signal: device time on CUDA, host time on CPU
         self.ckpt.every = cfg.checkpoint.interval_steps  # interval=auto retunes it after each checkpoint
         self.sample_log = SampleLog(self.storage.run_logs(cfg.run.name), env.rank) if cfg.log.sample_log else None
-        path = self.ckpt.find_resume(resume)
         if path is None and t.init_from:  # a checkpoint, when there is one, supersedes the starting weights
             load_hf_weights(self.raw_model, Path(t.init_from))
         if path is not None:
@@ -161,6 +169,16 @@ class Trainer:
     def log(self, text: str) -> None:
         if self.env.is_main:
             self.metrics.message(text) if getattr(self, "metrics", None) else print(text, flush=True)
+
+    def _keep_global_batch(self, state: dict) -> None:
+        """Resuming at another data-parallel degree: the checkpoint's global batch, by accumulation (batch.py)."""
+        t = self.cfg.train
+        accum, self.global_batch, line = resume_batch(state, t, self.dp_size, self.env.world_size)
+        if line:
+            self.notes.append(line)
+        if accum != t.grad_accum:
+            t.grad_accum = accum
+            D.ParallelDims.from_config(self.cfg, self.env.world_size)  # PP's schedule rules on grad_accum
 
     def _check_dataset(self, path: Path, digest: str | None) -> None:
         """Resuming over a dataset rebuilt under the same name would continue the sampler's position in
@@ -202,7 +220,7 @@ class Trainer:
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
                 "bad_steps": self.bad_total, "loss_window": self.spikes.state_dict(),
                 "config": saved_config_dict(self.cfg), "dataset_digest": self.dataset_digest,  # job.env redacted
-                "parallel": self.dims.describe()}
+                "parallel": self.dims.describe(), "global_batch": self.global_batch}
 
     # -- one optimizer step ------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float, bool]:
@@ -297,6 +315,7 @@ class Trainer:
         last_step = min(t.steps, t.stop_at) if t.stop_at else t.steps
         if self.step >= last_step:
             self.log(f"run {cfg.run.name}: already at step {self.step} of {last_step}; nothing to do")
+            self.events.noop(f"already at step {self.step} of {last_step}; nothing to do")
             return 0
         self._announce()
         self.model.train()
@@ -438,8 +457,9 @@ class Trainer:
         for r in slow:
             self.log(f"warning: straggler: rank {r} compute time {times[r]:.3f}s vs median {med:.3f}s")
 
-    def close(self, reason: str | None = None) -> None:
-        """`reason`: how the attempt ended (exit_reason's words), recorded as its last event."""
+    def close(self, reason: str | None = None, detail: str = "") -> None:
+        """`reason`: how the attempt ended (exit_reason's words), recorded as its last event; `detail`: a
+        refusal's message."""
         self.preempt.uninstall()
         self.sampler.close()
         self.ckpt.close()
@@ -447,7 +467,7 @@ class Trainer:
             self.sample_log.close()
         self.metrics.status = {"completed": "FINISHED", "preempted": "PREEMPTED"}.get(reason, "FAILED")
         self.metrics.close()
-        self.events.close(reason)
+        self.events.close(reason, detail)
 
 
 def train_cli(args) -> int:
@@ -455,7 +475,7 @@ def train_cli(args) -> int:
     root = resolve_storage_root(args.root, cfg.run.storage)
     trainer = None
     ok = False
-    reason = "failed"
+    reason, detail = "failed", ""
     try:
         trainer = Trainer(cfg, root, resume=args.resume)
         code = trainer.fit()
@@ -467,7 +487,7 @@ def train_cli(args) -> int:
         exit_reason.write("failed", f"{type(e).__name__}: {e}")
         raise
     except UserError as e:      # bad config, the non-finite-step limit: a requeue would repeat it
-        reason = "fatal"
+        reason, detail = "fatal", str(e)
         exit_reason.write("fatal", str(e))
         raise
     except BaseException as e:  # NCCL timeout, a lost peer, ...: the launcher may requeue
@@ -475,5 +495,5 @@ def train_cli(args) -> int:
         raise
     finally:
         if trainer is not None:
-            trainer.close(reason)
+            trainer.close(reason, detail)
         D.shutdown(barrier=ok)  # after a failure a peer may be gone: no barrier, which could hang or raise

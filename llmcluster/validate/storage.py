@@ -132,6 +132,17 @@ def areas(root: Path) -> list[tuple[str, Path]]:
     return found or [("root", root)]
 
 
+def write_plan(root: Path, quick: bool, size: int | None = None, nodes: int = 1) -> str:
+    """What the storage check will write, said before any check runs: a full `validate` writes 2 GiB into
+    every area (10 GiB on a fresh storage root), which nobody should learn from a full disk."""
+    if not root.is_dir():
+        return f"storage: {root} does not exist: nothing will be written"
+    sizes = [file_size(shutil.disk_usage(p).free, nodes, quick, size) for _, p in areas(root)]
+    return (f"storage: will write up to {fmt_bytes(max(sizes))} into each of {len(sizes)} area(s) under {root} "
+            f"({fmt_bytes(sum(sizes))} in all, one area at a time, removed afterwards; --quick or "
+            "--storage-size SIZE writes less)")
+
+
 def check_storage(root: Path, spec: ValidateSpec, quick: bool, size: int | None = None,
                   nodes: int = 1) -> CheckResult:
     r = CheckResult("storage")
