@@ -618,6 +618,7 @@ def attempt(name: str, value: str) -> str:
         _, parse_back = RENDERERS[name](value)
     except UserError as e:
         assert len(str(e).splitlines()) == 1, f"{name}: the refusal is not one line"
+        assert len(str(e)) < 1000, f"{name}: the refusal echoes the whole value: {str(e)[:300]}"
         return "refused"
     parse_back()
     return "quoted"

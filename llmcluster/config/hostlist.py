@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from llmcluster.errors import UserError
+from llmcluster.render import show_value
 
 # RFC 1123 host names (labels of letters, digits and inner '-', joined by '.'; at most 253 characters) and the
 # characters a hostlist expression may hold: a name goes into slurm.conf, topology.conf, the Ansible inventory
@@ -34,7 +35,7 @@ def expand_hostlist(expr: str) -> list[str]:
     while pos < len(expr):
         m = _PART.match(expr, pos)
         if not m or m.end() == pos:
-            raise UserError(f"cannot parse Slurm node list {expr!r} near {expr[pos:]!r}")
+            raise UserError(f"cannot parse Slurm node list {show_value(expr)} near {show_value(expr[pos:])}")
         prefix, ranges, suffix = m.groups()
         if ranges is None:
             names.append(prefix + suffix)
@@ -42,18 +43,18 @@ def expand_hostlist(expr: str) -> list[str]:
             for item in ranges.split(","):
                 lo, _, hi = item.partition("-")
                 if not _NUMBER.fullmatch(lo) or (hi and not _NUMBER.fullmatch(hi)):
-                    raise UserError(f"bad range {item!r} in Slurm node list {expr!r}")
+                    raise UserError(f"bad range {show_value(item)} in Slurm node list {show_value(expr)}")
                 hi = hi or lo
                 if int(hi) < int(lo):
-                    raise UserError(f"descending range {item!r} in Slurm node list {expr!r}")
+                    raise UserError(f"descending range {show_value(item)} in Slurm node list {show_value(expr)}")
                 width = len(lo)
                 if len(names) + int(hi) - int(lo) + 1 > MAX_HOSTS:
-                    raise UserError(f"Slurm node list {expr!r} names more than {MAX_HOSTS} hosts")
+                    raise UserError(f"Slurm node list {show_value(expr)} names more than {MAX_HOSTS} hosts")
                 names.extend(f"{prefix}{n:0{width}d}{suffix}" for n in range(int(lo), int(hi) + 1))
         pos = m.end()
         if pos < len(expr):
             if expr[pos] != ",":
-                raise UserError(f"cannot parse Slurm node list {expr!r} near {expr[pos:]!r}")
+                raise UserError(f"cannot parse Slurm node list {show_value(expr)} near {show_value(expr[pos:])}")
             pos += 1
     if not names:
         raise UserError("empty Slurm node list")

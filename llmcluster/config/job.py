@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from llmcluster.render import ENV_NAME, has_line_break
+from llmcluster.render import ENV_NAME, has_line_break, show_value
 
 # Slurm accepts MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS; we take the two unambiguous forms.
 # Every grammar here is ASCII ([0-9], not \d: `\d` also matches '٥', which Slurm and Kubernetes do not read as a
@@ -60,7 +60,7 @@ FLIGHT_RECORDER_DIR = "flight_recorder"
 def time_to_seconds(value: str) -> int:
     m = TIME_RE.fullmatch(value)
     if not m:
-        raise ValueError(f"job.time {value!r} must be HH:MM:SS or D-HH:MM:SS")
+        raise ValueError(f"job.time {show_value(value)} must be HH:MM:SS or D-HH:MM:SS")
     d, h, mi, s = (int(x or 0) for x in m.groups())
     return ((d * 24 + h) * 60 + mi) * 60 + s
 
@@ -69,7 +69,7 @@ def _match(regex: re.Pattern, prefix: str, allowed: str):
     """A field validator: the value must match `regex`; the error names the key and what is allowed."""
     def check(cls, v, info):
         if v is not None and not regex.fullmatch(v):
-            raise ValueError(f"{prefix}{info.field_name} {v!r} is not allowed: {allowed}")
+            raise ValueError(f"{prefix}{info.field_name} {show_value(v)} is not allowed: {allowed}")
         return v
     return classmethod(check)
 
@@ -80,7 +80,7 @@ PATH_CHARS = "an absolute path of letters, digits and ._/+- (no spaces, quotes o
 
 def _host_path(p: str) -> str:
     if not PATH_RE.fullmatch(p) or p.rstrip("/") == "" or ".." in p.split("/"):
-        raise ValueError(f"scheduler.kubernetes.host_paths {p!r}: {PATH_CHARS}, not / itself")
+        raise ValueError(f"scheduler.kubernetes.host_paths {show_value(p)}: {PATH_CHARS}, not / itself")
     return p
 
 
@@ -168,7 +168,7 @@ class K8sSpec(BaseModel):
     @classmethod
     def _shm(cls, v):
         if not SHM_RE.fullmatch(v):
-            raise ValueError(f"job.k8s.shm_size {v!r} must be a quantity like 16Gi")
+            raise ValueError(f"job.k8s.shm_size {show_value(v)} must be a quantity like 16Gi")
         return v
 
 
@@ -215,7 +215,7 @@ class JobSpec(BaseModel):
     def _env(cls, v):
         for key, val in v.items():
             if not ENV_KEY_RE.fullmatch(key):
-                raise ValueError(f"job.env key {key!r} is not a valid environment variable name")
+                raise ValueError(f"job.env key {show_value(key)} is not a valid environment variable name")
             if has_line_break(val):
                 raise ValueError(f"job.env.{key}: a newline, carriage return, other line break or NUL is not allowed")
             if SECRET_WORDS & set(key.upper().split("_")):
@@ -229,7 +229,7 @@ class JobSpec(BaseModel):
     def _secrets(cls, v, info):
         for key in v:
             if not ENV_KEY_RE.fullmatch(key):
-                raise ValueError(f"job.secret_env name {key!r} is not a valid environment variable name")
+                raise ValueError(f"job.secret_env name {show_value(key)} is not a valid environment variable name")
         if set(v) & set(info.data.get("env", {})):
             raise ValueError(f"job.secret_env names {sorted(set(v) & set(info.data['env']))} are also in job.env")
         return v

@@ -21,7 +21,7 @@ from llmcluster.config.hostlist import expand_hostlist  # noqa: F401  (re-export
 from llmcluster.errors import UserError
 from llmcluster.monitor.serve_targets import SERVE_JOB, SERVE_LABEL, ServeTarget, scrape_job, scrape_target
 from llmcluster.paths import MONITORING_DIR
-from llmcluster.render import yaml_text
+from llmcluster.render import show_value, yaml_text
 
 RULE_FILES = ("recording.yml", "alerts.yml")
 NODE_JOB = "llmcluster-node"
@@ -163,7 +163,7 @@ def _check_port(name: str, port: int) -> int:
 def check_scrape_flags(port: int, train_port: int | None, train_ports_per_node: int, scrape_interval: str) -> None:
     _check_port("--port", port)
     if not is_duration(scrape_interval):
-        raise UserError(f"--scrape-interval {scrape_interval!r} is not a Prometheus duration (e.g. 15s, 1m)")
+        raise UserError(f"--scrape-interval {show_value(scrape_interval)} is not a Prometheus duration (e.g. 15s, 1m)")
     if train_ports_per_node < 1:
         raise UserError(f"--train-ports-per-node must be >= 1 (got {train_ports_per_node})")
     if train_port is not None:

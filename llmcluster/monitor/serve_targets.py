@@ -99,7 +99,7 @@ def from_flag(endpoints: str) -> list[ServeTarget]:
         target = parse_endpoint(url)
         name = name or target
         if not _NAME.fullmatch(name.replace(":", "_")):
-            raise UserError(f"--serve-endpoints: {name!r} is not a job name (letters, digits, . _ -)")
+            raise UserError(f"--serve-endpoints: {show_value(name)} is not a job name (letters, digits, . _ -)")
         out.append(ServeTarget(name, target))
     if not out:
         raise UserError("--serve-endpoints needs at least one URL, e.g. http://gpu01:8000/v1")
