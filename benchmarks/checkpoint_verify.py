@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from llmcluster.storage.layout import COMPLETE_MARKER, Storage, sha256_file
-from llmcluster.train.checkpoint import Checkpointer, newest_verified_checkpoint
+from llmcluster.checkpoint.checkpointer import Checkpointer, newest_verified_checkpoint
 
 
 def parse_size(s: str) -> int:

@@ -27,7 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 from llmcluster.config.load import load_job_config  # noqa: E402
 from llmcluster.model.flops import param_count  # noqa: E402
 from llmcluster.model.llama import build_model  # noqa: E402
-from llmcluster.train.distributed import native_low_precision  # noqa: E402
+from llmcluster.distributed.process_groups import native_low_precision  # noqa: E402
 from llmcluster.train.optimizer import build_optimizer  # noqa: E402
 from llmcluster.train.parallelize import apply_compile  # noqa: E402
 

@@ -29,7 +29,7 @@ step "3/5 training llm_tiny with $NPROC ranks (gloo, CPU)"
 RUN=$("$VENV/bin/python" - "$CONFIG" "$@" <<'PY'
 import sys, torch
 from llmcluster.config.load import load_job_config
-from llmcluster.train.distributed import precision_note
+from llmcluster.distributed.process_groups import precision_note
 args = sys.argv[2:]
 cfg = load_job_config(sys.argv[1], [a for i, a in enumerate(args) if i and args[i - 1] == "--set"])
 print("precision", precision_note(torch.device("cpu"), cfg.train.precision), file=sys.stderr)
@@ -54,4 +54,6 @@ cat <<MSG
   metrics      $ROOT/logs/$RUN/metrics.jsonl
   model        $ROOT/models/$RUN/   (load with transformers.AutoModelForCausalLM.from_pretrained)
   demo took    $((SECONDS - T0)) s
+next: \`source $VENV/bin/activate\` puts llmcluster on your PATH (or type $LLMC); the README's worked examples
+continue from here, with this storage root ($ROOT) and the run $RUN.
 MSG

@@ -1,4 +1,9 @@
-"""Shared test helpers: run the real CLI in a subprocess, and free TCP ports for torchrun."""
+"""Shared test helpers: run the real CLI in a subprocess, and free TCP ports for torchrun.
+
+Every test states its own world (issue 33): it runs in a working directory of its own (the checkout's tracked
+entries linked in, SHIPPED, so the README's relative paths resolve, but never a `./cluster.yaml` or `./storage`
+a user left in the clone), with no `LLMCLUSTER_*` variable of the caller's
+environment but the engine locations (MACHINE_ENV). A test that wants a variable sets it."""
 
 from __future__ import annotations
 
@@ -11,11 +16,50 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# The checkout's own top-level entries (what git tracks), which the README and the tests name relative to it
+# (configs/llm_tiny.yaml, plans/..., scripts/...); never what a user's steps leave beside them (cluster.yaml, storage/).
+SHIPPED = ("configs", "plans", "clusters", "monitoring", "llmcluster", "scripts", "benchmarks", "docs", "tests",
+           "pyproject.toml", "README.md", "Makefile", "Dockerfile")
+# Where this machine keeps the engines and caches, not a test's state: kept from the caller's environment.
+MACHINE_ENV = ("LLMCLUSTER_VLLM_PYTHON", "LLMCLUSTER_LMEVAL_PYTHON", "LLMCLUSTER_CACHE")
+
+
+def clean_dir(path: Path) -> Path:
+    """`path` as a working directory: the shipped files linked in, nothing else (no cluster.yaml, no storage)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in SHIPPED:
+        if (REPO / name).exists():
+            (path / name).symlink_to(REPO / name)
+    return path
+
+
+def _scrub_env(mp: pytest.MonkeyPatch) -> None:
+    for k in list(os.environ):
+        if k.startswith("LLMCLUSTER_") and k not in MACHINE_ENV:
+            mp.delenv(k)
+    # `python -m llmcluster` from any working directory imports this checkout, installed or not
+    mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_world(tmp_path_factory):
+    """Session fixtures (trained runs, datasets, servers) start in a clean directory and environment too."""
+    with pytest.MonkeyPatch.context() as mp:
+        _scrub_env(mp)
+        mp.chdir(clean_dir(tmp_path_factory.mktemp("session-cwd")))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _own_world(tmp_path_factory, monkeypatch):
+    """Each test in a working directory of its own: what one writes to ./ (cluster init, monitor config -o) no
+    other reads, and the clone's ./cluster.yaml or ./storage reach none."""
+    _scrub_env(monkeypatch)
+    monkeypatch.chdir(clean_dir(tmp_path_factory.mktemp("cwd")))
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("LLMCLUSTER_STORAGE", None)
+    env = dict(os.environ)      # already scrubbed of the caller's LLMCLUSTER_* (_own_world)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -24,8 +68,9 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600,
             check: bool = False) -> subprocess.CompletedProcess:
-    """`python -m llmcluster ARGS` as a user would run it; returns the CompletedProcess (text)."""
-    proc = subprocess.run([sys.executable, "-m", "llmcluster", *map(str, args)], cwd=cwd or REPO,
+    """`python -m llmcluster ARGS` as a user would run it, in the test's own working directory unless `cwd`;
+    returns the CompletedProcess (text)."""
+    proc = subprocess.run([sys.executable, "-m", "llmcluster", *map(str, args)], cwd=cwd or Path.cwd(),
                           env=env or cli_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"llmcluster {' '.join(map(str, args))} -> {proc.returncode}\n"
@@ -99,6 +144,27 @@ def tiny_root(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def fault_data(tmp_path_factory) -> Path:
+    """faultkit's byte-level dataset `t`, made once for the fault-tolerance tests (read only: each test's storage
+    links it in, faultkit.fresh_root)."""
+    from faultkit import make_dataset
+
+    return make_dataset(tmp_path_factory.mktemp("fault-data") / "storage")
+
+
+@pytest.fixture(scope="session")
+def fault_run8(fault_data, tmp_path_factory) -> Path:
+    """A storage root where faultkit's llm-tiny ran 8 steps with checkpoints at 4 and 8: the start of many fault
+    tests, trained once per session; a test copies it (faultkit.copy_run) before it corrupts or resumes it."""
+    from faultkit import fresh_root, sets
+
+    root = fresh_root(fault_data, tmp_path_factory.mktemp("fault-run8"))
+    run_cli("train", "-c", "llm_tiny", "--root", root, *sets(train__steps=8, checkpoint__interval_steps=4),
+            check=True)
+    return root
+
+
 def repo_source_dataset(root: Path, n_files: int) -> Path:
     """Storage at `root` with a byte-level dataset 'src' made from the first `n_files` of this repo's own
     Python files (real code, no vocabulary to train)."""
@@ -124,7 +190,7 @@ def torchrun(nproc: int, *args: str, env: dict | None = None, timeout: float = 6
     """`torchrun --standalone --nproc-per-node N -m llmcluster ARGS` (real processes, gloo on CPU)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            *extra, "-m", "llmcluster", *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=env or cli_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=Path.cwd(), env=env or cli_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def assert_nowhere_under(root: Path, secret: str) -> None:
@@ -188,7 +254,8 @@ def vllm_server(tmp_path_factory):
                              f"{(root / 'logs' / VLLM_JOB / 'server.log').read_text()[-4000:]}")
     url = next(ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("endpoint "))
     print(f"vLLM started and answered in {took:.0f} s", file=sys.stderr)
+    key = (root / "logs" / VLLM_JOB / "api_key").read_text().strip()    # serve start's key (issue 32)
     yield SimpleNamespace(base_url=url, model=VLLM_BASE, lora=VLLM_LORA, export_dir=export,
                           lora_dir=root / "models" / VLLM_LORA, root=root, name=VLLM_JOB, python=python,
-                          start=p, startup_s=took)
+                          start=p, startup_s=took, key=key, headers={"Authorization": f"Bearer {key}"})
     run_cli("jobs", "cancel", VLLM_JOB, "--root", root)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -51,6 +52,13 @@ def fresh_root(data_root: Path, tmp_path: Path) -> Path:
     (r / "datasets").mkdir(parents=True)
     (r / "datasets" / "code").symlink_to(data_root / "datasets" / "code")
     return r
+
+
+def copy_run(src_root: Path, root: Path, run: str = "llm-tiny") -> None:
+    """A trained run (conftest's fault_run8) into `root`, a fresh_root: its checkpoints and records, as if it had
+    trained there (they name no path of their root); the original stays as the next test needs it."""
+    for area in ("checkpoints", "logs"):
+        shutil.copytree(src_root / area / run, root / area / run, symlinks=True)
 
 
 def train_env(**extra: str) -> dict:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.debug import CommDebugMode
 
 from llmcluster.config.load import load_job_config
-from llmcluster.train import distributed as D
+from llmcluster.distributed import process_groups as D
 from llmcluster.train.parallelize import build_parallel_model
 
 cfg = load_job_config("llm_tiny", sys.argv[1:])

@@ -14,7 +14,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 from llmcluster.config.load import load_job_config
 from llmcluster.model.llama import cross_entropy_sum
-from llmcluster.train import distributed as D
+from llmcluster.distributed import process_groups as D
 from llmcluster.train.pipeline import build_pipeline
 
 cfg = load_job_config("llm_tiny", sys.argv[1:])

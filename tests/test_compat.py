@@ -71,7 +71,7 @@ def test_compat_picks_the_calls_this_torch_has():
     from torch.distributed.tensor import distribute_tensor
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from llmcluster.train import compat
+    from llmcluster.distributed import compat
 
     (name,) = compat.ddp_kwargs_without_buffer_sync()
     assert name in inspect.signature(DDP.__init__).parameters
@@ -84,8 +84,8 @@ def test_compat_picks_the_calls_this_torch_has():
 
 _CONTROL_WORKER = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
-    from llmcluster.train import distributed as D
-    from llmcluster.train.checkpoint import _any_rank
+    from llmcluster.distributed import process_groups as D
+    from llmcluster.checkpoint.checkpointer import _any_rank
     rank, path = int(sys.argv[1]), sys.argv[2]
     # `cuda:fake`: the default group has a backend for CUDA tensors only, as `dist.backend: nccl` gives.
     store = dist.FileStore(path, 2)
@@ -176,7 +176,7 @@ def test_gpu_check_pins_the_torch_whose_cuda_build_the_driver_runs(driver, torch
 
 @pytest.mark.parametrize("native", [True, False])
 def test_the_demo_says_which_precision_it_computes_in_and_why(monkeypatch, native):
-    from llmcluster.train import distributed as D
+    from llmcluster.distributed import process_groups as D
 
     monkeypatch.setattr(D, "native_low_precision", lambda device, precision: native)
     note = D.precision_note(torch.device("cpu"), "bf16")
@@ -186,7 +186,7 @@ def test_the_demo_says_which_precision_it_computes_in_and_why(monkeypatch, nativ
 
 _TEARDOWN_WORKER = textwrap.dedent("""
     import sys, time, torch.distributed as dist
-    from llmcluster.train import distributed as D
+    from llmcluster.distributed import process_groups as D
     dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
     if sys.argv[2] == "hang":  # stands in for torch 2.6's rare hang in a gloo destructor (not reproducible at will)
         dist.destroy_process_group = lambda: time.sleep(600)
@@ -214,7 +214,7 @@ def test_teardown_in_process_under_a_captured_stderr(tmp_path, capsys):
     """The watchdog needs a file descriptor; pytest's (or a notebook's) sys.stderr has none."""
     import torch.distributed as dist
 
-    from llmcluster.train import distributed as D
+    from llmcluster.distributed import process_groups as D
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     D.shutdown()
@@ -224,7 +224,7 @@ def test_teardown_in_process_under_a_captured_stderr(tmp_path, capsys):
 _LEAVE_WORKER = textwrap.dedent("""
     import atexit, sys, torch.distributed as dist
     from llmcluster.cli import leave_past_distributed_teardown
-    from llmcluster.train import distributed as D
+    from llmcluster.distributed import process_groups as D
     atexit.register(lambda: print("finalized"))
     if sys.argv[2] == "group":
         dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)

@@ -92,7 +92,7 @@ def test_batch_not_divisible_by_data_parallel_degree(capsys, tiny_root):
 
 def test_mesh_degrees_must_match_world_size():
     with pytest.raises(UserError, match="world size"):
-        from llmcluster.train.distributed import ParallelDims
+        from llmcluster.distributed.process_groups import ParallelDims
 
         ParallelDims.from_config(load_job_config("llm_tiny", ["parallel.dp_replicate=3"]), 2)
 

@@ -18,7 +18,7 @@ from conftest import assert_one_line_error, run_cli
 from llmcluster.config import load_job_config
 from llmcluster.storage.layout import Storage
 from llmcluster.train import downstream
-from llmcluster.train.checkpoint import Checkpointer
+from llmcluster.checkpoint.checkpointer import Checkpointer
 from llmcluster.train.downstream import Downstream, pending_steps
 
 

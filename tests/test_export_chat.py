@@ -76,7 +76,7 @@ def test_engine_warnings_before_launch(tmp_path, chat_export):
     """What vLLM's CPU engine accepts at start and fails (or silently changes) on the first request is said
     before launch: a head dim its kernel lacks, sampling defaults in generation_config.json, no chat template."""
     from llmcluster.serve.engine_check import engine_warnings
-    from llmcluster.serve.model import from_directory
+    from llmcluster.plan.served_model import from_directory
 
     assert engine_warnings(from_directory(chat_export), cpu=True) == []   # head dim 32, greedy, a template
     old = tmp_path / "old"

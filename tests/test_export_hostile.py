@@ -79,7 +79,7 @@ def test_metadata_and_train_state_agreeing_on_a_huge_model_are_refused(capsys, t
 
     import torch
 
-    from llmcluster.train.safe_load import read_metadata_file
+    from llmcluster.checkpoint.safe_load import read_metadata_file
 
     root = tmp_path / "copy"
     shutil.copytree(trained, root, symlinks=True)

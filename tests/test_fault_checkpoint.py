@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from faultkit import assert_same_weights, fresh_root, make_dataset, model_tensors, sets
+from faultkit import assert_same_weights, copy_run, fresh_root, model_tensors, sets
 from llmcluster.cli import main
 from llmcluster.storage.layout import COMPLETE_MARKER
 from llmcluster.train.health import young_daly_steps
 
 
 @pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("fault") / "storage")
+def data_root(fault_data):
+    return fault_data
 
 
 @pytest.fixture
@@ -40,9 +40,8 @@ def ckpts(root, run="llm-tiny"):
     return root / "checkpoints" / run
 
 
-def test_corrupt_newest_checkpoint_falls_back_with_warning(capsys, root):
-    code, out, err = train(capsys, root, train__steps=8, checkpoint__interval_steps=4)
-    assert code == 0, err
+def test_corrupt_newest_checkpoint_falls_back_with_warning(capsys, root, fault_run8):
+    copy_run(fault_run8, root)     # trained 8 steps, checkpoints 4 and 8
     reference = model_tensors(ckpts(root) / "step_8")
     shard = next((ckpts(root) / "step_8").glob("*.distcp"))
     data = bytearray(shard.read_bytes())
@@ -58,9 +57,8 @@ def test_corrupt_newest_checkpoint_falls_back_with_warning(capsys, root):
     assert all(torch.equal(reference[k], again[k]) for k in reference)
 
 
-def test_export_skips_a_corrupt_newest_checkpoint_and_refuses_it_by_name(capsys, root):
-    code, out, err = train(capsys, root, train__steps=8, checkpoint__interval_steps=4)
-    assert code == 0, err
+def test_export_skips_a_corrupt_newest_checkpoint_and_refuses_it_by_name(capsys, root, fault_run8):
+    copy_run(fault_run8, root)     # trained 8 steps, checkpoints 4 and 8
     shard = next((ckpts(root) / "step_8").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-16])  # truncated
     assert main(["export", "--run", "llm-tiny", "--root", str(root)]) == 0
@@ -75,7 +73,7 @@ def test_export_skips_a_corrupt_newest_checkpoint_and_refuses_it_by_name(capsys,
 
 def test_retention_keeps_last_k_and_milestones_and_never_the_newest_before_a_newer_is_complete(tmp_path):
     from llmcluster.storage.layout import Storage
-    from llmcluster.train.checkpoint import Checkpointer
+    from llmcluster.checkpoint.checkpointer import Checkpointer
 
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -104,7 +102,7 @@ def test_async_checkpoints_are_complete_and_match_sync_bitwise(capsys, root, tmp
                            run__name="async")
     assert code == 0, err
     assert "step_4: writing in the background" in out
-    from llmcluster.train.checkpoint import verify_checkpoint
+    from llmcluster.checkpoint.checkpointer import verify_checkpoint
 
     for s in (4, 8, 12):
         assert verify_checkpoint(ckpts(root, "async") / f"step_{s}") is None
@@ -124,7 +122,7 @@ def test_async_saves_stage_into_one_set_of_host_buffers(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from llmcluster.storage.layout import Storage
-    from llmcluster.train.checkpoint import Checkpointer
+    from llmcluster.checkpoint.checkpointer import Checkpointer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
@@ -190,7 +188,7 @@ def test_injected_nan_steps_are_skipped_then_stop_after_max_bad_steps(capsys, ro
     lines = [ln for ln in err.strip().splitlines() if not ln.startswith("WARNING: test hook")]
     assert len(lines) == 1 and "stopping: 3 non-finite steps in a row at step 4" in lines[0]
     # skipped steps leave the weights as they were: the checkpoints up to the stop are intact and resumable
-    from llmcluster.train.checkpoint import verify_checkpoint
+    from llmcluster.checkpoint.checkpointer import verify_checkpoint
     assert verify_checkpoint(ckpts(root, "nan") / "step_3") is None and not (ckpts(root, "nan") / "step_4").exists()
 
 
@@ -268,6 +266,6 @@ def test_full_disk_keeps_previous_checkpoint_and_says_how_much_space(capsys, roo
     code, out, err = train(capsys, root, train__steps=4, checkpoint__interval_steps=2, checkpoint__keep_last=2)
     _one_line(code, err, "disk full writing checkpoint step_4", "the previous checkpoint is intact")
     assert re.search(r"it needs about 1\.\d MB, 0\.\d MB free", err), err
-    from llmcluster.train.checkpoint import verify_checkpoint
+    from llmcluster.checkpoint.checkpointer import verify_checkpoint
     assert verify_checkpoint(tiny_fs / "step_2") is None
     assert not (tiny_fs / "step_4").exists() and not list(tiny_fs.glob(".tmp-step_4*"))

@@ -18,7 +18,7 @@ import pytest
 from faultkit import (REPO, assert_same_weights, make_dataset, sets, torchrun_cmd, train_env, wait_for)
 from llmcluster.cli import main
 from llmcluster.errors import EXIT_PREEMPTED
-from llmcluster.train.checkpoint import verify_checkpoint
+from llmcluster.checkpoint.checkpointer import verify_checkpoint
 
 
 @pytest.fixture(scope="module")

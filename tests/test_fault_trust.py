@@ -21,15 +21,15 @@ import pytest
 import torch
 
 from conftest import REPO
-from faultkit import cli_cmd, fresh_root, make_dataset, run, sets, torchrun_cmd, train_env, wait_for
+from faultkit import cli_cmd, copy_run, fresh_root, run, sets, torchrun_cmd, train_env, wait_for
 from llmcluster.cli import main
 from llmcluster.storage.layout import COMPLETE_MARKER, OWNER_LOCK
-from llmcluster.train.checkpoint import verify_checkpoint
+from llmcluster.checkpoint.checkpointer import verify_checkpoint
 
 
 @pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("trust") / "storage")
+def data_root(fault_data):
+    return fault_data
 
 
 @pytest.fixture
@@ -109,14 +109,13 @@ def plant_entry(step_dir, flag):
 
 
 @pytest.mark.parametrize("plant", [plant_metadata, plant_entry], ids=["metadata", "non-tensor-entry"])
-def test_planted_code_with_a_resealed_marker_never_runs(capsys, root, tmp_path, plant):
+def test_planted_code_with_a_resealed_marker_never_runs(capsys, root, fault_run8, tmp_path, plant):
     # the payloads are live: the stock unpicklers would run them
     probe = tmp_path / "probe"
     pickle.loads(metadata_payload(probe) if plant is plant_metadata else pickle.dumps(Payload(probe)))
     assert probe.is_dir()
 
-    code, out, err = train(capsys, root, train__steps=8, checkpoint__interval_steps=4)
-    assert code == 0, err
+    copy_run(fault_run8, root)     # trained 8 steps, checkpoints 4 and 8
     flag = tmp_path / "pwned"
     step8 = ckpts(root) / "step_8"
     plant(step8, flag)
@@ -190,9 +189,8 @@ def test_export_never_deletes_what_it_did_not_write(capsys, root, tmp_path, monk
 
 
 # -- retention and roll-back --------------------------------------------------------------------
-def test_reused_run_name_with_resume_never_is_refused(capsys, root):
-    code, out, err = train(capsys, root, train__steps=8, checkpoint__interval_steps=4)
-    assert code == 0, err
+def test_reused_run_name_with_resume_never_is_refused(capsys, root, fault_run8):
+    copy_run(fault_run8, root)     # trained 8 steps, checkpoints 4 and 8
     code, out, err = train(capsys, root, "--resume", "never", train__steps=8, checkpoint__interval_steps=4,
                            checkpoint__keep_last=2)
     one_line(code, err, "run llm-tiny already has checkpoints up to step 8: choose another run.name or "
@@ -221,7 +219,7 @@ def test_roll_back_sets_higher_checkpoints_aside_and_keeps_the_one_just_written(
 
 def test_retention_counts_only_steps_up_to_the_one_written(tmp_path):
     from llmcluster.storage.layout import Storage
-    from llmcluster.train.checkpoint import Checkpointer
+    from llmcluster.checkpoint.checkpointer import Checkpointer
 
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

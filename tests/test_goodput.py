@@ -12,7 +12,7 @@ import pytest
 
 from conftest import assert_one_line_error, run_cli
 from llmcluster.launch.goodput import BUCKETS, goodput
-from llmcluster.train.events import EVENTS
+from llmcluster.storage.events import EVENTS
 
 
 def ev(t, attempt, event, step, **kw):

@@ -27,7 +27,7 @@ def nccl():
     """A one-rank NCCL group, made the way the trainer makes it (init_distributed)."""
     import torch.distributed as dist
 
-    from llmcluster.train import distributed as D
+    from llmcluster.distributed import process_groups as D
 
     env = D.init_distributed(cfg(), need_group=True)
     assert env.device.type == "cuda" and dist.get_backend() in ("nccl", "cuda:nccl,cpu:gloo")
@@ -53,7 +53,7 @@ def test_fsdp_bf16_policy_step_matches_autocast(nccl):
     """FSDP on one rank with bf16 params/compute and fp32 reduce vs plain bf16 autocast: same loss to bf16
     precision, fp32 master weights kept, and the step changes them."""
     from llmcluster.model.llama import build_model
-    from llmcluster.train.distributed import ParallelDims
+    from llmcluster.distributed.process_groups import ParallelDims
     from llmcluster.train.optimizer import build_optimizer
     from llmcluster.train.parallelize import parallelize
 

@@ -118,7 +118,7 @@ def test_lora_state_is_adapters_only_and_the_planner_counts_them():
     from llmcluster.model.llama import build_model
     from llmcluster.plan.memory import lora_model_states, lora_params, model_states
     from llmcluster.plan.spec import ModelSpec
-    from llmcluster.train.lora import apply_lora, init_lora
+    from llmcluster.model.lora import apply_lora, init_lora
     from llmcluster.train.optimizer import build_optimizer
 
     mc = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=160, vocab_size=300)
@@ -143,9 +143,9 @@ def test_lora_trains_adapters_only_and_the_peft_adapter_loads(hf):
 
     from llmcluster.config import load_job_config
     from llmcluster.model.llama import build_model
-    from llmcluster.train.checkpoint import load_model_weights
+    from llmcluster.checkpoint.checkpointer import load_model_weights
     from llmcluster.train.hf_import import model_from_init
-    from llmcluster.train.lora import apply_lora
+    from llmcluster.model.lora import apply_lora
 
     root, model = hf["root"], hf["model"]
     run_cli("train", "--root", root, "--resume", "never",

@@ -378,7 +378,7 @@ def test_a_rank_aborted_by_a_signal_leaves_its_python_stacks_beside_the_flight_r
     logs/<run>/flight_recorder/python_rank_<r>.txt (here a real os.abort() in a real process; the rank
     calls crash_dumps on CUDA only, so the test calls it itself)."""
     dump = tmp_path / "logs" / "r" / "flight_recorder" / "rank_"
-    code = ("from llmcluster.train.distributed import crash_dumps\n"
+    code = ("from llmcluster.distributed.process_groups import crash_dumps\n"
             "def waiting_in_a_collective():\n    import os; os.abort()\n"
             "crash_dumps(3)\nwaiting_in_a_collective()\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,

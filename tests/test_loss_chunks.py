@@ -67,7 +67,7 @@ def test_loss_chunks_with_tp_or_pp_is_a_one_line_error(tmp_path, extra, needles)
 @pytest.mark.parametrize("allow, precision", [(True, "high"), (False, "highest")])
 def test_allow_tf32_sets_the_matmul_precision_on_cuda(monkeypatch, allow, precision):
     """No GPU here: CUDA's presence is mocked; the precision flag itself is torch's own."""
-    from llmcluster.train.distributed import pick_device
+    from llmcluster.distributed.process_groups import pick_device
 
     before = torch.get_float32_matmul_precision()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

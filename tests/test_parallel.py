@@ -122,6 +122,9 @@ def test_resume_ddp_checkpoint_as_tensor_parallel(root, reference, ddp_run):
 def test_fsdp_times_tp_on_four_ranks_matches_one_process(root, reference):
     proc = train(root, "fsdp_tp", 4, *mesh(1, 2, tp=2))
     assert "FSDP dp_replicate=1 dp_shard=2 × TP 2" in proc.stdout, proc.stdout
+    # FSDP2's "returned a view tensor ... wrong gradients" warning does not apply to our modules (parallelize.py
+    # says why) and is filtered where we call fully_shard; it reached the README's FSDP x TP example (issue 34)
+    assert "returned a view tensor" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
     assert_matches(reference, losses(root, "fsdp_tp"), range(1, 11))
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from llmcluster.config.schema import JobConfig
 from llmcluster.errors import UserError
-from llmcluster.train.distributed import ParallelDims
+from llmcluster.distributed.process_groups import ParallelDims
 
 
 def dims(world: int, **parallel) -> ParallelDims:

@@ -1,12 +1,16 @@
 """The README runs: every fenced ```console block of README.md (and of the docs whose blocks run on a CPU) is
-executed, in order, as a new user on a fresh clone would type it, on one temporary storage root.
+executed, in order, as a new user on a fresh clone would type it, on one temporary storage root. The README
+opens with `make demo` and its examples continue from it (issue 34): its clone runs scripts/demo.sh first, with
+DEMO_STEPS standing in for the demo's 320, so the walk meets a storage where the demo's run `llm-tiny` is
+finished and exported.
 
 A block is a list of `$ ` commands (a trailing backslash continues one), each followed by the output lines it
 shows. A command passes when it exits as expected (0 unless annotated) and every output line it shows appears
 in what it printed (stdout and stderr together), in order, with numbers and paths masked: the words and their
 order are what is checked, not the figures of the machine the README was written on. `...` stands for anything,
 a whole line or part of one. `llmcluster` is `python -m llmcluster` of the clone, `torchrun` is
-`python -m torch.distributed.run`.
+`python -m torch.distributed.run`, both in the bin/ of a stand-in for the demo's `.venv` that is on PATH (as
+after `source .venv/bin/activate`).
 
 Annotations, HTML comments on the lines right above a block (invisible on GitHub):
   <!-- readme: skip REASON -->                 the block is not run (placeholders, hardware, clusters)
@@ -34,6 +38,8 @@ from conftest import REPO, cli_env
 
 # The documents whose examples run here, in the order a reader meets them. Each runs on a clone of its own.
 DOCUMENTS = ["README.md", "docs/cluster.md", "docs/bring-up.md", "docs/monitoring.md"]
+# `make demo` trains llm-tiny 320 steps (minutes): the README's walk needs the run finished and exported, not long
+DEMO_STEPS = 10
 
 ANNOTATION = re.compile(r"<!--\s*readme:\s*(skip|dry-run|setup|expect-exit)\b\s*(.*?)\s*-->")
 SELECTOR = re.compile(r'"([^"]+)"\s*')
@@ -145,19 +151,38 @@ def missing_lines(shown: list[str], printed: str) -> list[str]:
 def fresh_clone(dest: Path) -> Path:
     """What a new user has: the checkout's files (links kept), no venv, no storage, no build output."""
     def ignore(folder: str, names: list[str]) -> set[str]:
-        local = {".git", "storage", ".pytest_cache", ".whl", "build", "dist", "ansible", "cluster.yaml"}
+        local = {".git", "storage", ".pytest_cache", ".whl", "build", "dist", "gpu-check-out",
+                 # what the README's steps leave in a clone (.gitignore)
+                 "ansible", "cluster.yaml", "prometheus.yml", "report.json", "plots", "out", "job.yaml"}
         top = Path(folder) == REPO
         return {n for n in names if n == "__pycache__" or n.endswith(".egg-info")
                 or (top and (n in local or n.startswith(".venv")))}
 
     shutil.copytree(REPO, dest, symlinks=True, ignore=ignore)
-    bin_dir = dest / ".readme-bin"
-    bin_dir.mkdir()
-    for name, module in (("llmcluster", "llmcluster"), ("torchrun", "torch.distributed.run")):
+    bin_dir = venv_bin(dest)
+    bin_dir.mkdir(parents=True)
+    for name, run in (("llmcluster", "-m llmcluster"), ("torchrun", "-m torch.distributed.run"), ("python", "")):
         shim = bin_dir / name
-        shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m {module} "$@"\n')
+        shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {run} "$@"\n')
         shim.chmod(0o755)
     return dest
+
+
+def venv_bin(clone: Path) -> Path:
+    """The stand-in for the `.venv/bin` that `make demo` creates: this interpreter as python, llmcluster, torchrun."""
+    return clone / ".readme-venv" / "bin"
+
+
+def make_demo(clone: Path, env: dict[str, str]) -> float:
+    """`make demo` (scripts/demo.sh, the venv already there), DEMO_STEPS steps; its seconds."""
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", "scripts/demo.sh", "--set", f"train.steps={DEMO_STEPS}"], cwd=clone,
+                          env={**env, "VENV": str(venv_bin(clone).parent)}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=1200)
+    assert proc.returncode == 0, f"make demo: exit {proc.returncode}\n{proc.stdout[-4000:]}"
+    assert f"finished step {DEMO_STEPS}" in proc.stdout and (clone / "storage" / "models" / "llm-tiny").is_dir()
+    assert f"source {venv_bin(clone)}/activate" in proc.stdout, proc.stdout[-1000:]   # what comes next, said
+    return time.monotonic() - t0
 
 
 def llmcluster_argv(text: str) -> list[str]:
@@ -187,9 +212,10 @@ def dry_run(text: str) -> tuple[int, str]:
 
 
 def run_document(doc: str, clone: Path) -> list[tuple[str, str, float]]:
-    env = cli_env(PYTHONPATH=str(clone), PATH=f"{clone / '.readme-bin'}:{cli_env()['PATH']}")
-    env.pop("LLMCLUSTER_CLUSTER", None)
+    env = cli_env(PYTHONPATH=str(clone), PATH=f"{venv_bin(clone)}:{cli_env()['PATH']}")
     timings, failures = [], []
+    if doc == "README.md":
+        timings.append(("make demo (scripts/demo.sh --set train.steps=%d)" % DEMO_STEPS, "run", make_demo(clone, env)))
     for block in parse(REPO / doc):
         for cmd in block.setup:
             proc = subprocess.run(["bash", "-c", cmd], cwd=clone, env=env, capture_output=True, text=True,

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from conftest import assert_one_line_error, cli_inprocess
-from llmcluster.launch.launcher import read_record
+from llmcluster.storage.job_record import read_record
 from llmcluster.storage.layout import check_marker, read_marker
-from llmcluster.train.events import EVENTS, EventLog, read_events
+from llmcluster.storage.events import EVENTS, EventLog, read_events
 from test_goodput import EVENTS_TWO, write_events
 
 
@@ -104,7 +104,7 @@ def test_job_record_shape(tmp_path, capsys):
 
 
 def test_jobs_cancel_of_a_live_pid_that_leads_no_process_group_is_one_line(tmp_path, capsys):
-    """job.json names a live process of ours that is not its group's leader: refused as not running (no
+    """job.json names a live process of ours that is not its group's leader: refused in one line (no
     ProcessLookupError from killpg)."""
     import subprocess
     import sys
@@ -118,7 +118,7 @@ def test_jobs_cancel_of_a_live_pid_that_leads_no_process_group_is_one_line(tmp_p
         (logs / "job.json").write_text(json.dumps({"run": "r", "scheduler": "local", "pid": child.pid,
                                                    "state": "RUNNING", "job_id": f"local-{child.pid}"}))
         p = cli_inprocess(capsys, "jobs", "cancel", "r", "--root", tmp_path)
-        assert_one_line_error(p, "not running")
+        assert_one_line_error(p, "does not lead its process group")
         assert child.poll() is None
     finally:
         child.kill()

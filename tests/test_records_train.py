@@ -14,7 +14,7 @@ import pytest
 from faultkit import make_dataset, sets
 from llmcluster.cli import main
 from llmcluster.launch.goodput import run_goodput
-from llmcluster.train.events import EVENTS, NOOP
+from llmcluster.storage.events import EVENTS, NOOP
 
 
 @pytest.fixture(scope="module")

@@ -171,7 +171,7 @@ def test_serve_plan_never_imports_torch(tmp_path):
     model = llama31(tmp_path / "m", "8b")
     code = ("import sys; from llmcluster.cli import main; "
             f"rc = main(['serve', 'plan', '--model', {str(model)!r}, '--cluster', 'rtx4090-box', '--json']); "
-            "assert rc == 0; import llmcluster.serve.plan, llmcluster.serve.model, llmcluster.serve.report; "
+            "assert rc == 0; import llmcluster.plan.serving, llmcluster.plan.served_model, llmcluster.plan.serving_report; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

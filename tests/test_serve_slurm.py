@@ -39,7 +39,9 @@ def test_a_serving_job_becomes_healthy_answers_and_is_cancelled(slurm, tmp_path)
         assert job_state(job) == "RUNNING"
         assert (logs / f"endpoint-{job}").read_text().strip() + "/v1" == url    # written by the job itself
         body = json.dumps({"model": "rnd", "prompt": "the quick", "max_tokens": 5, "temperature": 0}).encode()
-        req = urllib.request.Request(f"{url}/completions", data=body, headers={"Content-Type": "application/json"})
+        key = (logs / "api_key").read_text().strip()      # the job read it from this 0600 file at run time
+        req = urllib.request.Request(f"{url}/completions", data=body, headers={"Content-Type": "application/json",
+                                                                              "Authorization": f"Bearer {key}"})
         with urllib.request.urlopen(req, timeout=120) as r:
             assert json.loads(r.read())["usage"]["completion_tokens"] == 5
         st = json.loads(run_cli("jobs", "status", "serve-rnd", "--root", root, "--json", check=True).stdout)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import assert_one_line_error, cli_env, run_cli
+from conftest import assert_nowhere_under, assert_one_line_error, cli_env, run_cli
 from hf_helpers import make_hf_llama, make_hf_tokenizer
 from test_launch_k8s import CHECKOV, K8S_VERSION, Recorder, fake_apiserver  # noqa: F401
 
@@ -48,7 +48,11 @@ def test_k8s_objects_validate_strictly_and_are_hardened(hf_root):
         kubernetes_validate.validate(o, K8S_VERSION, strict=True)
         assert o["metadata"]["namespace"] == "ml" and o["metadata"]["labels"] == {"llmcluster.io/run": "serve-hfx"}
     netpol, svc, dep = objects
-    assert netpol["spec"]["ingress"] == [{"ports": [{"port": 8000, "protocol": "TCP"}]}]   # the API port only
+    # the API port only, from the namespace's pods labelled as clients and from the Prometheus namespace
+    assert netpol["spec"]["ingress"] == [{
+        "from": [{"podSelector": {"matchLabels": {"llmcluster.io/serve-client": "true"}}},
+                 {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+        "ports": [{"port": 8000, "protocol": "TCP"}]}]
     assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "protocol": "TCP", "targetPort": "http"}]
     assert dep["spec"]["strategy"] == {"type": "Recreate"}       # the new pod needs the old one's GPUs
     # the pods carry the label the serving PodMonitor of `monitor config --kubernetes` selects
@@ -78,7 +82,10 @@ def test_k8s_objects_validate_strictly_and_are_hardened(hf_root):
     for path in ("/tmp", "/cache", "/dev/shm"):
         assert "emptyDir" in volumes[mounts[path]["name"]]
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
-    env = {e["name"]: e["value"] for e in c["env"]}
+    # the API key from the job's Secret, never a value in the manifest
+    assert {"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "serve-hfx-api-key", "key": "api-key"}}} \
+        in c["env"] and "--api-key" not in argv
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
     assert env["HOME"] == "/tmp" and env["HF_HOME"].startswith("/cache/") and env["VLLM_CACHE_ROOT"].startswith("/cache/")
     assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"
     # the training pods' hardening
@@ -92,8 +99,10 @@ def test_k8s_objects_validate_strictly_and_are_hardened(hf_root):
 def test_k8s_objects_pass_checkov(hf_root, tmp_path):
     assert CHECKOV.is_file(), f"{CHECKOV} missing: run `make checkov`"
     (tmp_path / "objects.yaml").write_text(yaml.safe_dump_all(k8s_objects(hf_root)))
+    # CKV_K8S_35 (secrets as files): vLLM takes its key from $VLLM_API_KEY or a command-line flag only, and a
+    # flag is worse (the pod spec and /proc show it)
     p = subprocess.run([str(CHECKOV), "-f", str(tmp_path / "objects.yaml"), "--framework", "kubernetes",
-                        "--output", "json", "--quiet", "--compact"],
+                        "--skip-check", "CKV_K8S_35", "--output", "json", "--quiet", "--compact"],
                        capture_output=True, text=True, timeout=300, env={**cli_env(), "BC_SKIP_MAPPING": "TRUE"})
     report = json.loads(p.stdout)
     report = report[0] if isinstance(report, list) else report
@@ -118,13 +127,23 @@ def test_k8s_start_creates_waits_for_ready_and_cancel_deletes(hf_root, fake_apis
     args = ["serve", "start", "--model", "hfx", "--root", hf_root, "--scheduler", "k8s", "--cluster", "rtx4090-box",
             "--namespace", "ml", "--image", DIGEST, "--set", "job.mem_per_node=64G", "--name", "hfx-k8s"]
     shown = list(yaml.safe_load_all(run_cli(*args, "--dry-run", env=fake_apiserver, check=True).stdout))
-    p = run_cli(*args, "--timeout", "60", env=fake_apiserver, check=True)
+    p = run_cli(*args, "--timeout", "60", "--prometheus-namespace", "prom", env=fake_apiserver, check=True)
+    netpol = shown[0]
+    netpol["spec"]["ingress"][0]["from"][1]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] = "prom"
     assert p.stdout.splitlines()[0] == "endpoint http://hfx-k8s.ml.svc:8000/v1"
     assert "the smoke request needs the cluster's DNS" in p.stderr      # the Service's name resolves in-cluster only
     posts = [(path, body) for verb, path, body in Recorder.calls if verb == "POST"]
-    assert [path for path, _ in posts] == ["/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies",
+    assert [path for path, _ in posts] == ["/api/v1/namespaces/ml/secrets",
+                                           "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies",
                                            "/api/v1/namespaces/ml/services", "/apis/apps/v1/namespaces/ml/deployments"]
-    assert [body for _, body in posts] == shown
+    assert [body for _, body in posts[1:]] == shown
+    # the job's key: in the Secret created through the API and in the 0600 file, nowhere in what is kept
+    key_file = hf_root / "logs" / "hfx-k8s" / "api_key"
+    key = key_file.read_text().strip()
+    assert posts[0][1]["metadata"]["name"] == "hfx-k8s-api-key" and posts[0][1]["stringData"] == {"api-key": key}
+    assert key_file.stat().st_mode & 0o777 == 0o600 and len(key) >= 32
+    assert_nowhere_under(hf_root / "logs" / "hfx-k8s" / "launches", key)
+    assert key not in p.stdout + p.stderr and f"Bearer $(cat {key_file})" in p.stdout
     rec = json.loads((hf_root / "logs" / "hfx-k8s" / "job.json").read_text())
     assert rec["kind"] == "serve" and rec["endpoint"] == "http://hfx-k8s.ml.svc:8000/v1"
     assert rec["k8s"]["kind"] == "deployment" and rec["k8s"]["namespace"] == "ml"
@@ -133,7 +152,9 @@ def test_k8s_start_creates_waits_for_ready_and_cancel_deletes(hf_root, fake_apis
     run_cli("jobs", "cancel", "hfx-k8s", "--root", hf_root, env=fake_apiserver, check=True)
     deletes = [path for verb, path, _ in Recorder.calls if verb == "DELETE"]
     assert deletes == ["/apis/apps/v1/namespaces/ml/deployments/hfx-k8s", "/api/v1/namespaces/ml/services/hfx-k8s",
+                       "/api/v1/namespaces/ml/secrets/hfx-k8s-api-key",
                        "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/hfx-k8s"]
+    assert key not in st.stdout
 
 
 def test_slurm_script_waits_for_health_inside_the_job(hf_root, tmp_path):
@@ -145,6 +166,37 @@ def test_slurm_script_waits_for_health_inside_the_job(hf_root, tmp_path):
     assert "#SBATCH --gpus-per-node=" in text and "/health" in text and "endpoint-" in text
     assert f"{fake} -m vllm.entrypoints.openai.api_server --model {hf_root / 'models' / 'hfx'}" in text
     assert not (hf_root / "logs" / "serve-hfx").exists()
+    # the key: read by the job from its 0600 file when it runs, into vLLM's environment, never on its command line
+    key_file = hf_root / "logs" / "serve-hfx" / "api_key"
+    assert f"VLLM_API_KEY=$(cat -- {key_file}) || " in text and "export VLLM_API_KEY" in text
+    assert "--api-key" not in text
+
+
+def test_local_script_reads_the_key_at_run_time_and_no_auth_is_said(hf_root, tmp_path):
+    """The rendered launch.sh hands vLLM the key from the file (run by bash with a stand-in server that prints
+    its environment); --no-auth renders no key and says so."""
+    from llmcluster.serve.start import render_local
+
+    import dataclasses
+
+    from llmcluster.serve.engine import Engine
+
+    fake = tmp_path / "server"
+    fake.write_text("#!/bin/sh\nenv\n")
+    fake.chmod(0o755)
+    job = dataclasses.replace(serve_job(tmp_path), engine=Engine(str(fake), "0", cpu=True))
+    job.logs.mkdir(parents=True)
+    (job.logs / "api_key").write_text("s3cret-key\n")
+    text = render_local(job)
+    assert "s3cret" not in text
+    out = subprocess.run(["bash", "-c", text], capture_output=True, text=True, timeout=30)
+    assert "VLLM_API_KEY=s3cret-key" in out.stdout.splitlines(), out
+    (job.logs / "api_key").unlink()
+    assert subprocess.run(["bash", "-c", text], capture_output=True, text=True, timeout=30).returncode != 0
+    p = run_cli("serve", "start", "--model", "hfx", "--root", hf_root, "--scheduler", "local", "--no-auth",
+                "--engine-python", engine(tmp_path, cpu=False), "--dry-run", "--port", "8123")
+    assert p.returncode == 0 and "VLLM_API_KEY" not in p.stdout and "--no-auth" in p.stdout
+    assert "warning: --no-auth: serve-hfx answers anyone" in p.stderr
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -179,3 +231,156 @@ def test_the_engine_is_the_python_of_a_vllm_command_on_path(tmp_path, monkeypatc
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
     found = find_engine(None, environ={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert found.python == str(python) and found.cpu and found.version == "0.32.0"
+
+
+def serve_job(root: Path, served: str = "m", scheduler: str = "local", name: str = "serve-m", port: int = 8000,
+              cpu: bool = True):
+    """A ServeJob for the renderers without an engine or weights: a preset's shapes, a stand-in python."""
+    from llmcluster.serve import engine as eng
+    from llmcluster.plan.served_model import from_preset
+    from llmcluster.serve.start import ServeJob
+
+    target = eng.Target(from_preset("llm_tiny"), root / "models" / served, served)
+    return ServeJob(name, scheduler, root, eng.Engine("/usr/bin/python3", "0", cpu=cpu),
+                    target, eng.Sizing(1, "float32", 64, 4), "127.0.0.1", port, 1)
+
+
+HOSTILE_DIR = "m\nid > PWNED\n#"
+
+
+@pytest.mark.parametrize("scheduler", ["local", "slurm"])
+def test_an_export_named_with_a_line_break_runs_nothing(hf_root, tmp_path, scheduler):
+    """Issue 32 High #1: the export directory's name is the served model name; a newline in it must not become a
+    command of the rendered script (dry run and the real script run by bash alike)."""
+    import shutil
+
+    export = tmp_path / HOSTILE_DIR
+    shutil.copytree(hf_root / "models" / "hfx", export)
+    fake = engine(tmp_path, cpu=False)
+    args = ["serve", "start", "--model", export, "--root", hf_root, "--scheduler", scheduler, "--name", "pwn",
+            "--engine-python", fake, "--cluster", "rtx4090-box"]
+    p = run_cli(*args, "--dry-run", cwd=tmp_path)
+    if p.returncode == 0:      # rendered: run it as the job would (its commands fail harmlessly without a node)
+        (tmp_path / "script.sh").write_text(p.stdout)
+        subprocess.run(["bash", str(tmp_path / "script.sh")], cwd=tmp_path, capture_output=True, timeout=30)
+    assert not (tmp_path / "PWNED").exists()
+    assert_one_line_error(p, "line break or control character")
+    s = run_cli(*args, "--timeout", "5", cwd=tmp_path)
+    assert_one_line_error(s, "line break or control character")
+    assert not (tmp_path / "PWNED").exists() and not (hf_root / "logs" / "pwn").exists()
+
+
+def test_rendered_comments_escape_and_sbatch_lines_come_first(tmp_path):
+    """A served name the comment must hold (a control character that reached the renderer) stays in its comment:
+    bash parses both scripts, and every #SBATCH line precedes the first command."""
+    from llmcluster.serve.start import render_local, render_slurm
+
+    job = serve_job(tmp_path, served="m\x1b[2Jx")
+    for text in (render_local(job), render_slurm(job, "10", None)):
+        assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+        lines = text.splitlines()
+        assert all(ln.isascii() and ln.isprintable() for ln in lines if ln.startswith("#"))
+        first_cmd = next(i for i, ln in enumerate(lines) if ln.strip() and not ln.startswith("#"))
+        assert all(i < first_cmd for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
+
+
+def test_an_export_named_port_gets_the_nodes_port(hf_root, tmp_path):
+    """Issue 32 (low): the Slurm script's port is the shell's $port, whatever the export is called."""
+    import shutil
+
+    shutil.copytree(hf_root / "models" / "hfx", tmp_path / "PORT")
+    p = run_cli("serve", "start", "--model", tmp_path / "PORT", "--root", hf_root, "--scheduler", "slurm",
+                "--engine-python", engine(tmp_path, cpu=False), "--cluster", "rtx4090-box", "--dry-run", check=True)
+    server = next(ln for ln in p.stdout.splitlines() if "vllm.entrypoints.openai.api_server" in ln)
+    assert " --served-model-name PORT " in server and ' --port "$port" ' in server, server
+    assert subprocess.run(["bash", "-n"], input=p.stdout, text=True).returncode == 0
+
+
+def test_a_relative_lora_base_is_relative_to_the_adapter(hf_root, tmp_path):
+    """Issue 32 (low): adapter_config.json's relative base_model_name_or_path resolves against the adapter's
+    directory, not against the directory `serve start` runs in."""
+    import shutil
+
+    shutil.copytree(hf_root / "models" / "hfx", tmp_path / "base")
+    export = tmp_path / "runs" / "tuned"
+    shutil.copytree(hf_root / "models" / "hfx", export)
+    (export / "adapter").mkdir()
+    (export / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "../../../base",
+                                                                         "r": 4}))
+    (tmp_path / "elsewhere").mkdir()
+    p = run_cli("serve", "start", "--model", export, "--root", hf_root, "--engine-python", engine(tmp_path, cpu=False),
+                "--cluster", "rtx4090-box", "--dry-run", cwd=tmp_path / "elsewhere", check=True)
+    server = next(ln for ln in p.stdout.splitlines() if "vllm.entrypoints.openai.api_server" in ln)
+    assert f" --model {tmp_path / 'base'} " in server and f"tuned={export / 'adapter'}" in server, server
+
+
+@pytest.mark.parametrize("flag,value", [("--port", "0"), ("--port", "99999"), ("--timeout", "-5"),
+                                        ("--timeout", "0"), ("--timeout", "nan")])
+def test_port_and_timeout_are_checked_before_launching(hf_root, tmp_path, flag, value):
+    """Issue 34 item 6: one line, exit 2, no record and no process (the stand-in engine would otherwise run)."""
+    p = run_cli("serve", "start", "--model", "hfx", "--root", hf_root, "--name", "bad-flags", "--engine-python",
+                engine(tmp_path, cpu=False), "--cluster", "rtx4090-box", flag, value)
+    assert_one_line_error(p, flag)
+    assert not (hf_root / "logs" / "bad-flags").exists()
+
+
+def fake_server(tmp_path: Path, port: int, own_group: bool, ignore_term: bool = False) -> subprocess.Popen:
+    """A process `jobs` takes for a local serving job's vLLM (its module and --port on its command line) that takes
+    2 s to stop after SIGTERM (or ignores it)."""
+    code = ("import signal, sys, time\n"
+            f"signal.signal(signal.SIGTERM, {'signal.SIG_IGN' if ignore_term else 'lambda *a: (time.sleep(2), sys.exit(0))'})\n"
+            "print('up', flush=True)\n"
+            "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, "vllm.entrypoints.openai.api_server", "--port", str(port)],
+                            stdout=subprocess.PIPE, start_new_session=own_group)
+    assert proc.stdout.readline() == b"up\n"
+    logs = tmp_path / "root" / "logs" / "srv"
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / "job.json").write_text(json.dumps({"run": "srv", "kind": "serve", "scheduler": "local", "pid": proc.pid,
+                                               "job_id": f"local-{proc.pid}", "port": port, "state": "RUNNING"}))
+    return proc
+
+
+def test_cancel_waits_for_the_server_to_be_gone(tmp_path, capsys):
+    from conftest import cli_inprocess
+
+    proc = fake_server(tmp_path, 18123, own_group=True)
+    try:
+        p = cli_inprocess(capsys, "jobs", "cancel", "srv", "--root", tmp_path / "root")
+        assert p.returncode == 0 and p.stdout.startswith("cancelled srv"), p
+        assert "stopping srv" in p.stderr
+        assert proc.poll() is not None or proc.wait(timeout=1) is not None    # gone before CANCELLED was said
+        rec = json.loads((tmp_path / "root" / "logs" / "srv" / "job.json").read_text())
+        assert rec["state"] == "CANCELLED"
+    finally:
+        proc.kill()
+
+
+def test_cancel_says_still_stopping_then_status_says_cancelled(tmp_path, capsys, monkeypatch):
+    from conftest import cli_inprocess
+    from llmcluster.launch import local
+
+    monkeypatch.setattr(local, "CANCEL_WAIT_S", 1)
+    proc = fake_server(tmp_path, 18124, own_group=True, ignore_term=True)
+    try:
+        p = cli_inprocess(capsys, "jobs", "cancel", "srv", "--root", tmp_path / "root")
+        assert p.returncode == 0 and "still stopping after 1 s" in p.stdout, p
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+    st = cli_inprocess(capsys, "jobs", "status", "srv", "--root", tmp_path / "root", "--json")
+    assert json.loads(st.stdout)["state"] == "CANCELLED"
+
+
+def test_cancel_of_a_pid_that_leads_no_group_is_one_line(tmp_path):
+    """Issue 32 (low): a live pid that matches the record but is not a group leader (not a process we started in
+    a session of its own) is not signalled, and said in one line (was a ProcessLookupError traceback)."""
+    proc = fake_server(tmp_path, 18125, own_group=False)
+    try:
+        p = run_cli("jobs", "cancel", "srv", "--root", tmp_path / "root")
+        assert_one_line_error(p, "does not lead its process group")
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()

@@ -17,15 +17,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 PROMPTS = ["def ", "What is 7", "import json\n"]
 
 
-def post(url: str, body: dict, timeout: float = 120) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def post(url: str, body: dict, headers: dict, timeout: float = 120) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **headers})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
 
 def complete(server, model: str, prompt: str, n: int = 24, **extra) -> dict:
     return post(f"{server.base_url}/completions", {"model": model, "prompt": prompt, "max_tokens": n,
-                                                   "temperature": 0, **extra})
+                                                   "temperature": 0, **extra}, server.headers)
 
 
 @functools.lru_cache(maxsize=2)
@@ -64,9 +65,47 @@ def test_the_job_is_recorded_and_answers_jobs(vllm_server):
     assert json.loads(st.stdout)["state"] == "RUNNING"
     logs = run_cli("jobs", "logs", vllm_server.name, "--root", vllm_server.root, check=True)
     assert "POST /v1/completions" in logs.stdout          # the smoke request serve start sent
-    with urllib.request.urlopen(f"{vllm_server.base_url}/models", timeout=30) as r:
+    with urllib.request.urlopen(urllib.request.Request(f"{vllm_server.base_url}/models",
+                                                       headers=vllm_server.headers), timeout=30) as r:
         served = {m["id"] for m in json.loads(r.read())["data"]}
     assert served == {vllm_server.model, vllm_server.lora}
+
+
+def test_the_served_model_needs_its_key(vllm_server, tmp_path):
+    """Issue 32 High #3: serve start made a key (0600 file); vLLM answers /v1 with it only; the key is on no command
+    line, in no kept artefact and in no `jobs status`; the printed curl reads it from its file."""
+    import os
+    import subprocess
+    import urllib.error
+
+    from conftest import assert_nowhere_under
+
+    logs = vllm_server.root / "logs" / vllm_server.name
+    assert (logs / "api_key").stat().st_mode & 0o777 == 0o600
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{vllm_server.base_url}/models", timeout=30)
+    assert e.value.code == 401
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(urllib.request.Request(f"{vllm_server.base_url}/models",
+                                                      headers={"Authorization": "Bearer wrong"}), timeout=30)
+    assert e.value.code == 401
+    req = urllib.request.Request(f"{vllm_server.base_url}/models", headers=vllm_server.headers)
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+    with urllib.request.urlopen(f"{vllm_server.base_url[:-3]}/health", timeout=30) as r:
+        assert r.status == 200                                  # open, as docs/security.md says
+    rec = json.loads((logs / "job.json").read_text())
+    assert rec["auth"] is True and vllm_server.key not in (logs / "job.json").read_text()
+    assert vllm_server.key.encode() not in open(f"/proc/{rec['pid']}/cmdline", "rb").read()
+    assert_nowhere_under(logs / "launches", vllm_server.key)
+    st = run_cli("jobs", "status", vllm_server.name, "--root", vllm_server.root, check=True)
+    assert vllm_server.key not in st.stdout + st.stderr
+    curl = vllm_server.start.stdout.splitlines()[-1]
+    assert vllm_server.key not in vllm_server.start.stdout + vllm_server.start.stderr
+    assert f"Bearer $(cat {logs / 'api_key'})" in curl
+    out = subprocess.run(["bash", "-c", curl],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": str(tmp_path)})
+    assert json.loads(out.stdout)["choices"][0]["text"], out
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -86,7 +125,8 @@ def test_lora_adapter_of_an_imported_base_answers_as_its_merged_export(vllm_serv
 def test_streaming_gives_the_same_text_in_pieces(vllm_server):
     prompt = PROMPTS[0]
     whole = complete(vllm_server, vllm_server.model, prompt, ignore_eos=True)["choices"][0]["text"]
-    req = urllib.request.Request(f"{vllm_server.base_url}/completions", headers={"Content-Type": "application/json"},
+    req = urllib.request.Request(f"{vllm_server.base_url}/completions",
+                                 headers={"Content-Type": "application/json", **vllm_server.headers},
                                  data=json.dumps({"model": vllm_server.model, "prompt": prompt, "max_tokens": 24,
                                                   "temperature": 0, "ignore_eos": True, "stream": True}).encode())
     events = []
@@ -113,7 +153,7 @@ def test_chat_completion_stops_at_the_end_of_turn_token(vllm_server):
     assert turn in gen["eos_token_id"]
     out = post(f"{vllm_server.base_url}/chat/completions", {
         "model": vllm_server.model, "messages": [{"role": "user", "content": "What is 3 + 3?"}],
-        "max_tokens": 40, "temperature": 0, "logit_bias": {str(turn): 100}})
+        "max_tokens": 40, "temperature": 0, "logit_bias": {str(turn): 100}}, vllm_server.headers)
     choice = out["choices"][0]
     assert choice["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 1, out
     assert choice["message"]["content"] == ""          # the end-of-turn token ends the reply; it is not text

@@ -19,7 +19,7 @@ import wandb
 
 from conftest import REPO, assert_one_line_error, run_cli
 from faultkit import make_dataset, sets, train_env
-from llmcluster.train.tracking import scalars
+from llmcluster.monitor.tracking import scalars
 
 pytestmark = pytest.mark.slow
 
@@ -168,7 +168,7 @@ def test_eval_results_reach_the_runs_sinks(tracked, tmp_path):
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from llmcluster.train.tracking import log_eval
+    from llmcluster.monitor.tracking import log_eval
 
     root = tmp_path / "storage"
     shutil.copytree(tracked["root"], root)

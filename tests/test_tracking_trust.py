@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llmcluster.train.tracking import find_mlflow_run, log_eval
+from llmcluster.monitor.tracking import find_mlflow_run, log_eval
 from test_eval import CountingListener   # a planted tracking server: counts the connections it is offered
 
 RECORD = {"run": "r", "step": 6, "tasks": {"t": {"metrics": {"acc": 0.5}}}}

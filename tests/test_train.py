@@ -48,7 +48,7 @@ def _losses(root, run):
 def _weights(root: Path, run: str, step: int) -> dict[str, torch.Tensor]:
     from llmcluster.config import load_job_config
     from llmcluster.model.llama import build_model
-    from llmcluster.train.checkpoint import load_model_weights
+    from llmcluster.checkpoint.checkpointer import load_model_weights
 
     ckpt = root / "checkpoints" / run / f"step_{step}"
     cfg = load_job_config(None, [kv for kv in overrides()[1::2]])

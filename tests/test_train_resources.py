@@ -9,7 +9,7 @@ import pytest
 
 from conftest import assert_one_line_error, overrides, run_cli
 from llmcluster.config import load_job_config
-from llmcluster.train.distributed import ParallelDims
+from llmcluster.distributed.process_groups import ParallelDims
 from llmcluster.train.resources import needed_bytes
 
 HUGE = "train.micro_batch=1000000000"

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from llmcluster.config.load import load_job_config
 from llmcluster.model.llama import build_model
-from llmcluster.train import distributed as D
+from llmcluster.distributed import process_groups as D
 from llmcluster.train.parallelize import build_parallel_model, loss_context
 
 cfg = load_job_config("llm_tiny", sys.argv[1:])

@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def leave_past_distributed_teardown(code: int) -> None:
     """A process whose work tore down a torch.distributed group ends here with os._exit once its streams are
-    flushed: see `train.distributed.torn_down` (its work, checkpoints and logs included, is done by then)."""
-    d = sys.modules.get("llmcluster.train.distributed")  # never imports torch itself
+    flushed: see `distributed.process_groups.torn_down` (its work, checkpoints and logs included, is done by then)."""
+    d = sys.modules.get("llmcluster.distributed.process_groups")  # never imports torch itself
     if d is not None and d.torn_down[0]:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -15,6 +15,8 @@ def register(sub) -> None:
     p.add_argument("--model", metavar="RUN_OR_PATH", help="a run (its export, or --step N) or an export directory")
     p.add_argument("--step", type=int, metavar="N", help="a checkpoint of the run, exported to a temporary directory")
     p.add_argument("--name", metavar="N", help="with --endpoint: the served model's name (its run)")
+    p.add_argument("--api-key-file", metavar="FILE", help="with --endpoint: the server's API key (default: the key "
+                   "of the serving job whose recorded endpoint this is, logs/<job>/api_key)")
     p.add_argument("--tasks", metavar="T,...", help="shipped task names, task YAML files or harness task names "
                                                     "(default: every shipped task)")
     p.add_argument("--batch-size", type=int, default=16)
@@ -37,7 +39,10 @@ def run(args) -> int:
         return compare_cli(args.root, args.compare, as_json=args.json, plot_dir=args.plot)
     if args.plot:
         raise UserError("--plot goes with --compare")
+    if args.api_key_file and not args.endpoint:
+        raise UserError("--api-key-file goes with --endpoint")
     from llmcluster.eval.evaluate import eval_cli
 
     return eval_cli(args.root, model=args.model, step=args.step, endpoint=args.endpoint, name=args.name,
-                    tasks=args.tasks, batch_size=args.batch_size, limit=args.limit, as_json=args.json)
+                    api_key_file=args.api_key_file, tasks=args.tasks, batch_size=args.batch_size, limit=args.limit,
+                    as_json=args.json)

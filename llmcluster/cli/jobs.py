@@ -35,7 +35,7 @@ def register(sub) -> None:
 
 
 def goodput(args) -> int:
-    from llmcluster import records
+    from llmcluster.storage import records
     from llmcluster.launch import goodput as gp
     from llmcluster.paths import check_output_path, resolve_storage_root
     from llmcluster.storage.layout import check_run_name

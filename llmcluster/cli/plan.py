@@ -23,7 +23,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from llmcluster import records
+    from llmcluster.storage import records
     from llmcluster.plan.analyse import analyse
     from llmcluster.plan.calibration import bench_rows
     from llmcluster.plan.load import load_plan

@@ -40,6 +40,11 @@ def register(sub) -> None:
     st.add_argument("--partition", help="Slurm partition")
     st.add_argument("--image", default=VLLM_IMAGE, help=f"k8s: the vLLM image (default {VLLM_IMAGE})")
     st.add_argument("--namespace", help="k8s namespace (default: job.k8s.namespace)")
+    st.add_argument("--no-auth", action="store_true",
+                    help="serve without an API key (default: a key per job in logs/<name>/api_key, required by vLLM)")
+    st.add_argument("--prometheus-namespace", default="monitoring", metavar="NS",
+                    help="k8s: the namespace of the Prometheus the NetworkPolicy lets scrape /metrics "
+                         "(default monitoring)")
     st.add_argument("--dry-run", action="store_true", help="print what would be launched; launch nothing")
     add_config_args(st, required=False)
     add_root_arg(st)
@@ -64,8 +69,8 @@ def run_plan(args) -> int:
     from llmcluster.config.cluster_load import load_cluster
     from llmcluster.config.load import load_job_config
     from llmcluster.errors import UserError
-    from llmcluster.serve.model import resolve_model
-    from llmcluster.serve.plan import Box, serve_plan
+    from llmcluster.plan.served_model import resolve_model
+    from llmcluster.plan.serving import Box, serve_plan
 
     job = load_job_config(args.config, args.overrides)
     model = resolve_model(args.model, args.root, job.run.storage)
@@ -79,7 +84,7 @@ def run_plan(args) -> int:
     if "refusal" in result:
         raise UserError(result["refusal"])
     if not args.json:
-        from llmcluster.serve.report import render
+        from llmcluster.plan.serving_report import render
 
         render(result)
     return 0
@@ -126,6 +131,8 @@ def _register_bench(actions) -> None:
     b.add_argument("--engine-python", metavar="PY",
                    help="measure with vLLM's own benchmark (`vllm bench serve`) run by this Python (e.g. the one "
                         "scripts/vllm_venv.sh prints); default: the project's client, which needs no engine")
+    b.add_argument("--api-key-file", metavar="FILE", help="the server's API key (default: the key of the serving "
+                   "job whose recorded endpoint this is, logs/<name>/api_key)")
     b.add_argument("--json", action="store_true", help="print the record as one JSON object")
     add_config_args(b, required=False)
     add_root_arg(b)
@@ -143,20 +150,23 @@ def run_bench(args) -> int:
     from llmcluster.serve.bench import Endpoint, bench, decode_efficiency, write
     from llmcluster.storage.layout import Storage, check_run_name
 
+    from llmcluster.serve.auth import key_for
+
     job = load_job_config(args.config, args.overrides)
-    ep = Endpoint(args.endpoint)
+    root = resolve_storage_root(args.root, job.run.storage)
+    ep = Endpoint(args.endpoint, key=key_for(args.endpoint, root, args.api_key_file))
     served = ep.models()
     entry = next((m for m in served if m["id"] == args.model), None) if args.model else served[0]
     if entry is None:
         raise UserError(f"--model {args.model}: the endpoint serves {', '.join(str(m['id']) for m in served)}")
     model = entry["id"]
     name = check_run_name(args.name or f"serve-{model.rstrip('/').rsplit('/', 1)[-1]}")   # org/model: model
-    logs = Storage(resolve_storage_root(args.root, job.run.storage)).run_logs(name)
+    logs = Storage(root).run_logs(name)
     plan = None
     if args.cluster:   # before the load: a bad --cluster or model is said at once
         from llmcluster.config.cluster_load import load_cluster
-        from llmcluster.serve.model import resolve_model
-        from llmcluster.serve.plan import Box, serve_plan
+        from llmcluster.plan.served_model import resolve_model
+        from llmcluster.plan.serving import Box, serve_plan
 
         ref = args.plan_model or entry.get("root")
         if not isinstance(ref, str):

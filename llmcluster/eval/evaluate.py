@@ -33,6 +33,7 @@ class Target:
     model_dir: Path                 # the weights read (hf), or the tokenizer of the served model (endpoint)
     source: str                     # what the record names: the export, or the checkpoint exported for this
     endpoint: str | None = None
+    api_key: str | None = None      # the endpoint's (serve/auth.py): the harness gets it in its environment
     tokens: int | None = None       # tokens the model had trained on at `step`
     dataset_digest: str | None = None
 
@@ -51,7 +52,7 @@ def _read_json(path: Path) -> dict | None:
 
 def _provenance(target: Target, checkpoint: Path | None) -> Target:
     """Tokens seen and dataset digest from the checkpoint's train_state.json, when it is still there."""
-    from llmcluster.train.checkpoint import TRAIN_STATE
+    from llmcluster.checkpoint.checkpointer import TRAIN_STATE
 
     state = _read_json(checkpoint / TRAIN_STATE) if checkpoint else None
     if state:
@@ -87,7 +88,7 @@ def _export_dir(st: Storage, model: str) -> Path:
 
 
 def resolve_target(root: Path, model: str | None, step: int | None, endpoint: str | None, name: str | None,
-                   scratch: Path) -> Target:
+                   scratch: Path, api_key_file: str | None = None) -> Target:
     st = Storage(root)
     if endpoint is not None:
         if not name:
@@ -100,7 +101,10 @@ def resolve_target(root: Path, model: str | None, step: int | None, endpoint: st
             raise UserError(f"--endpoint: the served model's tokenizer is read from its export: none at {d} "
                             f"(give --model EXPORT_DIR)")
         target = _from_export(d, name)
-        harness.check_endpoint(url, name)
+        from llmcluster.serve.auth import key_for
+
+        target.api_key = key_for(url, root, api_key_file)
+        harness.check_endpoint(url, name, target.api_key)
         target.endpoint = url
         return target
     if not model:
@@ -118,7 +122,7 @@ def resolve_target(root: Path, model: str | None, step: int | None, endpoint: st
 
 def evaluate(root: Path, model: str | None = None, step: int | None = None, endpoint: str | None = None,
              name: str | None = None, tasks: str | None = None, batch_size: int = 16,
-             limit: int | None = None) -> dict:
+             limit: int | None = None, api_key_file: str | None = None) -> dict:
     """Run the tasks on the model; returns the record appended to logs/<run>/eval.jsonl."""
     if batch_size < 1 or (limit is not None and limit < 1):
         raise UserError("--batch-size and --limit must be at least 1")
@@ -130,7 +134,7 @@ def evaluate(root: Path, model: str | None = None, step: int | None = None, endp
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="llmcluster-eval-") as tmp:
         scratch = Path(tmp)
-        target = resolve_target(root, model, step, endpoint, name, scratch)
+        target = resolve_target(root, model, step, endpoint, name, scratch, api_key_file)
         out = Storage(root).require_writable(eval_dir(root, target.run, target.step))
         cfg = _read_json(target.model_dir / "config.json") or {}
         model_args = harness.model_arguments(target.model_dir, target.endpoint, name,
@@ -139,7 +143,7 @@ def evaluate(root: Path, model: str | None = None, step: int | None = None, endp
         log = out / f"harness_{time.strftime('%Y-%m-%dT%H-%M-%S')}.log"   # kept, failed or not
         results_file = harness.run_harness(python, model_args, [t.name for t in chosen],
                                            write_include_dir(chosen, scratch / "tasks"), scratch / "out", log,
-                                           batch_size, limit)
+                                           batch_size, limit, target.api_key)
         for f in results_file.parent.iterdir():   # results_<time>.json and samples_<task>_<time>.jsonl
             shutil.move(str(f), out / f.name)
     results = json.loads((out / results_file.name).read_text())
@@ -160,7 +164,7 @@ def evaluate(root: Path, model: str | None = None, step: int | None = None, endp
     with open(logs / EVAL_LOG, "a") as f:
         f.write(json.dumps(record) + "\n")
     try:    # the run's own sinks too (TensorBoard, MLflow, W&B): the results above are already safe
-        from llmcluster.train.tracking import log_eval
+        from llmcluster.monitor.tracking import log_eval
 
         log_eval(root, logs, record)     # the record stays what eval.jsonl holds
     except Exception as e:   # a tracking server that is down must not fail an evaluation that is done

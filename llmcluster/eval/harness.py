@@ -61,18 +61,21 @@ def endpoint_completions_url(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{path}"
 
 
-def check_endpoint(completions_url: str, name: str) -> None:
+def check_endpoint(completions_url: str, name: str, key: str | None = None) -> None:
     """The server answers and serves `name` (its /v1/models), or one line now rather than the harness's retries."""
     import json
     import urllib.error
     import urllib.request
 
+    from llmcluster.serve.auth import headers
+
     models_url = completions_url.removesuffix("/completions") + "/models"
     try:
-        with urllib.request.urlopen(models_url, timeout=30) as r:
+        with urllib.request.urlopen(urllib.request.Request(models_url, headers=headers(key)), timeout=30) as r:
             served = [m.get("id") for m in json.load(r).get("data", []) if isinstance(m, dict)]
     except (urllib.error.URLError, OSError, ValueError, AttributeError) as e:
-        raise UserError(f"--endpoint: no model list from {models_url} ({getattr(e, 'reason', e)})") from None
+        hint = " (the server wants an API key: --api-key-file)" if getattr(e, "code", None) == 401 else ""
+        raise UserError(f"--endpoint: no model list from {models_url} ({getattr(e, 'reason', e)}){hint}") from None
     if name not in served:
         raise UserError(f"--endpoint serves {', '.join(map(str, served)) or 'no model'}, not --name {name}")
 
@@ -91,8 +94,12 @@ def model_arguments(model_dir: Path, endpoint: str | None, name: str | None, max
 
 
 def run_harness(python: str, model_args: list[str], tasks: list[str], include_dir: Path, out_dir: Path,
-                log: Path, batch_size: int, limit: int | None) -> Path:
-    """Run `lm_eval run` writing under out_dir; returns its results JSON (its samples lie beside it)."""
+                log: Path, batch_size: int, limit: int | None, api_key: str | None = None) -> Path:
+    """Run `lm_eval run` writing under out_dir; returns its results JSON (its samples lie beside it). An endpoint's
+    API key goes in the harness's environment (local-completions reads OPENAI_API_KEY), never in its argv or the
+    log, which starts with the command."""
+    from llmcluster.serve.auth import CLIENT_ENV
+
     cmd = [python, "-m", "lm_eval", "run", *model_args, "--tasks", ",".join(tasks),
            "--include_path", str(include_dir), "--batch_size", str(batch_size), "--output_path", str(out_dir),
            "--log_samples", "--seed", "1234"]
@@ -101,7 +108,8 @@ def run_harness(python: str, model_args: list[str], tasks: list[str], include_di
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=offline_env())
+        env = {**offline_env(), **({CLIENT_ENV: api_key} if api_key else {})}
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if proc.returncode:
         raise RunFailure(f"lm-evaluation-harness failed (exit {proc.returncode}): {_last_error(log)} "
                          f"(log: {log})")

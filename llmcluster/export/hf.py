@@ -81,7 +81,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 def export(root: Path, run: str, step: int | None, out: Path | None = None) -> Path:
     from llmcluster.model.llama import build_model
-    from llmcluster.train.checkpoint import load_model_weights, newest_verified_checkpoint, verify_checkpoint
+    from llmcluster.checkpoint.checkpointer import load_model_weights, newest_verified_checkpoint, verify_checkpoint
 
     st = Storage(root)
     out = check_export_target(root, out or st.model_dir(run))  # before any work
@@ -101,7 +101,7 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
     _check_layers(cfg.model.n_layers, shapes, ckpt)
     model = build_model(cfg.model, device="meta")
     if cfg.train.lora is not None:
-        from llmcluster.train.lora import apply_lora
+        from llmcluster.model.lora import apply_lora
         apply_lora(model, cfg.train.lora)
     _check_shapes(model, shapes, ckpt)
     model = model.to_empty(device="cpu")
@@ -140,7 +140,7 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
              "eos_token_id": eos_id if turn_id in (None, eos_id) else [eos_id, turn_id]}))
         state = model.state_dict()
         if cfg.train.lora is not None:  # merged weights here; the adapters alone, PEFT-format, in adapter/
-            from llmcluster.train.lora import merged_state_dict, save_peft_adapter
+            from llmcluster.model.lora import merged_state_dict, save_peft_adapter
             state = merged_state_dict(model)
             if cfg.train.init_from:
                 save_peft_adapter(model, cfg.train.lora, tmp / "adapter", str(Path(cfg.train.init_from).resolve()))
@@ -217,7 +217,7 @@ def chat_template(tok_file: Path, hf_conf: dict | None, meta: dict) -> tuple[str
 
 
 def _train_state(ckpt: Path) -> tuple[int, JobConfig]:
-    from llmcluster.train.checkpoint import TRAIN_STATE
+    from llmcluster.checkpoint.checkpointer import TRAIN_STATE
 
     where = str(ckpt / TRAIN_STATE)
     try:
@@ -236,7 +236,7 @@ def checkpoint_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
 
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from llmcluster.train.safe_load import METADATA, UnsafeCheckpoint, read_metadata_file
+    from llmcluster.checkpoint.safe_load import METADATA, UnsafeCheckpoint, read_metadata_file
 
     try:
         md = read_metadata_file(ckpt / METADATA)

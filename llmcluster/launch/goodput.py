@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 
 from llmcluster.errors import UserError
-from llmcluster.train.events import EVENTS, NOOP, read_events
+from llmcluster.storage.events import EVENTS, NOOP, read_events
 
 BUCKETS = ("startup", "checkpoint_restore", "checkpoint_save", "eval", "lost_progress", "hang_or_straggler",
            "failure", "other")

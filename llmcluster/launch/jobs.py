@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from llmcluster.errors import UserError
-from llmcluster.launch.launcher import read_record
+from llmcluster.storage.job_record import read_record
 from llmcluster.launch.scheduler import ACTIVE_STATES, get
 from llmcluster.storage.layout import Storage
 
@@ -95,6 +95,6 @@ def logs(root: Path, run: str, follow: bool = False) -> int:
 
 def cancel(root: Path, run: str) -> int:
     logdir, rec = _record(root, run)
-    get(rec["scheduler"]).cancel(logdir, rec)
-    print(f"cancelled {run} ({rec['scheduler']} job {rec.get('job_id')})")
+    still = get(rec["scheduler"]).cancel(logdir, rec)    # a line when the job is still stopping
+    print(still or f"cancelled {run} ({rec['scheduler']} job {rec.get('job_id')})")
     return 0

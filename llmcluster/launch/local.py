@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from llmcluster.errors import UserError
@@ -20,6 +21,7 @@ from llmcluster.render import comment_text, shell_export, shell_join
 
 SERVER_MODULE = b"vllm.entrypoints.openai.api_server"   # a serving job's process (serve/start.py)
 SERVER_LOG = "server.log"
+CANCEL_WAIT_S = 90     # vLLM takes up to a minute to shut down: `jobs cancel` waits that long before it says CANCELLED
 
 
 def missing_secrets(spec: LaunchSpec) -> list[str]:
@@ -71,8 +73,17 @@ class Local(Scheduler):
 
     def _alive(self, logs: Path, rec: dict) -> int | None:
         """The launcher's pid if it is alive AND is this run's torchrun (a serving job's: its vLLM server, on
-        the recorded port): job.json is a user-writable file, so a pid in it is checked against /proc before
-        anything is signalled."""
+        the recorded port) AND leads its process group (we start ours in a session of their own, so killpg
+        reaches only it): job.json is a user-writable file, so a pid in it is checked before anything is
+        signalled."""
+        pid = self._ours(logs, rec)
+        try:
+            return pid if pid is not None and os.getpgid(pid) == pid else None
+        except OSError:
+            return None
+
+    def _ours(self, logs: Path, rec: dict) -> int | None:
+        """The recorded pid if it is alive and its command line is this job's (leader or not)."""
         try:
             pid = int(rec["pid"])
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -83,14 +94,12 @@ class Local(Scheduler):
             ours = SERVER_MODULE in cmd and any(a == b"--port" and b == port for a, b in zip(cmd, cmd[1:]))
         else:
             ours = b"torch.distributed.run" in cmd and str(logs / "ranks").encode() in cmd
-        try:   # and it leads its process group (started in a session of its own): killpg reaches only it
-            leader = os.getpgid(pid) == pid
-        except OSError:
-            leader = False
-        return pid if ours and pid > 1 and leader else None
+        return pid if ours and pid > 1 else None
 
     def state(self, logs: Path, rec: dict) -> dict:
         if rec.get("state") == "RUNNING":
+            if self._alive(logs, rec) is None and rec.get("cancel_requested"):
+                return {"state": "CANCELLED"}
             if self._alive(logs, rec) is None:
                 gone = "the server is gone (its log says why)" if rec.get("kind") == "serve" else \
                     "the launcher is gone without recording an exit code"
@@ -104,13 +113,32 @@ class Local(Scheduler):
         # torchrun --log-dir: ranks/<id>/attempt_<n>/<local rank>/{stdout,stderr}.log
         return sorted((logs / "ranks").glob("*/attempt_*/*/std*.log"))
 
-    def cancel(self, logs: Path, rec: dict) -> None:
-        pid = self._alive(logs, rec)
-        if pid is None:
-            what = "vLLM server" if rec.get("kind") == "serve" else "torchrun"
+    def cancel(self, logs: Path, rec: dict) -> str | None:
+        """SIGTERM to the job's process group. A serving job (no foreground launcher records its end) is waited
+        for, up to CANCEL_WAIT_S, and recorded CANCELLED once gone; the line to print when it is not yet."""
+        what = "vLLM server" if rec.get("kind") == "serve" else "torchrun"
+        if self._ours(logs, rec) is None:
             raise UserError(f"{rec['run']} is not running (no live {what} of it)")
-        os.killpg(pid, signal.SIGTERM)  # torchrun forwards it (the ranks checkpoint); vLLM shuts down
-        if rec.get("kind") == "serve":  # no foreground launcher records a server's end: this is it
-            from llmcluster.launch.launcher import write_record
+        pid = self._alive(logs, rec)
+        if pid is None:   # we start ours in a session of their own: a pid that leads no group is not one we started
+            pid = rec["pid"]
+            raise UserError(f"{rec['run']}: pid {pid} is alive but does not lead its process group, so it is not "
+                            f"the {what} llmcluster started; nothing signalled")
+        try:
+            os.killpg(pid, signal.SIGTERM)  # torchrun forwards it (the ranks checkpoint); vLLM shuts down
+        except ProcessLookupError:
+            pass
+        if rec.get("kind") != "serve":
+            return None
+        from llmcluster.storage.job_record import write_record
 
-            write_record(logs, {**rec, "state": "CANCELLED"})
+        write_record(logs, {**rec, "cancel_requested": True})
+        print(f"stopping {rec['run']} (vLLM pid {pid}; up to {CANCEL_WAIT_S} s)", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while self._alive(logs, rec) is not None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if self._alive(logs, rec) is not None:
+            return (f"{rec['run']} is still stopping after {CANCEL_WAIT_S} s (vLLM pid {pid}); "
+                    f"`llmcluster jobs status {rec['run']}` says CANCELLED once it is gone")
+        write_record(logs, {**rec, "state": "CANCELLED"})
+        return None

@@ -46,7 +46,8 @@ class Scheduler:
         """Print the job's output itself, or None: `jobs logs` then tails log_files()."""
         return None
 
-    def cancel(self, logs: Path, rec: dict) -> None:
+    def cancel(self, logs: Path, rec: dict) -> str | None:
+        """Stop the job; None once it is stopped (or asked to stop), else the line saying it is still stopping."""
         raise NotImplementedError
 
 

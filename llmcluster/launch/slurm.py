@@ -9,7 +9,7 @@ not resolve) at a port the script finds free there. Failures are handled in thre
     srun, which delivers it to every process of the step. The ranks checkpoint and exit 75;
   * when srun fails (the signal, restarts used up, a node lost) the shell requeues the job while
     SLURM_RESTART_COUNT < job.max_requeues, unless the trainer wrote that the failure is `fatal` (a restart
-    would repeat it: see train/exit_reason.py). The requeued job resumes from the last complete checkpoint.
+    would repeat it: see storage/exit_reason.py). The requeued job resumes from the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from llmcluster.launch.scheduler import Scheduler
 from llmcluster.launch.spec import LaunchSpec
 from llmcluster.render import (Program, ShellVar, comment_text, directive_path, directive_value, list_item,
                                shell_export, shell_join, shell_word)
-from llmcluster.train.exit_reason import EXIT_DIR_ENV
+from llmcluster.storage.exit_reason import EXIT_DIR_ENV
 
 JOB_ID = re.compile(r"\d+(?:_\d+)?")
 # The first free port from BASE + job id % 1000 on (jobs sharing a head node start apart, and a port some
@@ -100,7 +100,7 @@ def render(spec: LaunchSpec) -> str:
         f'rdzv_port=$({shell_word(port_python)} -c {shell_word(FREE_PORT)} "$(( {j.rdzv_port} + SLURM_JOB_ID % 1000 ))")',
         f'ranks_dir={shell_word(logs)}/ranks/"$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}"',
         'mkdir -p "$ranks_dir"',
-        f'export {EXIT_DIR_ENV}="$ranks_dir"       # the ranks say why they stopped (train/exit_reason.py)',
+        f'export {EXIT_DIR_ENV}="$ranks_dir"       # the ranks say why they stopped (storage/exit_reason.py)',
         'echo "[llmcluster] job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0}:'
         ' nodes $SLURM_JOB_NODELIST, rendezvous $head:$rdzv_port (node $head_node)"',
         "",

@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 
 from llmcluster.config.hostlist import HOST_RE
 from llmcluster.errors import UserError
-from llmcluster.launch.launcher import read_record
 from llmcluster.render import line_text, show_value
+from llmcluster.storage.job_record import read_record
 
 SERVE_JOB = "llmcluster-serve"
 SERVE_LABEL = "llmcluster.io/serve"   # the pod label of a serving Deployment (its value: the job's name)

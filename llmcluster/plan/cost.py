@@ -76,8 +76,8 @@ def serving_cost(plan: PlanSpec, pw: Power, pr: Prices, capex: float) -> dict:
     capex over the server life, and energy at the average draw x PUE; against a cloud API's price
     (cost.api_usd_per_million_tokens). A bound on throughput makes these floors on the cost."""
     from llmcluster.config.serve import ServeConfig
-    from llmcluster.serve.model import ServedModel
-    from llmcluster.serve.plan import Box, serve_plan
+    from llmcluster.plan.served_model import ServedModel
+    from llmcluster.plan.serving import Box, serve_plan
 
     m = plan.model
     served = serve_plan(ServedModel(m.name or "model", "plan", m, m.max_seq_len, "bfloat16", None),

@@ -107,7 +107,7 @@ def model_states(psi: float, dp: int, zero: int, convention: str = "zero-paper",
 
 def lora_params(m: ModelSpec, rank: int, targets: tuple[str, ...] | list[str]) -> int:
     """Trainable parameters of LoRA adapters (train.lora): rank x (in + out) per targeted projection per
-    layer, the shapes llmcluster/train/lora.py gives A (rank x in) and B (out x rank)."""
+    layer, the shapes llmcluster/model/lora.py gives A (rank x in) and B (out x rank)."""
     d, kv = m.d_model, m.kv_heads * (m.attn_dim // m.n_heads)
     shapes = {"q_proj": (d, m.attn_dim), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (m.attn_dim, d),
               "gate_proj": (d, m.ffn_hidden), "up_proj": (d, m.ffn_hidden), "down_proj": (m.ffn_hidden, d)}

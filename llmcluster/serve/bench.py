@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
 from llmcluster.errors import UserError
+from llmcluster.serve import auth
 
 FORMAT = "llmcluster-serve-bench/1"
 WORDS = ("the", "model", "serves", "tokens", "cache", "batch", "queue", "request", "latency", "decode", "prefill",
@@ -47,7 +48,7 @@ class Timing:
 class Endpoint:
     """An OpenAI API base URL (http://host:port/v1; a bare http://host:port means /v1)."""
 
-    def __init__(self, url: str, timeout: float = 600.0):
+    def __init__(self, url: str, timeout: float = 600.0, key: str | None = None):
         u = urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise UserError(f"--endpoint {url!r}: expected http(s)://HOST:PORT/v1")
@@ -59,6 +60,7 @@ class Endpoint:
         self.path = u.path.rstrip("/") or "/v1"
         self.server = f"{u.scheme}://{u.netloc}"
         self.timeout = timeout
+        self.key = key            # the serving job's API key (serve/auth.py), sent as a bearer token
 
     def _conn(self) -> http.client.HTTPConnection:
         cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
@@ -68,11 +70,12 @@ class Endpoint:
         """GET /models: vLLM's entries carry `root`, the directory it serves."""
         conn = self._conn()
         try:
-            conn.request("GET", self.path + "/models")
+            conn.request("GET", self.path + "/models", headers=auth.headers(self.key))
             resp = conn.getresponse()
             body = resp.read()
             if resp.status != 200:
-                raise UserError(f"--endpoint {self.url}: GET {self.path}/models answered {resp.status}")
+                hint = " (the server wants an API key: --api-key-file)" if resp.status == 401 else ""
+                raise UserError(f"--endpoint {self.url}: GET {self.path}/models answered {resp.status}{hint}")
             data = json.loads(body).get("data")
         except (OSError, http.client.HTTPException, ValueError, AttributeError) as e:
             raise UserError(f"--endpoint {self.url}: no OpenAI API there ({e})") from None
@@ -90,7 +93,8 @@ class Endpoint:
         conn = self._conn()
         t0 = time.perf_counter()
         try:
-            conn.request("POST", self.path + "/completions", body, {"Content-Type": "application/json"})
+            conn.request("POST", self.path + "/completions", body,
+                         {"Content-Type": "application/json", **auth.headers(self.key)})
             resp = conn.getresponse()
             if resp.status != 200:
                 t.error = f"HTTP {resp.status}: {resp.read()[:200].decode(errors='replace')}"
@@ -207,7 +211,8 @@ def bench(ep: Endpoint, model: str, concurrencies: list[int], requests: int, inp
         else:
             from llmcluster.serve.vllm_bench import run_vllm_bench
 
-            p = run_vllm_bench(engine_python, ep.server, model, tokenizer, c, requests, input_len, output_len)
+            p = run_vllm_bench(engine_python, ep.server, model, tokenizer, c, requests, input_len, output_len,
+                               key=ep.key)
         points.append(p)
         progress(p)
     client = "llmcluster (http.client threads)" if engine_python is None else f"vllm bench serve ({engine_python})"

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from llmcluster.config.serve import ServeConfig
 from llmcluster.errors import UserError
+from llmcluster.render import has_line_break
 from llmcluster.serve.engine_check import CPU_HEAD_DIMS
-from llmcluster.serve.model import ServedModel, from_directory
+from llmcluster.plan.served_model import ServedModel, from_directory
 
 # --max-lora-rank accepts these only (vLLM's LoRAConfig); its default is 16
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -128,6 +129,7 @@ def resolve_target(ref: str, root: str | None, config_root: str | None) -> Targe
             raise UserError(f"--model {ref}: not a model directory, nor an exported run ({path} does not exist: "
                             f"`llmcluster export --run {ref}`)")
     path = path.resolve()
+    served_name(path.name)
     model = from_directory(path)          # config.json checked here: one line when missing
     if not any(path.glob("*.safetensors")):
         raise UserError(f"{path}: no *.safetensors weights (config.json alone can be planned, not served)")
@@ -139,10 +141,23 @@ def resolve_target(ref: str, root: str | None, config_root: str | None) -> Targe
         base, rank = Path(str(ad["base_model_name_or_path"])), int(ad["r"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{cfg_file}: not a PEFT adapter config ({type(e).__name__}: {e})") from None
+    # a relative base is relative to the adapter (an export moved with its base beside it), not to where we run
+    base = (cfg_file.parent / base).resolve()
     if not (base / "config.json").is_file():
         raise UserError(f"{cfg_file}: its base model {base} is not a model directory here (serve the merged "
                         f"export instead: copy it without adapter/)")
+    served_name(base.name)       # the base is served under its own name
     return Target(from_directory(base), base, path.name, path / "adapter", rank)
+
+
+def served_name(name: str) -> str:
+    """The export directory's name is the name requests give (vLLM's --served-model-name, a label, a comment of the
+    rendered script): a line break, NUL or other control character in it has no use and could end a line of what
+    is rendered (issue 32), so it is refused here, in one line, before anything is rendered."""
+    if has_line_break(name) or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise UserError(f"--model: the export directory's name {name!r} is the served model name and holds a line "
+                        "break or control character: rename the directory")
+    return name
 
 
 @dataclass(frozen=True)
@@ -158,7 +173,7 @@ class Sizing:
 def size(target: Target, cluster, cfg: ServeConfig, engine: Engine) -> Sizing:
     """`serve plan` on the cluster's GPUs; on the CPU engine (or a cluster without GPUs) the serve section's values,
     else one process, the checkpoint's dtype and the model's context (the KV cache is VLLM_CPU_KVCACHE_SPACE)."""
-    from llmcluster.serve.plan import Box, serve_plan
+    from llmcluster.plan.serving import Box, serve_plan
 
     m = target.model
     if cluster.hardware.spec is not None and not engine.cpu:
@@ -200,7 +215,7 @@ def argv(engine: Engine, target: Target, s: Sizing, served: str, host: str, port
     sampling defaults older exports carry are warned about before launch: engine_check)."""
     out = [engine.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target.directory),
            "--served-model-name", served if target.adapter is None else target.model.name,
-           "--host", host, "--port", str(port), "--tensor-parallel-size", str(s.tp), "--dtype", s.dtype,
+           "--host", host, "--port", port if isinstance(port, str) else str(port), "--tensor-parallel-size", str(s.tp), "--dtype", s.dtype,
            "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs), *s.extra]
     if target.adapter is not None:
         out += ["--enable-lora", "--lora-modules", f"{served}={target.adapter}"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llmcluster.serve.model import ServedModel
+from llmcluster.plan.served_model import ServedModel
 
 # vLLM CPU (0.32) attention kernel: the head sizes it is compiled for
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

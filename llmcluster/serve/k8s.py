@@ -3,8 +3,11 @@
 The pod is hardened as the training pods are (launch/k8s/pod.py: non-root, read-only root filesystem, no
 capabilities, no service-account token, RuntimeDefault seccomp) with emptyDirs for HOME (/tmp), the caches and a
 memory-backed /dev/shm; it mounts only the served export, read-only, from the models claim. Readiness and liveness
-probe /health; a startup probe gives the engine its minutes of loading before liveness counts. A NetworkPolicy
-opens the API port only. `jobs status|logs|cancel` find the objects by their run label (launch/k8s).
+probe /health; a startup probe gives the engine its minutes of loading before liveness counts. The API key (issue 32)
+is a Secret <name>-api-key that `serve start` creates with the key (the rendered objects name it, never hold it),
+handed to vLLM as $VLLM_API_KEY. A NetworkPolicy opens the API port only, to the pods of the namespace labelled
+CLIENT_LABEL=true and to the Prometheus namespace (it scrapes /metrics, which vLLM leaves open).
+`jobs status|logs|cancel` find the objects by their run label (launch/k8s).
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ from llmcluster.launch.k8s import PLURALS, _dns, api, to_yaml
 from llmcluster.launch.k8s.pod import (CACHE_DIR, CACHE_ENV, RUN_LABEL, client, container_security, pod_security,
                                        scratch_volumes, to_dict)
 from llmcluster.monitor.serve_targets import SERVE_LABEL
+from llmcluster.serve import auth
 from llmcluster.serve import engine as eng
 
 PORT = 8000                      # vLLM's own default, in the pod
 STARTUP_S = 1800                 # loading a 70B from a network volume takes minutes: liveness waits this long
 # vLLM's caches (compiled graphs, the HF hub's) under the writable /cache emptyDir
 SERVE_ENV = {**CACHE_ENV, "HF_HOME": f"{CACHE_DIR}/huggingface", "VLLM_CACHE_ROOT": f"{CACHE_DIR}/vllm"}
+# the label a pod of the namespace carries to reach a served model (docs/security.md)
+CLIENT_LABEL = "llmcluster.io/serve-client"
 
 
 @dataclass(frozen=True)
@@ -43,9 +49,16 @@ class Serving:
     shm_size: str
     node_selector: dict
     tolerations: list
+    auth: bool = True
+    prometheus_namespace: str = "monitoring"
+
+    @property
+    def secret(self) -> str:
+        return f"{self.name}-api-key"
 
     @classmethod
-    def build(cls, job, spec: JobSpec, image: str, namespace: str | None) -> Serving:
+    def build(cls, job, spec: JobSpec, image: str, namespace: str | None,
+              prometheus_namespace: str = "monitoring") -> Serving:
         """From a ServeJob (serve/start.py) and the job section with the cluster's defaults applied. Only an export
         under the storage root's models/ is on the models claim; the merged weights are served (a LoRA export's
         base directory is on no claim the pod mounts)."""
@@ -53,6 +66,7 @@ class Serving:
         ns = namespace or k.namespace
         _dns(job.name, "serving job name")
         _dns(ns, "namespace")
+        _dns(prometheus_namespace, "--prometheus-namespace")
         models = (job.root / "models").resolve()
         export = job.target.export
         if export.parent != models:
@@ -68,7 +82,8 @@ class Serving:
         argv = eng.argv(job.engine, merged, job.sizing, job.served, "0.0.0.0", PORT)
         argv[argv.index("--model") + 1] = mount
         return cls(job.name, ns, image, tuple(argv), claim, sub, mount, job.sizing.tp, spec.cpus_per_node,
-                   spec.mem_per_node, k.run_as_user, k.shm_size, dict(k.node_selector), list(k.tolerations))
+                   spec.mem_per_node, k.run_as_user, k.shm_size, dict(k.node_selector), list(k.tolerations),
+                   job.auth, prometheus_namespace)
 
 
 def objects(s: Serving) -> list[dict]:
@@ -92,7 +107,9 @@ def objects(s: Serving) -> list[dict]:
                          timeout_seconds=5, failure_threshold=failures)
     server = c.V1Container(
         name="vllm", image=s.image, image_pull_policy="Always", command=list(s.argv[:1]), args=list(s.argv[1:]),
-        env=[c.V1EnvVar(name=n, value=v) for n, v in env.items()],
+        env=[c.V1EnvVar(name=n, value=v) for n, v in env.items()] + ([c.V1EnvVar(
+            name=auth.ENV, value_from=c.V1EnvVarSource(secret_key_ref=c.V1SecretKeySelector(
+                name=s.secret, key=auth.SECRET_KEY)))] if s.auth else []),
         ports=[c.V1ContainerPort(container_port=PORT, name="http")],
         resources=c.V1ResourceRequirements(limits=resources, requests=resources),
         volume_mounts=mounts, security_context=container_security(),
@@ -115,11 +132,14 @@ def objects(s: Serving) -> list[dict]:
             template=c.V1PodTemplateSpec(metadata=c.V1ObjectMeta(labels={**labels, SERVE_LABEL: s.name}), spec=pod)))
     service = c.V1Service(api_version="v1", kind="Service", metadata=c.V1ObjectMeta(**meta), spec=c.V1ServiceSpec(
         selector=labels, ports=[c.V1ServicePort(name="http", port=PORT, target_port="http", protocol="TCP")]))
-    # the API port is the pod's only way in (clients and Prometheus, from any namespace)
+    # the API port is the pod's only way in, from the namespace's pods labelled as clients and from Prometheus
+    peers = [c.V1NetworkPolicyPeer(pod_selector=c.V1LabelSelector(match_labels={CLIENT_LABEL: "true"})),
+             c.V1NetworkPolicyPeer(namespace_selector=c.V1LabelSelector(
+                 match_labels={"kubernetes.io/metadata.name": s.prometheus_namespace}))]
     policy = c.V1NetworkPolicy(
         api_version="networking.k8s.io/v1", kind="NetworkPolicy", metadata=c.V1ObjectMeta(**meta),
         spec=c.V1NetworkPolicySpec(pod_selector=c.V1LabelSelector(match_labels=labels), policy_types=["Ingress"],
-                                   ingress=[c.V1NetworkPolicyIngressRule(ports=[c.V1NetworkPolicyPort(
+                                   ingress=[c.V1NetworkPolicyIngressRule(_from=peers, ports=[c.V1NetworkPolicyPort(
                                        port=PORT, protocol="TCP")])]))
     return [to_dict(policy), to_dict(service), to_dict(deployment)]
 
@@ -132,10 +152,19 @@ def endpoint(s: Serving) -> str:
     return f"http://{s.name}.{s.namespace}.svc:{PORT}"
 
 
-def submit(s: Serving, record: dict, write_record, timeout: float) -> str:
-    """Create the objects (all or none), wait until the Deployment's pod passes its readiness probe (/health),
-    and return the in-cluster base URL (requests from outside go through the API server's service proxy)."""
-    objs = objects(s)
+def secret(s: Serving, key: str) -> dict:
+    """The job's API key as a Secret: made here, at submission, so no rendered artefact holds it."""
+    c = client()
+    return to_dict(c.V1Secret(api_version="v1", kind="Secret", type="Opaque", string_data={auth.SECRET_KEY: key},
+                              metadata=c.V1ObjectMeta(name=s.secret, namespace=s.namespace,
+                                                      labels={RUN_LABEL: s.name})))
+
+
+def submit(s: Serving, record: dict, write_record, timeout: float, key: str | None = None) -> str:
+    """Create the objects (the key's Secret first; all or none), wait until the Deployment's pod passes its
+    readiness probe (/health), and return the in-cluster base URL (requests from outside go through the API
+    server's service proxy)."""
+    objs = ([secret(s, key)] if s.auth and key else []) + objects(s)
     record = {**record, "k8s": {"namespace": s.namespace, "kind": "deployment",
                                 "objects": [{"apiVersion": o["apiVersion"], "kind": o["kind"],
                                              "name": o["metadata"]["name"]} for o in objs]}}

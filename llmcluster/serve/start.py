@@ -21,11 +21,13 @@ from pathlib import Path
 
 from llmcluster.errors import RunFailure, UserError
 from llmcluster.launch.local import SERVER_LOG
-from llmcluster.launch.launcher import UMASK, _write_once, read_record, write_record
+from llmcluster.launch.launcher import UMASK
+from llmcluster.storage.job_record import read_record, write_once, write_record
 from llmcluster.launch.scheduler import ACTIVE_STATES, get
 from llmcluster.launch.spec import next_launch_id
+from llmcluster.serve import auth
 from llmcluster.serve import engine as eng
-from llmcluster.render import directive_value, line_text, shell_join, shell_word
+from llmcluster.render import ShellVar, comment_text, directive_value, line_text, shell_join, shell_word
 from llmcluster.serve.engine_check import engine_warnings
 
 ENDPOINT = "endpoint-{job}"        # a Slurm job writes its URL here once /health answers
@@ -44,6 +46,7 @@ class ServeJob:
     port: int
     launch_id: int
     slo_ttft_p99_ms: float | None = None   # serve.slo: `monitor config` alerts above it
+    auth: bool = True              # vLLM requires the job's API key (--no-auth: it answers anyone who reaches it)
 
     @property
     def logs(self) -> Path:
@@ -52,6 +55,10 @@ class ServeJob:
     @property
     def launch_dir(self) -> Path:
         return self.logs / "launches" / str(self.launch_id)
+
+    @property
+    def key_file(self) -> Path | None:
+        return self.logs / auth.KEY_FILE if self.auth else None
 
     @property
     def served(self) -> str:
@@ -68,12 +75,22 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def key_lines(job: ServeJob, fail: str) -> list[str]:
+    """The job's API key into vLLM's environment, read from its 0600 file when the script runs: the key itself is
+    in no rendered artefact and on no command line. `fail` ends the script when the file cannot be read."""
+    if job.key_file is None:
+        return ["# --no-auth: the server answers anyone who reaches it"]
+    return [f"{auth.ENV}=$(cat -- {shell_word(job.key_file)}) || {fail}", f"export {auth.ENV}"]
+
+
 # -- local: a detached process ------------------------------------------------------------------------------------
 
 def render_local(job: ServeJob) -> str:
-    lines = ["#!/bin/bash", f"# llmcluster serve start: {job.served} as job {job.name} on this machine",
+    lines = ["#!/bin/bash", f"# llmcluster serve start: {comment_text(job.served)} as job {comment_text(job.name)} "
+             "on this machine",
              "set -euo pipefail", "umask 027"]
     lines += [f"export {k}={shell_word(v)}" for k, v in eng.environment(job.engine).items()]
+    lines += key_lines(job, "exit 1")
     lines.append("exec " + shell_join(job.argv()))
     return "\n".join(lines) + "\n"
 
@@ -99,7 +116,7 @@ def render_slurm(job: ServeJob, time_limit: str | None, partition: str | None) -
     from llmcluster.launch.slurm import FREE_PORT
 
     logs, py = str(job.logs), job.engine.python
-    head = ["#!/bin/bash", f"# llmcluster serve start: {job.served} as job {job.name}",
+    head = ["#!/bin/bash", f"# llmcluster serve start: {comment_text(job.served)} as job {comment_text(job.name)}",
             f"#SBATCH --job-name={directive_value(job.name, 'job name')}", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
             f"#SBATCH --output={directive_value(logs, 'log directory')}/slurm-%j.out"]
     if not job.engine.cpu:
@@ -110,8 +127,9 @@ def render_slurm(job: ServeJob, time_limit: str | None, partition: str | None) -
         head.append(f"#SBATCH --partition={directive_value(partition, '--partition')}")
     head += ["", "set -uo pipefail", "umask 027"]
     head += [f"export {k}={shell_word(v)}" for k, v in eng.environment(job.engine).items()]
-    argv = job.argv(host="0.0.0.0", port="PORT")
-    server = shell_join(argv[:argv.index("PORT")]) + ' "$port" ' + shell_join(argv[argv.index("PORT") + 1:])
+    head += key_lines(job, "{ echo \"[llmcluster] cannot read the API key file\" >&2; exit 1; }")
+    # the port is the batch shell's $port, found free on the node at run time
+    server = shell_join(job.argv(host="0.0.0.0", port=ShellVar("$port")))
     body = [
         "# the node's address as Slurm knows it (a node name need not resolve), a port free on it",
         'addr=$(scontrol show node -o "$SLURMD_NODENAME" | tr " " "\\n" | sed -n "s/^NodeAddr=//p")',
@@ -193,10 +211,11 @@ def wait_healthy(base, alive, timeout: float, name: str) -> str:
         time.sleep(1)
 
 
-def smoke(url: str, model: str, name: str) -> str:
+def smoke(url: str, model: str, name: str, key: str | None = None) -> str:
     """One greedy token: the engine compiles and runs the model at the first request, not at start-up."""
     body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json", **auth.headers(key)})
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
             return json.loads(r.read())["choices"][0]["text"]
@@ -206,9 +225,12 @@ def smoke(url: str, model: str, name: str) -> str:
                          f"see `llmcluster jobs logs {name}`") from None
 
 
-def curl_line(url: str, model: str) -> str:
+def curl_line(url: str, model: str, key_file: Path | None = None) -> str:
+    """A request to copy: the key is read from its file by the shell that runs it (never printed)."""
     body = json.dumps({"model": model, "prompt": "def main(", "max_tokens": 32, "temperature": 0})
-    return f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d {shell_word(body)}"
+    bearer = f' -H "Authorization: Bearer $(cat {shell_word(key_file)})"' if key_file else ""
+    return (f"curl -s {shell_word(url + '/v1/completions')} -H 'Content-Type: application/json'{bearer} "
+            f"-d {shell_word(body)}")
 
 
 # -- the command --------------------------------------------------------------------------------------------------
@@ -242,18 +264,21 @@ def start(job: ServeJob, *, dry_run: bool, timeout: float, time_limit: str | Non
     except OSError as e:
         raise UserError(f"cannot create {job.launch_dir}: {e.strerror or e}") from None
     artifact = job.launch_dir / get(job.scheduler).artifact
-    _write_once(artifact, text, 0o400)
+    write_once(artifact, text, 0o400)
+    key = auth.new_key() if job.auth else None
+    if key:     # a fresh key per start, in the file the rendered script (or the Secret) hands vLLM
+        auth.write_key(job.logs, key, job.launch_id)
     record = {"run": job.name, "kind": "serve", "scheduler": job.scheduler, "launch": job.launch_id,
               "artifact": str(artifact), "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "nodes": 1,
               "procs_per_node": job.sizing.tp, "world_size": job.sizing.tp, "model": job.served,
               "model_dir": str(job.target.directory), "port": job.port, "engine": job.engine.python,
-              "slo_ttft_p99_ms": job.slo_ttft_p99_ms}
+              "slo_ttft_p99_ms": job.slo_ttft_p99_ms, "auth": job.auth}
     if job.target.adapter is not None:
         record["adapter"] = str(job.target.adapter)
     if job.scheduler == "k8s":
         from llmcluster.serve.k8s import submit
 
-        url = submit(k8s, record, lambda r: write_record(job.logs, r), timeout)
+        url = submit(k8s, record, lambda r: write_record(job.logs, r), timeout, key)
         write_record(job.logs, {**(read_record(job.logs) or record), "endpoint": f"{url}/v1"})
         # the Service's name resolves inside the cluster only: from a login node, the readiness probe is the check
         try:
@@ -262,15 +287,15 @@ def start(job: ServeJob, *, dry_run: bool, timeout: float, time_limit: str | Non
             print("ready (/health); the smoke request needs the cluster's DNS: send the curl below from a pod",
                   file=sys.stderr)
         else:
-            smoke(url, job.served, job.name)
+            smoke(url, job.served, job.name, key)
     else:
         base, alive = (submit_local(job, record, artifact) if job.scheduler == "local"
                        else submit_slurm(job, record, artifact))
         url = wait_healthy(base, alive, timeout, job.name)
         write_record(job.logs, {**(read_record(job.logs) or record), "endpoint": f"{url}/v1"})
-        smoke(url, job.served, job.name)
+        smoke(url, job.served, job.name, key)
     print(f"endpoint {url}/v1")
-    print(curl_line(url, job.served))
+    print(curl_line(url, job.served, job.key_file))
     return 0
 
 
@@ -280,6 +305,12 @@ def build(args, cfg, root: Path):
     from llmcluster.config.cluster_load import load_cluster
     from llmcluster.storage.layout import check_run_name
 
+    # before anything is launched: a server on a port that cannot exist, or a wait that ends before it begins,
+    # would be left running (or LOST) by a start that reports failure
+    if args.port is not None and not 1 <= args.port <= 65535:
+        raise UserError(f"--port {args.port}: expected 1..65535")
+    if not 0 < args.timeout < float("inf"):
+        raise UserError(f"--timeout {args.timeout:g}: expected a positive number of seconds")
     cluster = load_cluster(args.cluster).spec
     target = eng.resolve_target(args.model, args.root, cfg.run.storage)
     if args.scheduler == "k8s":   # the image's python, not one on this host
@@ -295,13 +326,17 @@ def build(args, cfg, root: Path):
     host = args.host or ("127.0.0.1" if args.scheduler == "local" else "0.0.0.0")
     port = args.port or (free_port(host) if args.scheduler == "local" else 8000)
     job = ServeJob(name, args.scheduler, root, engine, target, sizing, host, port,
-                   next_launch_id(root / "logs" / name), cfg.serve.slo.ttft_p99_ms)
+                   next_launch_id(root / "logs" / name), cfg.serve.slo.ttft_p99_ms, auth=not args.no_auth)
     k8s = None
     if args.scheduler == "k8s":
         from llmcluster.launch.cluster_defaults import job_with_cluster_defaults
         from llmcluster.serve.k8s import Serving
 
-        k8s = Serving.build(job, job_with_cluster_defaults(cfg.job, cluster, "k8s"), args.image, args.namespace)
+        k8s = Serving.build(job, job_with_cluster_defaults(cfg.job, cluster, "k8s"), args.image, args.namespace,
+                            args.prometheus_namespace)
     for line in engine_warnings(target.model, engine.cpu):    # after every refusal: bad input stays one line
         print(f"warning: {line}", file=sys.stderr)
+    if args.no_auth:
+        print(f"warning: --no-auth: {name} answers anyone who can reach {host}:{port}, without a key",
+              file=sys.stderr)
     return job, k8s

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from llmcluster.errors import UserError
+from llmcluster.serve.auth import CLIENT_ENV
 
 LAUNCHER = """\
 import importlib.metadata as m, sys
@@ -48,8 +49,9 @@ def to_point(rec: dict, concurrency: int, requests: int) -> dict:
 
 
 def run_vllm_bench(python: str, base_url: str, model: str, tokenizer: str, concurrency: int, requests: int,
-                   input_len: int, output_len: int, timeout: float = 1800) -> dict:
-    """One sweep point through `vllm bench serve`; its point."""
+                   input_len: int, output_len: int, timeout: float = 1800, key: str | None = None) -> dict:
+    """One sweep point through `vllm bench serve`; its point. The API key goes in its environment
+    (OPENAI_API_KEY, which its request functions send as a bearer token), never in its argv."""
     with tempfile.TemporaryDirectory(prefix="llmcluster-vllm-bench-") as tmp:
         argv = [python, "-c", LAUNCHER, "bench", "serve", "--backend", "vllm", "--base-url", base_url,
                 "--endpoint", "/v1/completions", "--model", model, "--tokenizer", tokenizer,
@@ -58,7 +60,8 @@ def run_vllm_bench(python: str, base_url: str, model: str, tokenizer: str, concu
                 "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(concurrency),
                 "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
                 "--save-result", "--result-dir", tmp, "--result-filename", "point.json"]
-        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+               **({CLIENT_ENV: key} if key else {})}
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env})
         except FileNotFoundError:

@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmcluster import records
+from llmcluster.storage import records
 from llmcluster.errors import UserError
 
 AREAS = ("datasets", "checkpoints", "logs", "models", "scratch")
@@ -22,7 +22,7 @@ DATASET_KINDS = ("code", "text", "multimodal")
 STEP_DIR_RE = re.compile(r"step_(\d+)")
 COMPLETE_MARKER = "COMPLETE.json"   # written last: {"step", "files": {relpath: sha256}, ...}
 TMP_PREFIX = ".tmp-"                # checkpoints are written under .tmp-step_N-<attempt> and renamed
-OWNER_LOCK = ".owner.json"          # the run's one writer (llmcluster/train/ownership.py)
+OWNER_LOCK = ".owner.json"          # the run's one writer (llmcluster/checkpoint/ownership.py)
 ABANDONED_PREFIX = ".abandoned-"    # steps set aside by a roll-back or a rewrite: never resumed, never pruned
 # Folders under logs/ that are not runs: `bench` records (llmcluster/train/bench.py).
 RESERVED_LOG_DIRS = ("bench",)

@@ -65,7 +65,7 @@ def status_dict(root: Path) -> dict:
 def _serving_record(st: Storage, name: str) -> dict | None:
     """The job record of a serving job (`serve start`: logs/<name>/job.json, kind serve, no checkpoints): it
     has a logs folder like a run but is not one, so it is listed apart."""
-    from llmcluster.launch.launcher import read_record
+    from llmcluster.storage.job_record import read_record
 
     record = read_record(st.run_logs(name))
     if not record or record.get("kind") != "serve" or st.run_checkpoints(name).is_dir():

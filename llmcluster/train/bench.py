@@ -32,7 +32,7 @@ from llmcluster.model.flops import param_count
 from llmcluster.model.llama import cross_entropy_sum
 from llmcluster.paths import resolve_storage_root
 from llmcluster.storage.layout import Storage
-from llmcluster.train import distributed as D
+from llmcluster.distributed import process_groups as D
 from llmcluster.train.metrics import device_peak_flops, peak_note
 from llmcluster.train.optimizer import build_optimizer
 from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, loss_context

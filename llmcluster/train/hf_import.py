@@ -19,7 +19,7 @@ from torch import nn
 from llmcluster.config.load import validate
 from llmcluster.config.schema import JobConfig, ModelConfig
 from llmcluster.errors import UserError
-from llmcluster.train.parallelize import plain_name
+from llmcluster.model.names import plain_name
 
 # Keys of the model section config.json determines; max_seq_len may be lowered (it only sizes RoPE tables).
 FROM_HF = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "rope_theta",

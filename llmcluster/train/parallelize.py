@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from llmcluster.config.schema import JobConfig
-from llmcluster.train import compat
-from llmcluster.train.distributed import DistEnv, ParallelDims
+from llmcluster.distributed import compat
+from llmcluster.distributed.process_groups import DistEnv, ParallelDims
 
 
 def uses_loss_parallel(dims: ParallelDims) -> bool:
@@ -127,6 +127,14 @@ def apply_fsdp(model: nn.Module, dp_mesh, device: torch.device, precision: str, 
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         # Compute in low precision, reduce gradients in fp32 (the all-reduce sums many ranks' values).
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # FSDP2 warns when a wrapped module returns a view ("an in-place op on this view ... can cause backward to fail
+    # or produce wrong gradients"): the hazard is an in-place op on that output, which drops the pre-backward hook.
+    # Ours are never modified in place (the model rebinds h = block(h), the residual adds and the head are
+    # out-of-place, the returned loss is only divided out of place), so it does not apply to our modules; anyone
+    # else's still warns.
+    # (FSDP2 names the class it made, FSDP<ours>: FSDPLlama under FSDP x TP, where the loss comes back as a view)
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDP)?(Block|Llama|OptimizedModule)\) "
+                            "returned a view", category=UserWarning)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block is resharded by the root's post-backward anyway: keeping it gathered saves one
@@ -170,12 +178,6 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, env: DistE
     return model
 
 
-def plain_name(name: str) -> str:
-    """A parameter's or module's name in the plain model: without the prefixes that the wrappers add
-    (activation checkpointing, compile)."""
-    return name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     """The module under DDP (FSDP2, TP, AC and compile modify modules in place or inside `layers`)."""
     return model.module if hasattr(model, "module") and isinstance(model, nn.parallel.DistributedDataParallel) \
@@ -192,7 +194,7 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims, env: DistEnv,
 
     raw = build_model(cfg.model, device="meta")
     if cfg.train.lora is not None:  # adapters exist before sharding, so FSDP shards them with their block
-        from llmcluster.train.lora import apply_lora, init_lora
+        from llmcluster.model.lora import apply_lora, init_lora
         apply_lora(raw, cfg.train.lora)
     sharded = dims.fsdp or dims.tp > 1
     model = parallelize(raw, cfg, dims, env) if sharded else raw

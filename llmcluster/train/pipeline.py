@@ -30,8 +30,8 @@ from torch import nn
 from llmcluster.config.schema import JobConfig
 from llmcluster.config.stages import stage_layers
 from llmcluster.model.llama import build_model, document_mask
-from llmcluster.train.compat import pp_schedule_kwargs
-from llmcluster.train.distributed import DistEnv, ParallelDims
+from llmcluster.distributed.compat import pp_schedule_kwargs
+from llmcluster.distributed.process_groups import DistEnv, ParallelDims
 from llmcluster.train.parallelize import (_fill_own_shard, apply_fsdp, apply_tp_ac_compile, fsdp_mesh, loss_context,
                                           plain)
 

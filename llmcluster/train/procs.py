@@ -20,10 +20,10 @@ import uuid
 from pathlib import Path
 
 from llmcluster.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE, UserError
-from llmcluster.train import exit_reason
+from llmcluster.storage import exit_reason
 
 LAUNCHED_ENV = "TORCHELASTIC_RUN_ID"      # set for every rank a torch launcher starts
-# An exit-reason word (train/exit_reason.py) -> the exit code the ranks left with.
+# An exit-reason word (storage/exit_reason.py) -> the exit code the ranks left with.
 REASON_CODES = {"completed": 0, "preempted": EXIT_PREEMPTED, "fatal": EXIT_USAGE, "failed": EXIT_FAILURE}
 
 

@@ -77,7 +77,7 @@ def fit_problem(cfg: JobConfig, dims, device, local_world: int) -> str | None:
 def require_fit(cfg: JobConfig, dims, device, local_world: int) -> None:
     """Collective: every rank refuses with the same line when any rank's share does not fit (a rank that
     went on alone would wait for the others in its first collective until dist.timeout_s)."""
-    from llmcluster.train.checkpoint_verify import first_error
+    from llmcluster.checkpoint.verify import first_error
 
     error = first_error(fit_problem(cfg, dims, device, local_world))
     if error:

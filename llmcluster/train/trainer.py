@@ -5,7 +5,7 @@
     → at the step boundary the evaluator, the metrics processor and the checkpointer, each on its own
       cadence → preemption check.
 
-Rank 0 records the run's lifecycle in logs/<run>/events.jsonl (train/events.py) for `jobs goodput`.
+Rank 0 records the run's lifecycle in logs/<run>/events.jsonl (storage/events.py) for `jobs goodput`.
 """
 
 from __future__ import annotations
@@ -32,24 +32,24 @@ from llmcluster.model import flops_per_token, param_count
 from llmcluster.model.llama import cross_entropy_sum
 from llmcluster.paths import resolve_storage_root
 from llmcluster.storage.layout import Storage, sha256_file
-from llmcluster.train import distributed as D
+from llmcluster.distributed import process_groups as D
 from llmcluster.train.batch import resume_batch
-from llmcluster.train.checkpoint import TRAIN_STATE, Checkpointer
+from llmcluster.checkpoint.checkpointer import TRAIN_STATE, Checkpointer
 from llmcluster.train.downstream import Downstream, pending_steps
 from llmcluster.train.gc_cadence import GarbageCollection
 from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
 from llmcluster.train.health import (BusyTimer, CollectiveFailure, FaultInjector, LossSpikeDetector, SampleLog,
                                      is_collective_error, slow_ranks, young_daly_steps)
 from llmcluster.train.evaluate import Evaluator
-from llmcluster.train.events import EventLog
+from llmcluster.storage.events import EventLog
 from llmcluster.train.metrics import device_peak_flops, peak_note
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
 from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, loss_context
 from llmcluster.train.resources import require_fit
 from llmcluster.train.pipeline import bubble_fraction, build_pipeline, grad_scaler
-from llmcluster.train import exit_reason
+from llmcluster.storage import exit_reason
 from llmcluster.train.signals import PreemptionFlag
-from llmcluster.train.tracking import MetricsProcessor, run_info
+from llmcluster.monitor.tracking import MetricsProcessor, run_info
 
 
 class BadStepLimit(UserError):

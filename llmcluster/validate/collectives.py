@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from llmcluster.testing import test_hook
-from llmcluster.train import compat
+from llmcluster.distributed import compat
 from llmcluster.validate.nccl_semantics import (
     OPS, PATTERN_PERIOD, PLACEMENTS, bandwidths, element_count)
 from llmcluster.validate.result import FAIL, PASS, SKIP, CheckResult, fmt_bytes

@@ -101,7 +101,7 @@ def init_process_group():
 def shutdown() -> None:
     """The trainer's teardown (barrier, then a destroy under a watchdog): with gloo the barrier avoids the
     random SIGABRT at exit (torch-cpu-notes), the watchdog torch 2.6's rare hang in destroy."""
-    from llmcluster.train.distributed import shutdown as train_shutdown
+    from llmcluster.distributed.process_groups import shutdown as train_shutdown
 
     train_shutdown()
 

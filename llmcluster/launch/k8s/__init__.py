@@ -25,7 +25,7 @@ COMMON_KINDS = [("networking.k8s.io/v1", "NetworkPolicy", None), ("v1", "ConfigM
 WORKLOAD = {"indexed-job": [("batch/v1", "Job", None), ("v1", "Service", None)],
             "volcano": [volcano.API], "jobset": [jobset.API], "pytorchjob": [pytorchjob.API],
             # `serve start` (serve/k8s.py): a vLLM Deployment behind a Service
-            "deployment": [("apps/v1", "Deployment", None), ("v1", "Service", None)]}
+            "deployment": [("apps/v1", "Deployment", None), ("v1", "Service", None), ("v1", "Secret", None)]}
 PLURALS = {m.API[1]: m.API[2] for m in (volcano, jobset, pytorchjob)}
 # RFC 1123 names, as the API server checks them (apimachinery validation): labels for namespaces,
 # Services and pod hostnames; subdomains for ConfigMaps, Secrets, claims, service accounts

@@ -11,6 +11,7 @@ from llmcluster.launch.k8s.pod import RUN_LABEL, client
 
 # (apiVersion, kind) of the built-in kinds -> (the typed API class, the method suffix)
 BUILTIN = {("v1", "ConfigMap"): ("CoreV1Api", "config_map"), ("v1", "Service"): ("CoreV1Api", "service"),
+           ("v1", "Secret"): ("CoreV1Api", "secret"),     # a serving job's API key (serve/k8s.py)
            ("networking.k8s.io/v1", "NetworkPolicy"): ("NetworkingV1Api", "network_policy"),
            ("batch/v1", "Job"): ("BatchV1Api", "job"), ("apps/v1", "Deployment"): ("AppsV1Api", "deployment")}
 

@@ -30,7 +30,8 @@ def run_info(cfg, root: Path, dataset_digest: str, device) -> dict:
 
     import llmcluster
     from llmcluster.config.load import saved_config_dict
-    from llmcluster.launch.launcher import code_version, read_record
+    from llmcluster.launch.launcher import code_version
+    from llmcluster.storage.job_record import read_record
 
     rec = read_record(root / "logs" / cfg.run.name) or {}
     nccl = None

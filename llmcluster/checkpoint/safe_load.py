@@ -25,7 +25,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from llmcluster.storage.layout import COMPLETE_MARKER
-from llmcluster.train import compat
+from llmcluster.distributed import compat
 
 METADATA = ".metadata"
 TRAIN_STATE = "train_state.json"

@@ -19,7 +19,7 @@ from llmcluster.config.serve import ServeConfig
 from llmcluster.errors import UserError
 from llmcluster.model.flops import matmul_params, train_flops_per_token
 from llmcluster.plan.memory import GIB, count_params
-from llmcluster.serve.model import ServedModel
+from llmcluster.plan.served_model import ServedModel
 
 BLOCK_TOKENS = 16          # vLLM's KV block on CUDA: the cache is a whole number of blocks
 CUDA_GRAPH_GIB = 0.5       # decode CUDA graphs vLLM captures (planning assumption; --enforce-eager frees it)

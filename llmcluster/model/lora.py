@@ -17,7 +17,7 @@ from torch import nn
 
 from llmcluster.config.schema import LoraConfig
 from llmcluster.model import init as seeded
-from llmcluster.train.parallelize import plain_name
+from llmcluster.model.names import plain_name
 
 
 class LoRALinear(nn.Linear):

@@ -1,6 +1,6 @@
 """Checkpoints: checkpoints/<run>/step_<N>/ written with torch.distributed.checkpoint (DCP), atomically,
-by the run's one writer (train/ownership.py), verified before it is chosen (train/checkpoint_verify.py),
-and loaded as data only (train/safe_load.py).
+by the run's one writer (checkpoint/ownership.py), verified before it is chosen (checkpoint/verify.py),
+and loaded as data only (checkpoint/safe_load.py).
 
 Protocol (every rank takes part; rank 0 does the renames; an error on any rank is agreed on by all, which
 then stop with the same one line):
@@ -38,15 +38,15 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from llmcluster.errors import UserError
 from llmcluster.storage.layout import ABANDONED_PREFIX, COMPLETE_MARKER, TMP_PREFIX, Storage, sha256_file
 from llmcluster.testing import test_hook
-from llmcluster.train import compat
-from llmcluster.train.checkpoint_verify import (first_error as _first_error, gather_obj as _gather_obj,
+from llmcluster.distributed import compat
+from llmcluster.checkpoint.verify import (first_error as _first_error, gather_obj as _gather_obj,
                                                 newest_verified_checkpoint, owner_rank, verify_checkpoint,
                                                 verify_share)
-from llmcluster.train.distributed import control_group
-from llmcluster.train.ownership import RunLock
-from llmcluster.train.rng import rng_state, set_rng_state
-from llmcluster.train.safe_load import TRAIN_STATE, UnsafeCheckpoint, load_state
-from llmcluster.train.staging import ReusedStaging
+from llmcluster.distributed.process_groups import control_group
+from llmcluster.checkpoint.ownership import RunLock
+from llmcluster.checkpoint.rng import rng_state, set_rng_state
+from llmcluster.checkpoint.safe_load import TRAIN_STATE, UnsafeCheckpoint, load_state
+from llmcluster.checkpoint.staging import ReusedStaging
 
 CLAIM_POLL_S = 5.0  # rank 0 tells the other ranks this often how the owner lock's judgment stands
 IO_ERROR_HOOK = "LLMCLUSTER_INJECT_IO_ERROR"  # test hook: rank:step[,...] fails that rank's part of that save

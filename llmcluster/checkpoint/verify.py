@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from llmcluster.storage.layout import Storage, check_marker, sha256_file
 from llmcluster.testing import test_hook
-from llmcluster.train.distributed import control_group
-from llmcluster.train.safe_load import check_data_only, marker_problem
+from llmcluster.distributed.process_groups import control_group
+from llmcluster.checkpoint.safe_load import check_data_only, marker_problem
 
 READ_ERROR_HOOK = "LLMCLUSTER_INJECT_READ_ERROR"  # test hook: step_N/file[,...]: reading it to verify is EIO
 

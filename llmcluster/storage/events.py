@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from llmcluster import records
+from llmcluster.storage import records
 
 EVENTS = "events.jsonl"
 NOOP = "noop_start"   # {"reason": ...}: an attempt that trained nothing (jobs goodput leaves it out)
@@ -34,7 +34,7 @@ def process_start_time() -> float:
         return time.time()
 
 
-# A line's shape (records.py): `jobs goodput` computes with every one of these, so a line without them, or
+# A line's shape (storage/records.py): `jobs goodput` computes with every one of these, so a line without them, or
 # with a non-finite time (1e400 parses as inf), is skipped rather than allowed to crash or poison the sums.
 REQUIRED = {"t": records.number(0), "attempt": records.integer(1), "event": records.TEXT, "step": records.integer(0)}
 OPTIONAL = {"ckpt": records.integer(0), "reason": records.TEXT}

@@ -1,0 +1,84 @@
+"""The API key of a serving job (issue 32): one per job, a file logs/<name>/api_key (mode 0600) that vLLM reads at
+run time through $VLLM_API_KEY (never a command line, never a rendered artefact, never `jobs status`); on Kubernetes
+a Secret <name>-api-key. Clients (`serve start`'s smoke request, `serve bench`, `eval --endpoint`) take
+--api-key-file, else the key of the serving record whose endpoint is the one they were given.
+
+vLLM guards the routes under /v1 (and /v2, /inference, /cohere) only: /health, /metrics, /tokenize and the rest
+stay open (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from llmcluster.errors import UserError
+
+KEY_FILE = "api_key"
+ENV = "VLLM_API_KEY"              # what vLLM reads
+CLIENT_ENV = "OPENAI_API_KEY"     # what lm-eval's local-completions and `vllm bench serve` read
+SECRET_KEY = "api-key"            # the key's entry in the Kubernetes Secret
+
+
+def new_key() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def write_key(logs: Path, key: str, launch_id: int) -> Path:
+    """logs/<name>/api_key, a fresh key per start: written to a name of this launch created 0600 with O_EXCL (never
+    a file someone else planted, never readable by others for an instant), then renamed over the old one (a
+    symlink planted at api_key is replaced, not followed)."""
+    path, tmp = logs / KEY_FILE, logs / f".{KEY_FILE}.{launch_id}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except OSError as e:
+        raise UserError(f"cannot create the API key file {tmp}: {e.strerror or e}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_key(path: Path | str, what: str = "--api-key-file") -> str:
+    try:
+        key = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{what} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if not key or any(c.isspace() or not c.isprintable() for c in key):
+        raise UserError(f"{what} {path}: not an API key (one line without spaces)")
+    return key
+
+
+def _base(url: str) -> str:
+    """An endpoint as scheme://host:port (what /v1, /v1/completions and a trailing / leave the same)."""
+    u = urlsplit(url.strip())
+    return f"{u.scheme}://{u.netloc}".lower()
+
+
+def key_for(endpoint: str, root: Path | None, key_file: str | None) -> str | None:
+    """The key to send to `endpoint`: --api-key-file's, else that of the serving record (logs/*/job.json, kind
+    serve) whose endpoint matches and whose key file is there; None when neither (a server without a key)."""
+    if key_file:
+        return read_key(key_file)
+    if root is None or not (Path(root) / "logs").is_dir():
+        return None
+    want = _base(endpoint)
+    for rec_file in sorted((Path(root) / "logs").glob("*/job.json")):
+        try:
+            rec = json.loads(rec_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        if not isinstance(rec, dict) or rec.get("kind") != "serve" or not isinstance(rec.get("endpoint"), str):
+            continue
+        key = rec_file.parent / KEY_FILE
+        # our own key file only: a record someone else wrote into a shared logs/ gets no say in what we send
+        if _base(rec["endpoint"]) == want and key.is_file() and key.stat().st_uid == os.getuid():
+            return read_key(key, "the serving job's key file")
+    return None
+
+
+def headers(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
