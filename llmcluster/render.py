@@ -3,7 +3,11 @@ manifest, a Prometheus file or a subprocess argv goes through one of these rende
 refuses (issue 32). No other module builds such text by formatting a value into a string.
 
     shell_word / shell_join   a word of a bash script (single-quoted; ShellVar for the renderers' own "$vars")
+    shell_export              an `export NAME=value` line (the name held to the environment-name grammar)
     directive_value           an #SBATCH (or other directive) value: a small ASCII grammar, else refused
+    directive_path            a path in an #SBATCH filename pattern (--output): the grammar, '%' doubled
+    list_item                 one item of a list a program splits itself (pyxis's --container-mounts)
+    k8s_text                  a container's command/args/env value: '$' doubled against the kubelet's $(VAR)
     comment_text              free text in a `#` comment: printable ASCII, everything else escaped
     line_text                 a value that must stay on one line (an env value, a log field): breaks refused
     argv_element              one argument of a subprocess argv: NUL refused, a leading '-' refused where positional
@@ -27,6 +31,7 @@ LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
 _BREAK = re.compile(f"[{re.escape(LINE_BREAKS)}\x00]")
 # #SBATCH values and other directive values: no space, no quote, no shell or Slurm metacharacter; ASCII only.
 DIRECTIVE_SAFE = re.compile(r"[A-Za-z0-9_./:@%+=,-]+", re.ASCII)
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 _PRINTABLE = re.compile(r"[ -~]*", re.ASCII)
 
 
@@ -49,7 +54,7 @@ def line_text(value, what: str) -> str:
     would split an #SBATCH line or a log record, and no real path or argument needs one)."""
     value = str(value)
     if has_line_break(value):
-        raise UserError(f"{what} {_show(value)} contains a newline, another line break or NUL: refused")
+        raise UserError(f"{what} {show_value(value)} contains a newline, another line break or NUL: refused")
     return value
 
 
@@ -66,13 +71,51 @@ def shell_join(words) -> str:
     return " ".join(shell_word(w) for w in words)
 
 
+def shell_export(name: str, value) -> str:
+    """`export NAME=value`: the name is an environment-variable name (a bash word, never quoted), the value a
+    shell word."""
+    if not ENV_NAME.fullmatch(name):
+        raise UserError(f"{show_value(name)} is not an environment variable name (letters, digits, '_')")
+    return f"export {name}={shell_word(value)}"
+
+
 def directive_value(value, what: str) -> str:
     """A value of an `#SBATCH --key=value` line (sbatch reads these lines itself, with no shell quoting)."""
     value = str(value)
     if not DIRECTIVE_SAFE.fullmatch(value):
-        raise UserError(f"{what} {_show(value)} cannot go into an #SBATCH line "
+        raise UserError(f"{what} {show_value(value)} cannot go into an #SBATCH line "
                         "(letters, digits and ._/:@%+=,- only)")
     return value
+
+
+def directive_path(value, what: str) -> str:
+    """A path in an #SBATCH filename pattern (--output/--error): sbatch expands %j, %u, %x ... there and reads
+    '%%' as one '%', so every '%' of the path is doubled and the file lands where the path says."""
+    return directive_value(value, what).replace("%", "%%")
+
+
+def list_item(value, what: str, separators: str) -> str:
+    """One item of a list that a program splits itself (pyxis's --container-mounts SRC:DST[:ro],... on ',' and
+    ':'): a value holding one of its separators would become two items, so it is refused."""
+    value = line_text(value, what)
+    if bad := [c for c in separators if c in value]:
+        raise UserError(f"{what} {show_value(value)} contains {bad[0]!r}, which separates the items of the list it "
+                        "goes into: refused")
+    return value
+
+
+class K8sRef(str):
+    """A container value holding the kubelet's own $(VAR) references ("$(POD_NAME)", "$(MASTER_ADDR)"): only
+    the renderers create these, from fixed text; k8s_text leaves them as they are."""
+
+
+def k8s_text(value) -> str:
+    """A value of a container's command, args or env: the kubelet expands $(VAR) there (to another env value,
+    a secret's among them) and reads '$$' as '$', so every '$' is doubled and the container gets the value as
+    written. The YAML around it is yaml_text's."""
+    if isinstance(value, K8sRef):
+        return str(value)
+    return str(value).replace("$", "$$")
 
 
 def comment_text(value) -> str:
@@ -89,9 +132,9 @@ def argv_element(value, what: str, positional: bool = False) -> str:
     an option by the program (refused: pass it as `--flag=value` or after `--`)."""
     value = str(value)
     if "\x00" in value:
-        raise UserError(f"{what} {_show(value)} contains NUL: refused")
+        raise UserError(f"{what} {show_value(value)} contains NUL: refused")
     if positional and value.startswith("-"):
-        raise UserError(f"{what} {_show(value)} starts with '-' and would be read as an option: refused")
+        raise UserError(f"{what} {show_value(value)} starts with '-' and would be read as an option: refused")
     return value
 
 
@@ -118,7 +161,7 @@ def _needs_plain_escape(value: str) -> bool:
         or value.endswith(" ") or not _PRINTABLE.fullmatch(value.replace("\n", "").replace("\t", ""))
 
 
-def _show(value: str, limit: int = 80) -> str:
+def show_value(value: str, limit: int = 80) -> str:
     """A value as an error line shows it: repr (escapes visible), cut to `limit` characters."""
     r = repr(value)
     return r if len(r) <= limit else r[:limit] + f"...' ({len(value)} characters)"

@@ -41,7 +41,7 @@ def run(args) -> int:
 
         result["search"] = search(plan, bench)
     if args.emit_config:
-        from llmcluster.plan.emit import write_job_config
+        from llmcluster.plan.emit import train_command, write_job_config
 
         result["emitted_config"] = str(write_job_config(args.emit_config, plan, result["search"][0]))
     if args.plot:
@@ -57,7 +57,7 @@ def run(args) -> int:
     if args.search:
         render_search(result["search"])
     if args.emit_config:
-        print(f"wrote {result['emitted_config']}: llmcluster train --config {result['emitted_config']}")
+        print(f"wrote {result['emitted_config']}: {train_command(result['emitted_config'])}")
     if args.plot:
         print(f"wrote {', '.join(result['plots'])}")
     return 0

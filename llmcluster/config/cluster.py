@@ -28,6 +28,7 @@ from llmcluster.config.gpus import FABRICS as FABRIC_TABLE, GPUSpec, gpu_spec
 from llmcluster.config.hostlist import HOST_CHARS, HOST_RE, HOSTLIST_RE, expand_hostlist
 from llmcluster.config.job import IMAGE_RE, NAME_CHARS, NAME_RE, PATH_CHARS, PATH_RE, HostPath, _match
 from llmcluster.errors import UserError
+from llmcluster.render import show_value
 
 # = storage.layout.AREAS (config imports no capability; tests/test_cluster.py keeps the two equal)
 AREAS = ("datasets", "checkpoints", "logs", "models", "scratch")
@@ -39,12 +40,15 @@ CPU_ONLY = "none"
 # Every string of the spec reaches a file another program parses (slurm.conf, topology.conf, an Ansible var, a
 # shell script run as root, a systemd unit, prometheus.yml): each is held to a grammar here, whatever the
 # scheduler, and the renderers quote or escape on top (docs/security.md).
-REL_PATH_RE = re.compile(r"[A-Za-z0-9._+][A-Za-z0-9._/+-]*")      # a local storage root may be relative
+REL_PATH_RE = re.compile(r"[A-Za-z0-9._+][A-Za-z0-9._/+-]*", re.ASCII)      # a local storage root may be relative
 # Prometheus durations (units in this order, as Prometheus parses them): 15s, 1m30s, 500ms
-DURATION_RE = re.compile(r"(?:\d+y)?(?:\d+w)?(?:\d+d)?(?:\d+h)?(?:\d+m)?(?:\d+s)?(?:\d+ms)?")
+# ([0-9], not \d: `1٥s` is no duration to Prometheus; every grammar of the spec is ASCII and fullmatched)
+DURATION_RE = re.compile(r"(?:[0-9]+y)?(?:[0-9]+w)?(?:[0-9]+d)?(?:[0-9]+h)?(?:[0-9]+m)?(?:[0-9]+s)?(?:[0-9]+ms)?",
+                         re.ASCII)
 # Kubernetes label keys ([prefix/]name) and values
-LABEL_KEY_RE = re.compile(r"(?:[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
-LABEL_VALUE_RE = re.compile(r"(?:[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+LABEL_KEY_RE = re.compile(r"(?:[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?",
+                          re.ASCII)
+LABEL_VALUE_RE = re.compile(r"(?:[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?", re.ASCII)
 
 
 def check_storage_root(root: str, absolute_for: str | None = None) -> str:
@@ -52,10 +56,10 @@ def check_storage_root(root: str, absolute_for: str | None = None) -> str:
     systemd units and Ansible, so no spaces, quotes, newlines, `%` or `$`; and absolute (`absolute_for`
     says why) wherever machines other than this one mount it."""
     if not (PATH_RE.fullmatch(root) or REL_PATH_RE.fullmatch(root)):
-        raise ValueError(f"storage.root {root!r} is not allowed: a path of letters, digits and ._/+- "
+        raise ValueError(f"storage.root {show_value(root)} is not allowed: a path of letters, digits and ._/+- "
                          "(no spaces, quotes, newlines, % or $)")
     if absolute_for and not root.startswith("/"):
-        raise ValueError(f"storage.root {root!r} must be {PATH_CHARS} {absolute_for}")
+        raise ValueError(f"storage.root {show_value(root)} must be {PATH_CHARS} {absolute_for}")
     return root
 
 
@@ -81,12 +85,12 @@ class NodeOverride(Section):
 
 def _hostlist_names(expr: str, what: str) -> list[str]:
     if not HOSTLIST_RE.fullmatch(expr):
-        raise ValueError(f"{what} {expr!r} is not a host name or Slurm hostlist: {HOST_CHARS}, "
+        raise ValueError(f"{what} {show_value(expr)} is not a host name or Slurm hostlist: {HOST_CHARS}, "
                          "with [01-08,12] ranges and commas")
     names = expand_hostlist(expr)
     for name in names:
         if not HOST_RE.fullmatch(name):
-            raise ValueError(f"{what} {expr!r}: {name!r} is not a host name ({HOST_CHARS})")
+            raise ValueError(f"{what} {show_value(expr)}: {show_value(name)} is not a host name ({HOST_CHARS})")
     return names
 
 
@@ -254,7 +258,8 @@ class Kubernetes(Section):
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
         for key, value in v.items():
             if not LABEL_KEY_RE.fullmatch(key) or not LABEL_VALUE_RE.fullmatch(value):
-                raise ValueError(f"scheduler.kubernetes.node_selector {key!r}: {value!r} is not a Kubernetes "
+                raise ValueError(f"scheduler.kubernetes.node_selector {show_value(key)}: {show_value(value)} is not "
+                                 "a Kubernetes "
                                  "label (letters, digits, '-', '_', '.'; at most 63, an optional prefix/)")
         return v
 
@@ -284,7 +289,8 @@ class Monitoring(Section):
     @classmethod
     def _duration(cls, v: str) -> str:
         if not is_duration(v):
-            raise ValueError(f"monitoring.scrape_interval {v!r} is not a Prometheus duration (e.g. 15s, 1m30s)")
+            raise ValueError(f"monitoring.scrape_interval {show_value(v)} is not a Prometheus duration "
+                             "(e.g. 15s, 1m30s)")
         return v
 
 
@@ -324,7 +330,8 @@ class Cost(Section):
     api_usd_per_million_tokens: float | None = Field(None, gt=0)  # a cloud API's price: serving's alternative
 
 
-URL_RE = re.compile(r"https?://[A-Za-z0-9._~:/@+=-]+")     # a package index: no spaces, quotes or shell characters
+# a package index: no spaces, quotes or shell characters
+URL_RE = re.compile(r"https?://[A-Za-z0-9._~:/@+=-]+", re.ASCII)
 
 
 class Provision(Section):

@@ -9,14 +9,16 @@ from __future__ import annotations
 import re
 
 from llmcluster.errors import UserError
+from llmcluster.render import show_value
 
 # RFC 1123 host names (labels of letters, digits and inner '-', joined by '.'; at most 253 characters) and the
 # characters a hostlist expression may hold: a name goes into slurm.conf, topology.conf, the Ansible inventory
 # and prometheus.yml, where a newline or a space would start a new directive.
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-HOST_RE = re.compile(rf"(?=.{{1,253}}\Z){_LABEL}(?:\.{_LABEL})*")
+HOST_RE = re.compile(rf"(?=.{{1,253}}\Z){_LABEL}(?:\.{_LABEL})*", re.ASCII)
 HOST_CHARS = "letters, digits, inner '-' and '.' (RFC 1123)"
-HOSTLIST_RE = re.compile(r"[A-Za-z0-9.,\[\]-]+")
+HOSTLIST_RE = re.compile(r"[A-Za-z0-9.,\[\]-]+", re.ASCII)
+_NUMBER = re.compile(r"[0-9]+", re.ASCII)   # a range bound ('٥'.isdigit() is True, and int() reads it)
 MAX_HOSTS = 100_000     # a typo like gpu[1-99999999] is refused, not expanded into memory
 
 _PART = re.compile(r"([^,\[]+)(?:\[([^\]]*)\])?([^,\[]*)")
@@ -33,26 +35,26 @@ def expand_hostlist(expr: str) -> list[str]:
     while pos < len(expr):
         m = _PART.match(expr, pos)
         if not m or m.end() == pos:
-            raise UserError(f"cannot parse Slurm node list {expr!r} near {expr[pos:]!r}")
+            raise UserError(f"cannot parse Slurm node list {show_value(expr)} near {show_value(expr[pos:])}")
         prefix, ranges, suffix = m.groups()
         if ranges is None:
             names.append(prefix + suffix)
         else:
             for item in ranges.split(","):
                 lo, _, hi = item.partition("-")
-                if not lo.isdigit() or (hi and not hi.isdigit()):
-                    raise UserError(f"bad range {item!r} in Slurm node list {expr!r}")
+                if not _NUMBER.fullmatch(lo) or (hi and not _NUMBER.fullmatch(hi)):
+                    raise UserError(f"bad range {show_value(item)} in Slurm node list {show_value(expr)}")
                 hi = hi or lo
                 if int(hi) < int(lo):
-                    raise UserError(f"descending range {item!r} in Slurm node list {expr!r}")
+                    raise UserError(f"descending range {show_value(item)} in Slurm node list {show_value(expr)}")
                 width = len(lo)
                 if len(names) + int(hi) - int(lo) + 1 > MAX_HOSTS:
-                    raise UserError(f"Slurm node list {expr!r} names more than {MAX_HOSTS} hosts")
+                    raise UserError(f"Slurm node list {show_value(expr)} names more than {MAX_HOSTS} hosts")
                 names.extend(f"{prefix}{n:0{width}d}{suffix}" for n in range(int(lo), int(hi) + 1))
         pos = m.end()
         if pos < len(expr):
             if expr[pos] != ",":
-                raise UserError(f"cannot parse Slurm node list {expr!r} near {expr[pos:]!r}")
+                raise UserError(f"cannot parse Slurm node list {show_value(expr)} near {show_value(expr[pos:])}")
             pos += 1
     if not names:
         raise UserError("empty Slurm node list")
@@ -64,7 +66,7 @@ def compress_hostlist(names: list[str]) -> str:
     groups: dict[tuple[str, int], list[int]] = {}
     plain: list[str] = []
     for n in names:
-        m = re.fullmatch(r"(.*?)(\d+)", n)
+        m = re.fullmatch(r"(.*?)([0-9]+)", n)
         if not m:
             plain.append(n)
             continue

@@ -12,13 +12,18 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmcluster.render import ENV_NAME, has_line_break, show_value
+
 # Slurm accepts MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS; we take the two unambiguous forms.
-TIME_RE = re.compile(r"(?:(\d+)-)?(\d{1,3}):([0-5]\d):([0-5]\d)")
-MEM_RE = re.compile(r"\d+[KMGT]?")                       # Slurm --mem / converted to a k8s quantity
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # partitions, queues, namespaces, claims
-IMAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,254}")  # registry/repo:tag@sha256:...
-ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-PATH_RE = re.compile(r"/[A-Za-z0-9._/+-]*")               # mount paths: absolute, no spaces or quotes
+# Every grammar here is ASCII ([0-9], not \d: `\d` also matches '٥', which Slurm and Kubernetes do not read as a
+# digit) and is applied with fullmatch (`$` would let a trailing newline through).
+TIME_RE = re.compile(r"(?:([0-9]+)-)?([0-9]{1,3}):([0-5][0-9]):([0-5][0-9])", re.ASCII)
+MEM_RE = re.compile(r"[0-9]+[KMGT]?", re.ASCII)           # Slurm --mem / converted to a k8s quantity
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", re.ASCII)  # partitions, queues, namespaces, claims
+IMAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,254}", re.ASCII)  # registry/repo:tag@sha256:...
+ENV_KEY_RE = ENV_NAME
+PATH_RE = re.compile(r"/[A-Za-z0-9._/+-]*", re.ASCII)     # mount paths: absolute, no spaces or quotes
+SHM_RE = re.compile(r"[0-9]+(Ki|Mi|Gi|Ti)?", re.ASCII)
 
 # The NCCL environment presets. `default` is what every multi-node job wants: warnings only, and a
 # collective that hangs or fails tears the process group down (instead of hanging until the time limit).
@@ -55,7 +60,7 @@ FLIGHT_RECORDER_DIR = "flight_recorder"
 def time_to_seconds(value: str) -> int:
     m = TIME_RE.fullmatch(value)
     if not m:
-        raise ValueError(f"job.time {value!r} must be HH:MM:SS or D-HH:MM:SS")
+        raise ValueError(f"job.time {show_value(value)} must be HH:MM:SS or D-HH:MM:SS")
     d, h, mi, s = (int(x or 0) for x in m.groups())
     return ((d * 24 + h) * 60 + mi) * 60 + s
 
@@ -64,7 +69,7 @@ def _match(regex: re.Pattern, prefix: str, allowed: str):
     """A field validator: the value must match `regex`; the error names the key and what is allowed."""
     def check(cls, v, info):
         if v is not None and not regex.fullmatch(v):
-            raise ValueError(f"{prefix}{info.field_name} {v!r} is not allowed: {allowed}")
+            raise ValueError(f"{prefix}{info.field_name} {show_value(v)} is not allowed: {allowed}")
         return v
     return classmethod(check)
 
@@ -75,7 +80,7 @@ PATH_CHARS = "an absolute path of letters, digits and ._/+- (no spaces, quotes o
 
 def _host_path(p: str) -> str:
     if not PATH_RE.fullmatch(p) or p.rstrip("/") == "" or ".." in p.split("/"):
-        raise ValueError(f"scheduler.kubernetes.host_paths {p!r}: {PATH_CHARS}, not / itself")
+        raise ValueError(f"scheduler.kubernetes.host_paths {show_value(p)}: {PATH_CHARS}, not / itself")
     return p
 
 
@@ -84,6 +89,25 @@ HostPath = Annotated[str, AfterValidator(_host_path)]   # a prefix the cluster a
 # job.env names that carry secrets: whole underscore-separated words (HF_TOKEN, AWS_SECRET_ACCESS_KEY), so
 # TOKENIZERS_PARALLELISM and NCCL_IB_PKEY are not. Their values belong in job.secret_env, never in a file.
 SECRET_WORDS = {"TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD"}
+SECRET_ADVICE = ("list its name in job.secret_env instead (passed from the submitting environment or the Kubernetes "
+                 "Secret, never written to a file)")
+# A value that carries a credential whatever its key is called: a URL's user:password@ (or token@), or a
+# key=value / key: value pair whose key ends in a secret word, as a whole word (password=..., api_token: ...,
+# ?secret=...; not monkey=1). Both scans are linear (a 100k-character value must not take minutes).
+_NETLOC_END = re.compile(r"[/?#\s]")
+_SECRET_PAIR = re.compile(r"(?<![A-Za-z0-9])(token|key|secret|password|passwd|credentials?)[ \t]*[=:][ \t]*[^\s&;,]",
+                          re.ASCII | re.IGNORECASE)
+
+
+def credential_in(value: str) -> str | None:
+    """What in `value` looks like a credential (for the error line, never the secret itself), or None."""
+    for m in re.finditer("://", value):
+        end = _NETLOC_END.search(value, m.end())
+        if "@" in value[m.end():end.start() if end else len(value)]:
+            return "user:password@ in a URL"   # or a bare token@: both are sent as credentials
+    if m := _SECRET_PAIR.search(value):
+        return f"a {m.group(1).lower()}= pair"
+    return None
 
 
 class Mount(BaseModel):
@@ -143,8 +167,8 @@ class K8sSpec(BaseModel):
     @field_validator("shm_size")
     @classmethod
     def _shm(cls, v):
-        if not re.fullmatch(r"\d+(Ki|Mi|Gi|Ti)?", v):
-            raise ValueError(f"job.k8s.shm_size {v!r} must be a quantity like 16Gi")
+        if not SHM_RE.fullmatch(v):
+            raise ValueError(f"job.k8s.shm_size {show_value(v)} must be a quantity like 16Gi")
         return v
 
 
@@ -191,12 +215,13 @@ class JobSpec(BaseModel):
     def _env(cls, v):
         for key, val in v.items():
             if not ENV_KEY_RE.fullmatch(key):
-                raise ValueError(f"job.env key {key!r} is not a valid environment variable name")
-            if "\n" in val or "\0" in val:
-                raise ValueError(f"job.env.{key}: newlines are not allowed")
+                raise ValueError(f"job.env key {show_value(key)} is not a valid environment variable name")
+            if has_line_break(val):
+                raise ValueError(f"job.env.{key}: a newline, carriage return, other line break or NUL is not allowed")
             if SECRET_WORDS & set(key.upper().split("_")):
-                raise ValueError(f"job.env.{key} looks like a secret: list its name in job.secret_env instead (passed "
-                                 "from the submitting environment or the Kubernetes Secret, never written to a file)")
+                raise ValueError(f"job.env.{key} looks like a secret: {SECRET_ADVICE}")
+            if why := credential_in(val):
+                raise ValueError(f"job.env.{key} holds a credential ({why}): {SECRET_ADVICE}")
         return v
 
     @field_validator("secret_env")
@@ -204,7 +229,7 @@ class JobSpec(BaseModel):
     def _secrets(cls, v, info):
         for key in v:
             if not ENV_KEY_RE.fullmatch(key):
-                raise ValueError(f"job.secret_env name {key!r} is not a valid environment variable name")
+                raise ValueError(f"job.secret_env name {show_value(key)} is not a valid environment variable name")
         if set(v) & set(info.data.get("env", {})):
             raise ValueError(f"job.secret_env names {sorted(set(v) & set(info.data['env']))} are also in job.env")
         return v

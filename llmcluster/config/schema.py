@@ -14,15 +14,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from llmcluster.config.job import JobSpec
 from llmcluster.config.serve import ServeConfig
+from llmcluster.render import show_value
 
-RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", re.ASCII)
 
 
 def check_run_name(name: str) -> str:
     """Run names become directory names and shell words: letters, digits, '.', '_', '-' only."""
     if not RUN_NAME_RE.fullmatch(name) or ".." in name:
         raise ValueError(
-            f"invalid run name {name!r}: use letters, digits, '.', '_' and '-' "
+            f"invalid run name {show_value(name)}: use letters, digits, '.', '_' and '-' "
             "(no '/', '..', spaces or shell metacharacters)")
     return name
 
@@ -203,7 +204,7 @@ class CheckpointConfig(Section):
     allow_dataset_change: bool = False         # resume although the dataset's meta.json changed since
 
 
-METRICS_BIND_RE = re.compile(r"(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})")
+METRICS_BIND_RE = re.compile(r"(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:]+\]):(?P<port>[0-9]{1,5})", re.ASCII)
 
 
 class WandbConfig(Section):
@@ -276,7 +277,8 @@ class LogConfig(Section):
     def _bind(cls, v):
         m = METRICS_BIND_RE.fullmatch(v) if v is not None else None
         if v is not None and (m is None or int(m["port"]) > 65535):
-            raise ValueError(f"log.metrics_bind {v!r} must be HOST:PORT (e.g. 0.0.0.0:9401; port 0: any free)")
+            raise ValueError(f"log.metrics_bind {show_value(v)} must be HOST:PORT "
+                             "(e.g. 0.0.0.0:9401; port 0: any free)")
         return v
 
     @property

@@ -16,7 +16,7 @@ from pathlib import Path
 from llmcluster.errors import UserError
 from llmcluster.launch.scheduler import Scheduler
 from llmcluster.launch.spec import LaunchSpec
-from llmcluster.render import shell_join
+from llmcluster.render import comment_text, shell_export, shell_join
 
 
 SERVER_MODULE = b"vllm.entrypoints.openai.api_server"   # a serving job's process (serve/start.py)
@@ -44,11 +44,12 @@ class Local(Scheduler):
     def render(self, spec: LaunchSpec) -> str:
         """The command as a shell script (what --dry-run prints and launch.sh holds)."""
         lines = ["#!/bin/bash",
-                 f"# llmcluster launch: run {spec.run} on this machine, {spec.job.procs} process(es)",
+                 f"# llmcluster launch: run {comment_text(spec.run)} on this machine, {spec.job.procs} process(es)",
                  "set -euo pipefail", "umask 027"]
         if spec.job.secret_env:
-            lines.append(f"# from the launching environment (never written here): {' '.join(spec.job.secret_env)}")
-        lines += [f"export {k}={shell_join([v])}" for k, v in spec.rank_env().items()]
+            lines.append("# from the launching environment (never written here): "
+                         + comment_text(" ".join(spec.job.secret_env)))
+        lines += [shell_export(k, v) for k, v in spec.rank_env().items()]
         lines.append("exec " + shell_join(self.argv(spec)))
         return "\n".join(lines) + "\n"
 

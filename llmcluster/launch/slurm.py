@@ -23,7 +23,8 @@ from pathlib import Path
 from llmcluster.errors import EXIT_PREEMPTED, UserError
 from llmcluster.launch.scheduler import Scheduler
 from llmcluster.launch.spec import LaunchSpec
-from llmcluster.render import Program, ShellVar, directive_value, shell_join, shell_word
+from llmcluster.render import (Program, ShellVar, comment_text, directive_path, directive_value, list_item,
+                               shell_export, shell_join, shell_word)
 from llmcluster.storage.exit_reason import EXIT_DIR_ENV
 
 JOB_ID = re.compile(r"\d+(?:_\d+)?")
@@ -43,7 +44,7 @@ def render(spec: LaunchSpec) -> str:
     logs = str(spec.logs)
     head = [
         "#!/bin/bash",
-        f"# llmcluster launch: run {spec.run}, {j.nodes} node(s) x {j.procs} process(es), "
+        f"# llmcluster launch: run {comment_text(spec.run)}, {j.nodes} node(s) x {j.procs} process(es), "
         f"world size {j.world_size}",
         f"#SBATCH --job-name={directive_value(spec.run, 'run name')}",
         f"#SBATCH --nodes={j.nodes}",
@@ -54,14 +55,14 @@ def render(spec: LaunchSpec) -> str:
     if j.cpus_per_node:
         head.append(f"#SBATCH --cpus-per-task={j.cpus_per_node}")
     if j.mem_per_node:
-        head.append(f"#SBATCH --mem={j.mem_per_node}")
-    head.append(f"#SBATCH --time={j.time}")
+        head.append(f"#SBATCH --mem={directive_value(j.mem_per_node, 'job.mem_per_node')}")
+    head.append(f"#SBATCH --time={directive_value(j.time, 'job.time')}")
     if j.partition:
-        head.append(f"#SBATCH --partition={j.partition}")
+        head.append(f"#SBATCH --partition={directive_value(j.partition, 'job.partition')}")
     if j.account:
-        head.append(f"#SBATCH --account={j.account}")
+        head.append(f"#SBATCH --account={directive_value(j.account, 'job.account')}")
     head += [
-        f"#SBATCH --output={directive_value(logs, 'log directory')}/slurm-%j.out",
+        f"#SBATCH --output={directive_path(logs, 'log directory')}/slurm-%j.out",
         "#SBATCH --open-mode=append",            # a requeued attempt appends to the same log
         f"#SBATCH --signal=B:USR2@{j.signal_before_s}",
         "#SBATCH --requeue",
@@ -69,19 +70,21 @@ def render(spec: LaunchSpec) -> str:
         "set -uo pipefail",
         "umask 027                                # run files 0640, directories 0750",
     ]
-    head += [f"export {k}={shell_word(v)}" for k, v in spec.rank_env().items()]
+    head += [shell_export(k, v) for k, v in spec.rank_env().items()]
     if j.secret_env:
-        names = " ".join(j.secret_env)
         head += ["# job.secret_env: from the submitting environment (sbatch --export=ALL), never written here",
-                 f"for v in {names}; do",
+                 f"for v in {shell_join(j.secret_env)}; do",
                  '  [ -n "${!v+x}" ] || { echo "[llmcluster] job.secret_env: $v is not in the job\'s '
                  'environment" >&2; exit 2; }',
                  "done"]
 
     srun = ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", f"--nodes={j.nodes}"]
     if j.image:
-        mounts = [f"{spec.root}:{spec.root}"] + [
-            f"{m.source}:{m.path}" + (":ro" if m.read_only else "") for m in j.mounts]
+        # pyxis splits this list on ',' and each item on ':': a path holding either would mount something else
+        item = lambda p, what: list_item(p, what, ",:")  # noqa: E731
+        mounts = [f"{item(spec.root, 'storage root')}:{item(spec.root, 'storage root')}"] + [
+            f"{item(m.source, 'job.mounts.source')}:{item(m.path, 'job.mounts.path')}" + (":ro" if m.read_only else "")
+            for m in j.mounts]
         srun += [f"--container-image={j.image}", f"--container-mounts={','.join(mounts)}",
                  f"--container-workdir={spec.root}"]
     srun += spec.torchrun(spec.python, ShellVar("$head:$rdzv_port"), ShellVar("$SLURM_JOB_ID"),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from llmcluster.config.job import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_FILES, JobSpec
 from llmcluster.errors import UserError
-from llmcluster.render import line_text
+from llmcluster.render import line_text, show_value, yaml_text
 
 SCHEDULERS = ("local", "slurm", "k8s")
 # torchrun forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT to its workers by default; SIGUSR2 ("checkpoint now",
@@ -132,7 +132,10 @@ def apply_flags(job: JobSpec, args) -> JobSpec:
 def next_launch_id(logs: Path) -> int:
     """One more than the highest launch number under logs/<run>/launches/ (1 for a new run)."""
     d = logs / LAUNCHES
-    ids = [int(p.name) for p in d.iterdir() if p.name.isdigit()] if d.is_dir() else []
+    try:
+        ids = [int(p.name) for p in d.iterdir() if p.name.isdigit()] if d.is_dir() else []
+    except OSError as e:          # a name too long for the filesystem, a directory we may not read
+        raise UserError(f"cannot read {show_value(str(d))}: {e.strerror or e}") from None
     return max(ids, default=0) + 1
 
 
@@ -140,8 +143,6 @@ def build_spec(cfg, args, root: Path, host_paths: list[str] | tuple[str, ...] = 
                cluster: str | None = None) -> LaunchSpec:
     """The LaunchSpec for `llmcluster launch` from the validated JobConfig and the parsed flags; host_paths
     from the cluster spec."""
-    import yaml
-
     from llmcluster.config.load import saved_config_dict
     from llmcluster.launch.scheduler import get
 
@@ -166,7 +167,7 @@ def build_spec(cfg, args, root: Path, host_paths: list[str] | tuple[str, ...] = 
     python = "python" if (job.image or sched.in_container) else sys.executable
     spec = LaunchSpec(run=cfg.run.name, scheduler=args.scheduler, root=root, job=job, command=command,
                       python=line_text(python, "python"), generic=generic,
-                      config_yaml=yaml.safe_dump(saved_config_dict(cfg), sort_keys=False),
+                      config_yaml=yaml_text([saved_config_dict(cfg)]),
                       overrides=list(args.overrides), launch_id=launch_id, storage=storage,
                       metrics_port=cfg.log.metrics[1] if cfg.log.metrics else None, host_paths=tuple(host_paths),
                       cluster=cluster)

@@ -19,8 +19,9 @@ import yaml
 from llmcluster.config.cluster import ClusterSpec, is_duration
 from llmcluster.config.hostlist import expand_hostlist  # noqa: F401  (re-exported: monitor config --slurm-nodelist)
 from llmcluster.errors import UserError
-from llmcluster.monitor.serve_targets import SERVE_JOB, SERVE_LABEL, ServeTarget, scrape_job
+from llmcluster.monitor.serve_targets import SERVE_JOB, SERVE_LABEL, ServeTarget, scrape_job, scrape_target
 from llmcluster.paths import MONITORING_DIR
+from llmcluster.render import show_value, yaml_text
 
 RULE_FILES = ("recording.yml", "alerts.yml")
 NODE_JOB = "llmcluster-node"
@@ -47,13 +48,14 @@ def prometheus_config(nodes: list[str], port: int, train_port: int | None, train
         cfg["rule_files"] = [str((rules_dir / f).resolve()) for f in RULE_FILES]
     if extra_rule_files:
         cfg.setdefault("rule_files", []).extend(str(Path(f).resolve()) for f in extra_rule_files)
-    jobs = [{"job_name": NODE_JOB, "static_configs": [{"targets": [f"{n}:{port}" for n in nodes]}]}]
+    jobs = [{"job_name": NODE_JOB, "static_configs": [{"targets": [scrape_target(n, port, "node") for n in nodes]}]}]
     if train_port is not None:
         # Every node may run ranks of a job; a port with no trainer behind it is just `up == 0` for this
         # job, which no alert looks at (a run that ends is not an outage). Stalls are caught by the
         # trainer's own last-step timestamp while it is alive.
         per = train_ports_per_node   # one number, or per host (a node with fewer GPUs runs fewer ranks)
-        targets = [f"{n}:{train_port + i}" for n in nodes for i in range(per[n] if isinstance(per, dict) else per)]
+        targets = [scrape_target(n, train_port + i, "node") for n in nodes
+                   for i in range(per[n] if isinstance(per, dict) else per)]
         jobs.append({"job_name": TRAIN_JOB, "static_configs": [{"targets": targets}]})
     if serving:
         jobs.append(scrape_job(list(serving)))
@@ -146,17 +148,10 @@ def _meta_label(label: str) -> str:
     return "__meta_kubernetes_pod_label_" + "".join(c if c.isalnum() else "_" for c in label)
 
 
-class _PlainDumper(yaml.SafeDumper):
-    """No &id001 anchors for dicts used twice: people read and kubectl-diff these files."""
-
-    def ignore_aliases(self, data):
-        return True
-
-
 def dump(docs: dict | list[dict]) -> str:
-    if isinstance(docs, dict):
-        docs = [docs]
-    return yaml.dump_all(docs, Dumper=_PlainDumper, sort_keys=False)
+    """YAML documents through the boundary (render.yaml_text: a safe dumper, no anchors: people read and
+    kubectl-diff these files)."""
+    return yaml_text([docs] if isinstance(docs, dict) else docs)
 
 
 def _check_port(name: str, port: int) -> int:
@@ -168,7 +163,7 @@ def _check_port(name: str, port: int) -> int:
 def check_scrape_flags(port: int, train_port: int | None, train_ports_per_node: int, scrape_interval: str) -> None:
     _check_port("--port", port)
     if not is_duration(scrape_interval):
-        raise UserError(f"--scrape-interval {scrape_interval!r} is not a Prometheus duration (e.g. 15s, 1m)")
+        raise UserError(f"--scrape-interval {show_value(scrape_interval)} is not a Prometheus duration (e.g. 15s, 1m)")
     if train_ports_per_node < 1:
         raise UserError(f"--train-ports-per-node must be >= 1 (got {train_ports_per_node})")
     if train_port is not None:

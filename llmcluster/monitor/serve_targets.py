@@ -10,6 +10,7 @@ endpoint that is not a plain http URL with a host and a numeric port is skipped 
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 import sys
@@ -17,14 +18,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from llmcluster.config.hostlist import HOST_RE
 from llmcluster.errors import UserError
+from llmcluster.render import line_text, show_value
 from llmcluster.storage.job_record import read_record
 
 SERVE_JOB = "llmcluster-serve"
 SERVE_LABEL = "llmcluster.io/serve"   # the pod label of a serving Deployment (its value: the job's name)
 ENDED = {"CANCELLED", "COMPLETED", "FAILED", "TIMEOUT", "PREEMPTED", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL"}
-_HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$|^\[[0-9A-Fa-f:.]+\]$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", re.ASCII)
+TARGET_RULE = "HOST:PORT with an RFC 1123 host name or an IP address ([v6] in brackets) and a port 1-65535"
+
+
+def scrape_target(host: str, port, what: str) -> str:
+    """HOST:PORT as a Prometheus target, or UserError: the host an RFC 1123 name, an IPv4 address or a bracketed
+    IPv6 one, the port 1-65535 (Prometheus would otherwise refuse the whole file, or scrape something else)."""
+    host, target = str(host), f"{host}:{port}"
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ok = isinstance(ipaddress.ip_address(host[1:-1]), ipaddress.IPv6Address)
+        except ValueError:
+            ok = False
+    else:
+        ok = bool(HOST_RE.fullmatch(host))     # an IPv4 address is an RFC 1123 name too
+    if not ok or not (isinstance(port, int) and 0 < port < 65536):
+        raise UserError(f"{what}: scrape target {show_value(target)} is not {TARGET_RULE}")
+    return target
 
 
 @dataclass(frozen=True)
@@ -36,6 +55,7 @@ class ServeTarget:
 
 def parse_endpoint(url: str) -> str:
     """HOST:PORT of an http(s) endpoint URL (`http://h:8000/v1`), or UserError saying what is wrong."""
+    line_text(url.strip(), "serving endpoint")   # urlsplit would drop a tab, CR or LF inside it without a word
     try:
         parts = urlsplit(url.strip())
         port = parts.port
@@ -43,10 +63,7 @@ def parse_endpoint(url: str) -> str:
         raise UserError(f"serving endpoint {url!r}: {e}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
         raise UserError(f"serving endpoint {url!r} is not http://HOST:PORT[/v1]")
-    host = parts.netloc.rsplit(":", 1)[0]
-    if not _HOST.fullmatch(host):
-        raise UserError(f"serving endpoint {url!r}: {host!r} is not a host name or address")
-    return f"{host}:{port}"
+    return scrape_target(parts.netloc.rsplit(":", 1)[0], port, f"serving endpoint {show_value(url)}")
 
 
 def from_records(root: Path) -> list[ServeTarget]:
@@ -82,7 +99,7 @@ def from_flag(endpoints: str) -> list[ServeTarget]:
         target = parse_endpoint(url)
         name = name or target
         if not _NAME.fullmatch(name.replace(":", "_")):
-            raise UserError(f"--serve-endpoints: {name!r} is not a job name (letters, digits, . _ -)")
+            raise UserError(f"--serve-endpoints: {show_value(name)} is not a job name (letters, digits, . _ -)")
         out.append(ServeTarget(name, target))
     if not out:
         raise UserError("--serve-endpoints needs at least one URL, e.g. http://gpu01:8000/v1")

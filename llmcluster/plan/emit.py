@@ -18,6 +18,7 @@ from llmcluster.config.schema import JobConfig
 from llmcluster.errors import UserError
 from llmcluster.paths import preset_path
 from llmcluster.plan.spec import PlanSpec
+from llmcluster.render import comment_text, line_text, shell_join, yaml_text
 
 
 def job_config(plan: PlanSpec, candidate: dict) -> dict:
@@ -65,13 +66,20 @@ def _over_preset(base: dict, planned: dict) -> dict:
 
 
 def write_job_config(path: str | Path, plan: PlanSpec, candidate: dict) -> Path:
-    out = Path(path)
+    out = Path(line_text(path, "--emit-config"))   # before writing: the printed command must be able to name it
     head = (f"# Written by `llmcluster plan --emit-config`: the best layout the planner found for "
-            f"{plan.model.name or 'this model'} on {plan.cluster.nodes} x {plan.cluster.gpus_per_node} "
-            f"{plan.cluster.gpu}\n# (predicted {candidate['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+            f"{comment_text(plan.model.name or 'this model')} on {plan.cluster.nodes} x {plan.cluster.gpus_per_node} "
+            f"{comment_text(plan.cluster.gpu)}"
+            f"\n# (predicted {candidate['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
             f"MFU {candidate['mfu']:.1%}, {candidate['memory_bytes'] / 2**30:.1f} GiB per GPU).\n")
     try:
-        out.write_text(head + yaml.safe_dump(job_config(plan, candidate), sort_keys=False))
+        out.write_text(head + yaml_text([job_config(plan, candidate)]))
     except OSError as e:
         raise UserError(f"--emit-config {out}: cannot write: {e.strerror}") from None
     return out
+
+
+def train_command(path: str | Path) -> str:
+    """The copyable command that trains from the emitted file, quoted for the shell (a path may hold spaces, a
+    quote or `$`)."""
+    return shell_join(["llmcluster", "train", "--config", str(path)])

@@ -25,6 +25,7 @@ from llmcluster.config.cluster import CPU_ONLY, ClusterSpec, check_storage_root
 from llmcluster.errors import UserError
 from llmcluster.paths import asset_dir
 from llmcluster.provision import slurm, wheel as ml_wheel
+from llmcluster.render import comment_text, line_text, shell_join
 from llmcluster.storage.layout import AREAS, DATASET_KINDS
 
 MARKER = ".llmcluster-provision"
@@ -174,7 +175,11 @@ class _Unsafe(str):
 
 
 class _AnsibleDumper(yaml.SafeDumper):
-    pass
+    """A safe dumper (every string a plain, quoted or block scalar as YAML requires) that writes `!unsafe` for
+    _Unsafe strings, and never an anchor: a value repeated is written twice."""
+
+    def ignore_aliases(self, data):
+        return True
 
 
 _AnsibleDumper.add_representer(_Unsafe, lambda d, s: d.represent_scalar("!unsafe", str(s)))
@@ -196,7 +201,7 @@ def _dump(path: Path, data, header: str, unsafe: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.dump(_unsafe(data) if unsafe else data, Dumper=_AnsibleDumper, sort_keys=False,
                      default_flow_style=False, width=120)
-    path.write_text(f"---\n# {header}\n{text}")
+    path.write_text(f"---\n# {comment_text(header)}\n{text}")
 
 
 def provision(spec: ClusterSpec, cluster_text: str, out: Path, scheduler: str | None = None,
@@ -207,6 +212,7 @@ def provision(spec: ClusterSpec, cluster_text: str, out: Path, scheduler: str | 
         check_storage_root(spec.storage.root, "on the nodes provision sets up")
     except ValueError as e:
         raise UserError(str(e)) from None
+    line_text(str(out), "--out")          # the apply line printed at the end names it: refused before writing
     check_out_dir(out)
     whl = ml_wheel.resolve(wheel or spec.provision.wheel)
     hosts, warnings = host_names(spec)
@@ -243,6 +249,11 @@ def provision(spec: ClusterSpec, cluster_text: str, out: Path, scheduler: str | 
     return Rendered(out, hosts, head, scheduler, warnings, whl.name)
 
 
+def apply_command(out: Path | str) -> str:
+    """The copyable ansible-playbook line for a rendered project, quoted for the shell."""
+    return shell_join(["ansible-playbook", "-i", f"{out}/inventory.yml", f"{out}/site.yml"])
+
+
 def run(cluster: str | None, out: Path, overrides: list[str] | None = None, scheduler: str | None = None,
         wheel: str | None = None) -> int:
     from llmcluster.config.cluster_load import load_cluster
@@ -256,6 +267,5 @@ def run(cluster: str | None, out: Path, overrides: list[str] | None = None, sche
         print(f"llmcluster provision: warning: {w}", file=sys.stderr)
     print(f"provisioned {resolved.spec.name}: {len(r.hosts)} node(s), head {r.head}, scheduler {r.scheduler} "
           f"-> {out}/ (inventory.yml, site.yml, roles/, group_vars/, files/{r.wheel})")
-    print(f"  apply:  ansible-playbook -i {out}/inventory.yml {out}/site.yml [--tags os,gpu,fabric,storage,"
-          "scheduler,container,ml,monitoring]")
+    print(f"  apply:  {apply_command(out)} [--tags os,gpu,fabric,storage,scheduler,container,ml,monitoring]")
     return 0

@@ -17,6 +17,7 @@ from llmcluster.launch.k8s import api, indexed_job, jobset, pytorchjob, volcano
 from llmcluster.launch.k8s.pod import CONFIG_DIR, RUN_LABEL, area_claims, host_mounts  # noqa: F401
 from llmcluster.launch.scheduler import Scheduler
 from llmcluster.launch.spec import LaunchSpec
+from llmcluster.render import yaml_text
 
 FORMS = {"indexed-job": indexed_job, "volcano": volcano, "jobset": jobset, "pytorchjob": pytorchjob}
 COMMON_KINDS = [("networking.k8s.io/v1", "NetworkPolicy", None), ("v1", "ConfigMap", None)]
@@ -60,17 +61,8 @@ def objects(spec: LaunchSpec) -> list[dict]:
 
 
 def to_yaml(objs: list[dict]) -> str:
-    import yaml
-
-    class Dumper(yaml.SafeDumper):
-        pass
-
-    def text(dumper, value: str):   # the ConfigMap's config.yaml stays readable: a literal block
-        style = "|" if "\n" in value else None
-        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
-
-    Dumper.add_representer(str, text)
-    return yaml.dump_all(objs, Dumper=Dumper, sort_keys=False)
+    """The objects as YAML documents (render.yaml_text: the ConfigMap's config.yaml a literal block)."""
+    return yaml_text(objs)
 
 
 def _where(rec: dict) -> tuple[str, str]:

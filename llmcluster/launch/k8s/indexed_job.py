@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from llmcluster.launch.k8s.pod import client, common, meta, pod_template, to_dict
 from llmcluster.launch.spec import LaunchSpec
+from llmcluster.render import K8sRef
 
 
 def job_spec(spec: LaunchSpec, rdzv: str, subdomain: str, backoff: int):
     c = client()
-    tpl = pod_template(spec, rdzv, subdomain=subdomain, node_rank="$(JOB_COMPLETION_INDEX)")
+    tpl = pod_template(spec, rdzv, subdomain=subdomain, node_rank=K8sRef("$(JOB_COMPLETION_INDEX)"))
     return c.V1JobSpec(
         completion_mode="Indexed", completions=spec.job.nodes, parallelism=spec.job.nodes,
         backoff_limit=backoff, template=tpl,

@@ -17,6 +17,7 @@ import posixpath
 from llmcluster.config.job import AREAS, Claim
 from llmcluster.errors import UserError
 from llmcluster.launch.spec import LaunchSpec
+from llmcluster.render import K8sRef, k8s_text, line_text
 
 CONFIG_DIR = "/etc/llmcluster"
 RUN_LABEL = "llmcluster.io/run"
@@ -108,9 +109,11 @@ def pod_template(spec: LaunchSpec, rdzv_endpoint: str, container: str = "trainer
                  restart: str = "Never", subdomain: str | None = None, node_rank: str | None = None):
     c = client()
     j, k = spec.job, spec.job.k8s
-    argv = spec.torchrun("python", rdzv_endpoint, spec.run, f"{k.storage_path}/logs/{spec.run}/ranks/$(POD_NAME)",
-                         node_rank=node_rank)
-    env = {**spec.rank_env(), **CACHE_ENV}
+    # the kubelet expands $(VAR) in command, args and env values: ours are K8sRefs, every other '$' is doubled
+    log_dir = K8sRef(f"{k.storage_path}/logs/{spec.run}/ranks/$(POD_NAME)")   # both validated: no '$'
+    argv = [k8s_text(a) for a in spec.torchrun("python", rdzv_endpoint, spec.run, log_dir, node_rank=node_rank)]
+    env = {n: k8s_text(line_text(v, f"the environment value of {n}"))
+           for n, v in {**spec.rank_env(), **CACHE_ENV}.items()}
     resources = {}
     if j.gpus_per_node:
         resources["nvidia.com/gpu"] = str(j.gpus_per_node)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from llmcluster.launch.k8s.pod import common, meta, pod_template, to_dict
 from llmcluster.launch.spec import LaunchSpec
+from llmcluster.render import K8sRef
 
 API = ("kubeflow.org/v1", "PyTorchJob", "pytorchjobs")
 
@@ -15,7 +16,8 @@ def hostnames(spec: LaunchSpec) -> list[str]:
 
 def objects(spec: LaunchSpec) -> list[dict]:
     j = spec.job
-    tpl = to_dict(pod_template(spec, "$(MASTER_ADDR):$(MASTER_PORT)", container="pytorch", restart="OnFailure"))
+    tpl = to_dict(pod_template(spec, K8sRef("$(MASTER_ADDR):$(MASTER_PORT)"), container="pytorch",
+                               restart="OnFailure"))
     replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": tpl}}
     if j.nodes > 1:
         replicas["Worker"] = {"replicas": j.nodes - 1, "restartPolicy": "OnFailure", "template": tpl}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from llmcluster.launch.k8s.pod import common, meta, pod_template, to_dict
 from llmcluster.launch.spec import LaunchSpec
+from llmcluster.render import K8sRef
 
 API = ("batch.volcano.sh/v1alpha1", "Job", "jobs")
 
@@ -15,7 +16,7 @@ def hostnames(spec: LaunchSpec) -> list[str]:
 
 def objects(spec: LaunchSpec) -> list[dict]:
     j = spec.job
-    tpl = to_dict(pod_template(spec, "$(MASTER_ADDR):$(MASTER_PORT)"))
+    tpl = to_dict(pod_template(spec, K8sRef("$(MASTER_ADDR):$(MASTER_PORT)")))
     tasks = [{"name": "master", "replicas": 1, "template": tpl}]
     if j.nodes > 1:
         tasks.append({"name": "worker", "replicas": j.nodes - 1, "template": tpl})
