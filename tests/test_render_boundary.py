@@ -534,6 +534,76 @@ def apply_command(value: str) -> str:
     return apply_command(line_text(value, "--out"))            # provision's check, before it writes
 
 
+# serve start (local, Slurm, Kubernetes) and the downstream evaluation job's sbatch script
+def serve_job(served: str = BENIGN, name: str = "serve-m", scheduler: str = "local"):
+    """A ServeJob as `serve start` builds it (the served name and the job name through their own checks), without
+    an engine or weights: a preset's shapes, a stand-in python."""
+    from llmcluster.plan.served_model import from_preset
+    from llmcluster.serve import engine as eng
+    from llmcluster.serve.start import ServeJob
+    from llmcluster.storage.layout import check_run_name
+
+    served = eng.served_name(served)
+    target = eng.Target(from_preset("llm_tiny"), Path(ROOT) / "models" / served, served)
+    return ServeJob(check_run_name(name), scheduler, Path(ROOT), eng.Engine("/usr/bin/python3", "0", cpu=True),
+                    target, eng.Sizing(1, "float32", 64, 4), "127.0.0.1", 8000, 1)
+
+
+def served_words(words: list[list[str]], value: str) -> None:
+    (argv,) = [w for w in words if "--served-model-name" in w]
+    assert argv[argv.index("--served-model-name") + 1] == value
+    assert argv[argv.index("--model") + 1] == str(Path(ROOT) / "models" / value)
+
+
+def carries_served(ln: str) -> bool:
+    return "--served-model-name" in ln or ln.startswith("# llmcluster serve start")
+
+
+def serve_local(served=BENIGN) -> str:
+    from llmcluster.serve.start import render_local
+    return render_local(serve_job(served))
+
+
+def serve_slurm(served=BENIGN, time=None, partition=None, name="serve-m") -> str:
+    from llmcluster.serve.start import render_slurm
+    return render_slurm(serve_job(served, name=name, scheduler="slurm"), time, partition)
+
+
+def serve_k8s(served=BENIGN, image="vllm/vllm-openai:v0", name="serve-m") -> str:
+    from llmcluster.launch.k8s import _dns
+    from llmcluster.serve import engine as eng
+    from llmcluster.serve.k8s import PORT, Serving, render
+
+    job = serve_job(served, name=name, scheduler="k8s")
+    _dns(job.name, "serving job name")
+    argv = eng.argv(job.engine, job.target, job.sizing, job.served, "0.0.0.0", PORT)
+    return render(Serving(job.name, "default", image, tuple(argv), "models", job.target.export.name,
+                          f"/storage/models/{job.target.export.name}", 1, None, None, 1000, "1Gi", {}, [], True,
+                          "monitoring"))
+
+
+def k8s_served_check(docs, value):
+    for c in containers(docs):
+        argv = [kubelet(a) for a in c["command"] + c["args"]]
+        assert argv[argv.index("--served-model-name") + 1] == value
+
+
+EVAL_ARGV = ["/usr/bin/python3", "-m", "llmcluster", "eval", "--model", "m"]
+
+
+def downstream_script(run: str = BENIGN, word: str | None = None) -> str:
+    """The downstream evaluation job as it is submitted: sbatch's argv (the job name's grammar) and the script."""
+    from llmcluster.train.downstream import render_sbatch, sbatch_argv
+
+    sbatch_argv(run, 10, Path(ROOT) / "logs" / "r" / "eval" / "step_10.out", Path(ROOT) / "x.sh")
+    return render_sbatch(run, 10, EVAL_ARGV + ([word] if word is not None else ["--tasks"]))
+
+
+def downstream_exec(words, value):
+    (argv,) = [w for w in words if w[:1] == ["exec"]]
+    assert argv[1:] == EVAL_ARGV + [value]
+
+
 # -- THE LIST: every field of every artefact we render -------------------------------------------------------------
 # build(value) -> (artefact_text, parse_back); an optional attribute `build.benign` names a value the field takes
 # when "benign" is not one (a duration, a time limit)
@@ -609,6 +679,21 @@ RENDERERS: dict[str, Build] = {
     # plan --emit-config: the printed command
     "plan --emit-config: the printed command": command_entry(
         emit_command, lambda v: ["llmcluster", "train", "--config", v]),
+    # serve start: the local script, the Slurm script, the Kubernetes objects (issue 32 High #1)
+    "serve local: served-model name (export directory)": script_entry(serve_local, served_words, carries_served),
+    "serve slurm: served-model name (export directory)": script_entry(serve_slurm, served_words, carries_served),
+    "serve slurm: --time": sbatch_entry(lambda v: serve_slurm(time=v), "time", str, benign="1:00:00"),
+    "serve slurm: --partition": sbatch_entry(lambda v: serve_slurm(partition=v), "partition", str),
+    "serve k8s: served-model name (export directory)": yaml_entry(serve_k8s, k8s_served_check),
+    "serve k8s: --image": yaml_entry(lambda v: serve_k8s(image=v),
+                                     lambda d, v: [c["image"] for c in containers(d)] == [v] or pytest.fail("image")),
+    "serve k8s: --name": yaml_entry(lambda v: serve_k8s(name=v),
+                                    lambda d, v: all(o["metadata"]["name"] == v for o in d) or pytest.fail("name")),
+    # the downstream evaluation job's sbatch script (train/downstream.py)
+    "downstream eval sbatch: run name": script_entry(lambda v: downstream_script(run=v),
+                                                     lambda words, v: None, lambda ln: ln.startswith("# llmcluster")),
+    "downstream eval sbatch: a word of its command": script_entry(lambda v: downstream_script(word=v),
+                                                                  downstream_exec, lambda ln: ln.startswith("exec ")),
 }
 
 
@@ -648,7 +733,8 @@ def test_the_list_covers_every_artefact_and_scheduler_form():
     """A renderer added to the package without an entry here is noticed: every form of launch, every monitor
     output, provision and plan are listed."""
     prefixes = ["launch local:", "launch slurm:", "monitor config:", "monitor config --kubernetes:",
-                "provision:", "plan --emit-config:"] + [f"launch k8s {f}:" for f in K8S_FORMS]
+                "provision:", "plan --emit-config:", "serve local:", "serve slurm:", "serve k8s:",
+                "downstream eval sbatch:"] + [f"launch k8s {f}:" for f in K8S_FORMS]
     for p in prefixes:
         assert any(n.startswith(p) for n in NAMES), p
     from llmcluster.launch.k8s import FORMS

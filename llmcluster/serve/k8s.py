@@ -22,6 +22,7 @@ from llmcluster.launch.k8s import PLURALS, _dns, api, to_yaml
 from llmcluster.launch.k8s.pod import (CACHE_DIR, CACHE_ENV, RUN_LABEL, client, container_security, pod_security,
                                        scratch_volumes, to_dict)
 from llmcluster.monitor.serve_targets import SERVE_LABEL
+from llmcluster.render import k8s_text
 from llmcluster.serve import auth
 from llmcluster.serve import engine as eng
 
@@ -106,8 +107,10 @@ def objects(s: Serving) -> list[dict]:
         return c.V1Probe(http_get=c.V1HTTPGetAction(path="/health", port="http"), period_seconds=period,
                          timeout_seconds=5, failure_threshold=failures)
     server = c.V1Container(
-        name="vllm", image=s.image, image_pull_policy="Always", command=list(s.argv[:1]), args=list(s.argv[1:]),
-        env=[c.V1EnvVar(name=n, value=v) for n, v in env.items()] + ([c.V1EnvVar(
+        # the kubelet expands $(VAR) in command, args and env values: every '$' of ours doubled (render.k8s_text)
+        name="vllm", image=s.image, image_pull_policy="Always", command=[k8s_text(a) for a in s.argv[:1]],
+        args=[k8s_text(a) for a in s.argv[1:]],
+        env=[c.V1EnvVar(name=n, value=k8s_text(v)) for n, v in env.items()] + ([c.V1EnvVar(
             name=auth.ENV, value_from=c.V1EnvVarSource(secret_key_ref=c.V1SecretKeySelector(
                 name=s.secret, key=auth.SECRET_KEY)))] if s.auth else []),
         ports=[c.V1ContainerPort(container_port=PORT, name="http")],

@@ -121,9 +121,9 @@ def render_slurm(job: ServeJob, time_limit: str | None, partition: str | None) -
             f"#SBATCH --output={directive_value(logs, 'log directory')}/slurm-%j.out"]
     if not job.engine.cpu:
         head.append(f"#SBATCH --gpus-per-node={job.sizing.tp}")
-    if time_limit:
+    if time_limit is not None:   # an empty one is refused by directive_value, not dropped
         head.append(f"#SBATCH --time={directive_value(time_limit, '--time')}")
-    if partition:
+    if partition is not None:
         head.append(f"#SBATCH --partition={directive_value(partition, '--partition')}")
     head += ["", "set -uo pipefail", "umask 027"]
     head += [f"export {k}={shell_word(v)}" for k, v in eng.environment(job.engine).items()]

@@ -33,7 +33,9 @@ def check_run_name(name: str, what: str = "run") -> str:
     from llmcluster.config.schema import RUN_NAME_RE
 
     if not isinstance(name, str) or not RUN_NAME_RE.fullmatch(name) or ".." in name:
-        raise UserError(f"invalid {what} name {name!r}: use letters, digits, '.', '_' and '-' "
+        from llmcluster.render import show_value
+
+        raise UserError(f"invalid {what} name {show_value(name)}: use letters, digits, '.', '_' and '-' "
                         "(no '/', '..', spaces or shell metacharacters)")
     return name
 
