@@ -117,7 +117,7 @@ def _losses(root: Path, run: str) -> dict[int, float]:
 @pytest.mark.slow
 def test_emulated_float8_trains_resumes_bitwise_and_exports_high_precision(capsys, tiny_root):
     root = tiny_root
-    _train(capsys, root, *STEPS, "run.name=fp32")
+    _train(capsys, root, *STEPS, "run.name=f8-ref-fp32")
     first = _train(capsys, root, *STEPS, EMULATE, "run.name=f8")
     # 2 blocks x 7 projections; the head (and nothing else) stays out
     assert "float8 (tensorwise, emulated): 14 Linear layers converted" in first.stdout
@@ -127,7 +127,7 @@ def test_emulated_float8_trains_resumes_bitwise_and_exports_high_precision(capsy
     rows = _train(capsys, root, *STEPS, EMULATE, "train.float8.recipe=rowwise", "run.name=f8-rowwise")
     assert "float8 (rowwise, emulated): 14 Linear layers converted" in rows.stdout
 
-    ref, f8, resumed, rowwise = (_losses(root, r) for r in ("fp32", "f8", "f8-resumed", "f8-rowwise"))
+    ref, f8, resumed, rowwise = (_losses(root, r) for r in ("f8-ref-fp32", "f8", "f8-resumed", "f8-rowwise"))
     assert sorted(f8) == sorted(resumed) == list(range(1, 9))
     for step in range(5, 9):
         assert resumed[step] == f8[step], (step, resumed[step], f8[step])   # bitwise, not approximately
@@ -149,7 +149,7 @@ def test_emulated_float8_trains_resumes_bitwise_and_exports_high_precision(capsy
                 tensors.update({k: st.get_tensor(k) for k in st.keys()})
         return tensors
 
-    plain, whole, low = exported("fp32"), exported("f8"), exported("f8-resumed")
+    plain, whole, low = exported("f8-ref-fp32"), exported("f8"), exported("f8-resumed")
     assert low.keys() == plain.keys()                 # the HF names are unchanged by Float8Linear
     assert {t.dtype for t in low.values()} == {torch.float32}   # the high-precision weights, no float8
     assert all(torch.equal(low[k], whole[k]) for k in whole)    # resumed == uninterrupted, bitwise
