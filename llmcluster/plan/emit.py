@@ -29,7 +29,7 @@ def job_config(plan: PlanSpec, candidate: dict) -> dict:
                   "ffn_hidden": m.ffn_hidden, "vocab_size": m.vocab_size, "max_seq_len": m.seq_len,
                   "tie_embeddings": m.tie_embeddings},
         "data": {"seq_len": m.seq_len},
-        "train": {"precision": plan.parallel.precision, "global_batch": candidate["global_batch"]},
+        "train": {**train_precision(plan.parallel.precision), "global_batch": candidate["global_batch"]},
         "parallel": {},
         "job": {"nodes": c.nodes, "gpus_per_node": c.gpus_per_node},
     }
@@ -46,6 +46,14 @@ def job_config(plan: PlanSpec, candidate: dict) -> dict:
         raise UserError(f"--emit-config: the best candidate is not a valid job config: "
                         f"{e.errors()[0]['msg']}") from None
     return cfg
+
+
+def train_precision(precision: str) -> dict:
+    """The plan's precision in the trainer's words: `fp8` is float8 matmuls in the blocks (torchao's tensorwise
+    recipe, as torchtitan's default) with bf16 everywhere else, so plan and train keep one vocabulary."""
+    if precision == "fp8":
+        return {"precision": "bf16", "float8": {"recipe": "tensorwise"}}
+    return {"precision": precision}
 
 
 def _over_preset(base: dict, planned: dict) -> dict:

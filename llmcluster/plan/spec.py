@@ -304,8 +304,10 @@ class PlanSpec(Section):
             gaps.append("the model is not a Llama shape (SwiGLU, an even head_dim = d_model / n_heads, no dropout)")
         if p.tp > 1 and not p.sequence_parallel:
             gaps.append("tp without sequence parallelism (the trainer shards the norms along the sequence)")
-        if p.precision not in ("bf16", "fp16", "fp32"):
+        if p.precision not in ("bf16", "fp16", "fp32", "fp8"):
             gaps.append(f"precision {p.precision}")
+        if p.precision == "fp8" and (p.tp > 1 or p.pp > 1):  # train.float8 is refused with them (untested)
+            gaps.append("fp8 with tp or pp")
         return gaps
 
     def zero_stage_from_keys(self) -> int:

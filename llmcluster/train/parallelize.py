@@ -1,5 +1,5 @@
-"""Apply parallelism to a plain model, in torchtitan's order: TP → activation checkpointing → compile → FSDP
-(or DDP). The model file knows nothing of any of this.
+"""Apply parallelism to a plain model, in torchtitan's order: float8 conversion → TP → activation checkpointing →
+compile → FSDP (or DDP). The model file knows nothing of any of this.
 """
 
 from __future__ import annotations
@@ -196,6 +196,12 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims, env: DistEnv,
     if cfg.train.lora is not None:  # adapters exist before sharding, so FSDP shards them with their block
         from llmcluster.model.lora import apply_lora, init_lora
         apply_lora(raw, cfg.train.lora)
+    if cfg.train.float8 is not None:  # before TP/AC/compile/FSDP wrap the Linear layers (torchtitan's order)
+        from llmcluster.train.float8 import apply_float8
+        n = apply_float8(raw, cfg.train.float8, env.device)
+        if env.is_main:
+            print(f"float8 ({cfg.train.float8.recipe}{', emulated' if cfg.train.float8.emulate else ''}): "
+                  f"{n} Linear layers converted (the LM head stays in {cfg.train.precision})", flush=True)
     sharded = dims.fsdp or dims.tp > 1
     model = parallelize(raw, cfg, dims, env) if sharded else raw
     raw.to_empty(device=env.device)
