@@ -49,7 +49,7 @@ def test_submits_every_nth_checkpoint_and_the_last(tmp_path, monkeypatch):
     assert markers[20]["argv"][3:] == argv[3:] and markers[20]["scheduler"] == "local"
     assert pending_steps(logs) == {20, 35}
     # a result line ends step 20's pending state; the end of 35's job ends it too (a failed evaluation)
-    (logs / "eval.jsonl").write_text(json.dumps({"step": 20, "tasks": {}}) + "\n")
+    (logs / "eval.jsonl").write_text(json.dumps({"run": "r", "step": 20, "tasks": {}}) + "\n")
     assert pending_steps(logs) == {35}
     subprocess.run(["kill", str(markers[35]["pid"])], check=True)
     assert _wait(lambda: pending_steps(logs) == set())

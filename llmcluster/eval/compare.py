@@ -5,12 +5,11 @@ tokens the model had trained on (its step where the checkpoint is gone)."""
 from __future__ import annotations
 
 import json
-import math
-import sys
 from pathlib import Path
 
 from llmcluster.errors import UserError
-from llmcluster.eval.evaluate import EVAL_LOG
+from llmcluster.storage import eval_log
+from llmcluster.storage.eval_log import EVAL_LOG
 from llmcluster.storage.layout import Storage, check_run_name
 
 
@@ -24,61 +23,6 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
 Z95 = 1.96   # a 95% confidence interval of a mean score: ± 1.96 × the stderr the harness reports
 
 
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _scores(d) -> bool:
-    return isinstance(d, dict) and all(isinstance(k, str) and _finite(v) for k, v in d.items())
-
-
-def _why_bad(rec) -> str | None:
-    """What makes a line of eval.jsonl not an evaluation record we can show (None: it is one)."""
-    if not isinstance(rec, dict):
-        return "not an object"
-    for key, ok in (("run", lambda v: isinstance(v, str)),
-                    ("step", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)),
-                    ("tokens", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)),
-                    ("endpoint", lambda v: v is None or isinstance(v, str)),
-                    ("backend", lambda v: v is None or isinstance(v, str)),
-                    ("tasks", lambda v: isinstance(v, dict))):
-        if key not in rec and key in ("run", "tasks"):
-            return f"no {key!r}"
-        if not ok(rec.get(key)):
-            return f"{key!r} has the wrong type"
-    for task, t in rec["tasks"].items():
-        if not isinstance(t, dict) or not _scores(t.get("metrics", {})) or not _scores(t.get("stderr", {})):
-            return f"task {str(task)[:60]!r}: scores that are not finite numbers"
-    return None
-
-
-def _not_json(constant: str):
-    raise ValueError(f"{constant} is not JSON")
-
-
-def read_log(root: Path, run: str) -> list[dict]:
-    """The records of logs/<run>/eval.jsonl; a line that is not one (not JSON, NaN or Infinity, a wrong type, a
-    missing key) is skipped with one note naming the file and line."""
-    path = Storage(root).run_logs(run) / EVAL_LOG
-    if not path.is_file():
-        return []
-    out = []
-    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:   # NaN/Infinity literals are not JSON; 1e400 parses to inf and is caught by _why_bad
-            rec = json.loads(line, parse_constant=_not_json)
-            why = _why_bad(rec)
-        except (ValueError, RecursionError):
-            why = "not a JSON line"
-        if why:
-            print(f"note: {path}:{i}: skipped ({why})", file=sys.stderr)
-            continue
-        rec.setdefault("step", None)
-        out.append(rec)
-    return out
-
-
 def rows(root: Path, specs: list[str]) -> list[dict]:
     """Per (run, step, endpoint) the specs select, the newest record, with each task's newest scores; in the
     order given, by step."""
@@ -86,7 +30,7 @@ def rows(root: Path, specs: list[str]) -> list[dict]:
     for spec in specs:
         run, step = parse_spec(spec)
         newest: dict = {}
-        for rec in read_log(root, run):   # in the order written: a later evaluation of a task replaces it
+        for rec in eval_log.read(Storage(root).run_logs(run)):   # in the order written: a later evaluation of a task replaces it
             if step is None or rec.get("step") == step:
                 key = (rec.get("step"), rec.get("endpoint"))
                 tasks = {**newest.get(key, {}).get("tasks", {}), **rec["tasks"]}

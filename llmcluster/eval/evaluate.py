@@ -21,9 +21,10 @@ from pathlib import Path
 from llmcluster.errors import UserError
 from llmcluster.eval import harness
 from llmcluster.eval.tasks import check_harness_tasks, resolve, write_include_dir
+from llmcluster.storage import eval_log
+from llmcluster.storage.eval_log import EVAL_LOG
 from llmcluster.storage.layout import Storage, check_run_name
 
-EVAL_LOG = "eval.jsonl"
 
 
 @dataclass
@@ -161,8 +162,7 @@ def evaluate(root: Path, model: str | None = None, step: int | None = None, endp
         "tasks": per_task, "wall_s": round(time.monotonic() - t0, 1),
     }
     logs = Storage(root).run_logs(target.run)
-    with open(logs / EVAL_LOG, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    eval_log.append(logs, record)
     try:    # the run's own sinks too (TensorBoard, MLflow, W&B): the results above are already safe
         from llmcluster.monitor.tracking import log_eval
 

@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-from llmcluster.storage import records
 from llmcluster.errors import UserError
 from llmcluster.launch.scheduler import ACTIVE_STATES, get
 from llmcluster.launch.spec import LaunchSpec

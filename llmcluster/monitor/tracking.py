@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import sys
 import time
 from pathlib import Path
 
 from llmcluster.errors import UserError
+from llmcluster.storage import run_record
+from llmcluster.storage.run_record import RUN_JSON
 
-RUN_JSON = "run.json"
 
 
 # -- what the run is -------------------------------------------------------------------------------
@@ -90,9 +90,7 @@ class JsonlSink(Sink):
         self.file = open(log_dir / "metrics.jsonl", "a", buffering=1)
 
     def start(self, info: dict) -> None:
-        tmp = self.dir / f".{RUN_JSON}.tmp"
-        tmp.write_text(json.dumps(info, indent=1) + "\n")
-        os.replace(tmp, self.dir / RUN_JSON)
+        run_record.write(self.dir, info)
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -258,29 +256,6 @@ def find_mlflow_run(client, experiment_id: str, run: str):
     return next((r for r in found if r.data.tags.get("llmcluster.run") == run), None)
 
 
-def read_own_run_json(log_dir: Path) -> tuple[dict | None, str | None]:
-    """run.json of a run, when it is the caller's own file: (its record, None), else (None, why not). Its
-    config names the tracking URIs `eval` would send the caller's credentials to ($MLFLOW_TRACKING_TOKEN, W&B's
-    key), so a run.json someone else wrote (or a link to one) in a shared logs/ is not followed. Opened once
-    (no link followed) and checked on the open file, so it cannot be swapped between the check and the read."""
-    try:
-        fd = os.open(log_dir / RUN_JSON, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except FileNotFoundError:
-        return None, None     # not a run of ours (an export from elsewhere): nothing to say
-    except OSError as e:
-        return None, f"{log_dir / RUN_JSON} cannot be read ({e.strerror or e})"
-    with os.fdopen(fd) as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            return None, (f"{log_dir / RUN_JSON} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}): "
-                          "its tracking sinks are not used")
-        try:
-            info = json.loads(f.read())
-        except (OSError, ValueError):
-            return None, f"{log_dir / RUN_JSON} is not JSON"
-    return (info, None) if isinstance(info, dict) else (None, f"{log_dir / RUN_JSON} is not a run record")
-
-
 def mlflow_uri(uri: str | None, root: Path) -> str:
     """The tracking URI: a SQLite file on this node by default. SQLite's locking is unreliable on network
     file systems, so a sqlite store under the (shared) storage root is refused."""
@@ -307,7 +282,7 @@ def log_eval(root: Path, log_dir: Path, record: dict, say=lambda s: print(s, fil
     followed (read_own_run_json); otherwise one line through `say`. Returns the sinks written."""
     from llmcluster.config.schema import RUN_NAME_RE, LogConfig
 
-    info, why = read_own_run_json(log_dir)
+    info, why = run_record.read_own(log_dir)
     if why:
         say(f"eval: {why}; the results are in eval.jsonl and the harness's files only")
     try:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from llmcluster.errors import UserError
+from llmcluster.storage import eval_log
 
 PENDING = "pending"
 
@@ -47,23 +48,6 @@ def sbatch_argv(run: str, step: int, out: Path, script: Path) -> list[str]:
     return ["sbatch", "--parsable", f"--job-name={directive_value(f'{run}-eval-{step}', 'eval job name')}",
             f"--output={argv_element(str(out).replace('%', '%%'), 'eval job output')}", "--nodes=1",
             argv_element(script, "eval job script", positional=True)]
-
-
-def _results_steps(logs: Path) -> set[int]:
-    """Steps with a result line in eval.jsonl (written by `llmcluster eval` when it finishes)."""
-    out: set[int] = set()
-    try:
-        lines = (logs / "eval.jsonl").read_text(errors="replace").splitlines()
-    except OSError:
-        return out
-    for ln in lines:
-        try:
-            r = json.loads(ln)
-        except ValueError:
-            continue
-        if isinstance(r, dict) and isinstance(r.get("step"), int):
-            out.add(r["step"])
-    return out
 
 
 def _local_alive(pid: object, step: int) -> bool:
@@ -100,7 +84,7 @@ def pending_steps(logs: Path) -> set[int]:
     folder = logs / "eval" / PENDING
     if not folder.is_dir():
         return set()
-    done = _results_steps(logs)
+    done = eval_log.steps(logs)
     out = set()
     for f in folder.glob("step_*.json"):
         try:
