@@ -90,6 +90,18 @@ def test_batch_not_divisible_by_data_parallel_degree(capsys, tiny_root):
     assert_one_line_error(proc, "train.global_batch (7)")
 
 
+def test_sequence_parallel_is_on_by_default_and_accepted_at_any_tp(capsys):
+    """Off means something only with tp > 1 and is accepted (and ignored) at tp = 1, so a config written for a
+    Megatron-like TP run still runs with `--set parallel.tp=1`; off lifts the refusal of train.loss_chunks
+    with TP (the head's input is then whole on every TP rank, not sharded on the sequence)."""
+    assert load_job_config("llm_tiny").parallel.sequence_parallel is True
+    assert load_job_config("llm_tiny", ["parallel.sequence_parallel=false"]).parallel.sequence_parallel is False
+    cfg = load_job_config("llm_tiny", ["parallel.tp=2", "parallel.sequence_parallel=false", "train.loss_chunks=4"])
+    assert cfg.parallel.tp == 2 and cfg.train.loss_chunks == 4
+    proc = cli_inprocess(capsys, "train", "--config", "llm_tiny", "--set", "parallel.sequence_parallel=maybe")
+    assert_one_line_error(proc, "parallel.sequence_parallel", "bool")
+
+
 def test_mesh_degrees_must_match_world_size():
     with pytest.raises(UserError, match="world size"):
         from llmcluster.distributed.process_groups import ParallelDims

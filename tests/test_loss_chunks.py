@@ -55,7 +55,7 @@ def test_chunked_loss_under_autocast_recomputes_in_bf16():
 
 
 @pytest.mark.parametrize("extra, needles", [
-    (["parallel.tp=2"], ["train.loss_chunks", "parallel.tp"]),
+    (["parallel.tp=2"], ["train.loss_chunks", "parallel.tp", "parallel.sequence_parallel=false"]),
     (["parallel.pp=2", "train.grad_accum=2"], ["train.loss_chunks", "parallel.pp"]),
 ])
 def test_loss_chunks_with_tp_or_pp_is_a_one_line_error(tmp_path, extra, needles):

@@ -36,8 +36,22 @@ def test_tp_loss_on_vocabulary_sharded_logits_matches_one_process():
     for r in torchrun("tp_loss_worker.py", 2, "model.n_layers=2", "parallel.dp_shard=1", "parallel.tp=2"):
         head = r["head_type"], r["head_placements"], r["head_local_shape"]
         assert head == ("DTensor", ["S(2)"], [2, 32, 160]), r
+        assert r["block_out_shape"] == [2, 16, 64], r  # sequence parallel: each rank holds half the sequence
         assert r["loss_type"] == "Tensor", r  # what the trainer divides and logs: a plain tensor
-        assert r["loss_rel"] < 1e-5 and r["grad_rel"] < 1e-5, r
+        assert r["loss_rel"] < 1e-5 and r["grad_rel"] < 1e-5 and r["norm_rel"] < 1e-5, r
+
+
+def test_tp_without_sequence_parallelism_matches_one_process():
+    """parallel.sequence_parallel=false (Megatron's layout before SP): the hidden states between blocks are whole
+    on both TP ranks, the norms' weights replicated DTensors (one mesh for the gradient norm), the head's output
+    still vocabulary-sharded into the loss, which is now computed in sequence slices (train.loss_chunks, refused
+    under SP); loss, every gradient and the clipped norm match one process as with SP. On main the key was
+    refused: the trainer ran TP with SP only."""
+    for r in torchrun("tp_loss_worker.py", 2, "model.n_layers=2", "parallel.dp_shard=1", "parallel.tp=2",
+                      "parallel.sequence_parallel=false", "train.loss_chunks=2"):
+        assert r["block_out_shape"] == [2, 32, 64] and r["norm_placements"] == ["R"], r
+        assert (r["head_type"], r["head_placements"], r["head_local_shape"]) == ("DTensor", ["S(2)"], [2, 16, 160]), r
+        assert r["loss_rel"] < 1e-5 and r["grad_rel"] < 1e-5 and r["norm_rel"] < 1e-5, r
 
 
 def test_pp_times_fsdp_gathers_each_block_once_per_step():

@@ -239,5 +239,4 @@ def test_tp_without_sequence_parallelism_is_plannable_with_korthikantis_figures(
     assert plan_memory(pre).activations > plan_memory(sp).activations
     # the norms run on whole sequences and the pipeline sends whole activations: never faster
     assert step_time(pre, 0.8).step_s > step_time(sp, 0.8).step_s
-    assert any("sequence parallelism" in g for g in pre.trainer_gaps())
-    assert not any("sequence parallelism" in g for g in sp.trainer_gaps())
+    assert pre.trainer_gaps() == sp.trainer_gaps()   # the trainer runs TP without SP too (parallelize.py)

@@ -202,12 +202,20 @@ def test_plan_names_its_cluster_file_relative_to_itself(tmp_path):
     assert plan_json(plan)["parallel"]["world"] == 4
 
 
-def test_search_from_a_plan_without_sequence_parallelism_returns_trainable_layouts(tmp_path):
-    plan = write_plan(tmp_path, parallel={"tp": 2, "sequence_parallel": False, "global_batch": 16})
-    r = plan_json(plan, "--search")
-    assert any("sequence parallelism" in g for g in r["parallel"]["trainer_gaps"])
+def test_search_from_a_plan_without_sequence_parallelism_emits_it_for_the_trainer(tmp_path):
+    """SP off (a Megatron run's layout) is a layout the trainer runs: no trainer gap, the search keeps it in its
+    TP candidates' `set`, and the emitted job config says `parallel.sequence_parallel: false` and loads (a tp = 1
+    candidate has nothing to switch off and says nothing). On main the plan had a gap and the search put SP back."""
+    from llmcluster.config.load import load_job_config
+    from llmcluster.plan.emit import write_job_config
     from llmcluster.plan.load import load_plan
     from llmcluster.plan.search import search
 
+    plan = write_plan(tmp_path, parallel={"tp": 2, "sequence_parallel": False, "global_batch": 16})
+    assert plan_json(plan)["parallel"]["trainer_gaps"] == []
     every = search(load_plan(plan), top=10_000)
-    assert any(c["tp"] > 1 for c in every)   # TP layouts are searched, with SP: what the trainer runs
+    with_tp = [c for c in every if c["tp"] > 1]
+    assert with_tp and all("parallel.sequence_parallel=false" in c["set"] for c in with_tp)
+    assert not any("parallel.sequence_parallel" in s for c in every if c["tp"] == 1 for s in c["set"])
+    cfg = load_job_config(str(write_job_config(tmp_path / "job.yaml", load_plan(plan), with_tp[0])))
+    assert cfg.parallel.tp == with_tp[0]["tp"] and cfg.parallel.sequence_parallel is False

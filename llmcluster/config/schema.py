@@ -163,7 +163,9 @@ class TrainConfig(Section):
 
 
 def check_parallel_keys(p) -> None:
-    """The rules the trainer's `parallel:` and the plan's share: one home, so plan and train agree."""
+    """The rules the trainer's `parallel:` and the plan's share: one home, so plan and train agree.
+    `sequence_parallel` has none of its own: with tp = 1 there is nothing to shard and it is accepted and ignored
+    (as fsdp_reshard_after_forward without FSDP), so one config runs at any tp (`--set parallel.tp=1`)."""
     for k in ("dp_replicate", "dp_shard"):
         if getattr(p, k) == 0:
             raise ValueError(f"parallel.{k} must be >= 1 or -1")
@@ -184,6 +186,7 @@ class ParallelConfig(Section):
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
     ac_every: int = Field(2, ge=1)             # selective: checkpoint every k-th block
     fsdp_reshard_after_forward: bool = True    # false: ZeRO-2-like (gathered weights kept for backward); pp > 1: false
+    sequence_parallel: bool = True             # false: TP with replicated norms (Megatron pre-SP); tp 1: ignored
 
     @model_validator(mode="after")
     def _degrees(self):
@@ -338,9 +341,10 @@ class JobConfig(Section):
                 f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
         if self.parallel.tp > 1 and self.model.n_heads % self.parallel.tp:
             raise ValueError(f"parallel.tp ({self.parallel.tp}) must divide model.n_heads ({self.model.n_heads})")
-        if self.parallel.tp > 1 and self.train.loss_chunks > 1:
-            raise ValueError("train.loss_chunks > 1 with parallel.tp > 1 is not supported: under sequence "
-                             "parallelism the head's input is sharded on the sequence (set train.loss_chunks=1)")
+        if self.parallel.tp > 1 and self.parallel.sequence_parallel and self.train.loss_chunks > 1:
+            raise ValueError("train.loss_chunks > 1 with parallel.tp > 1 is not supported under sequence "
+                             "parallelism: the head's input is sharded on the sequence (set train.loss_chunks=1 "
+                             "or parallel.sequence_parallel=false)")
         if self.parallel.tp > 1 and self.train.lora is not None:
             raise ValueError("train.lora with parallel.tp > 1 is not supported: shard with parallel.dp_shard")
         if self.train.float8 is not None:   # combinations not tested with float8 (train/float8.py)

@@ -26,6 +26,8 @@ def job_overrides(plan: PlanSpec) -> list[str]:
     p = plan.parallel
     r, s = plan.dp_degrees
     out = [f"parallel.dp_replicate={r}", f"parallel.dp_shard={s}", f"parallel.tp={p.tp}", f"parallel.pp={p.pp}"]
+    if p.tp > 1 and not p.sequence_parallel:
+        out.append("parallel.sequence_parallel=false")
     if p.pp > 1:
         out.append(f"parallel.pp_schedule={p.pp_schedule}")
         if p.pp_schedule == "interleaved_1F1B":

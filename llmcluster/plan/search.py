@@ -1,7 +1,8 @@
 """`--search`: the layouts `llmcluster train` can run for the plan's model and cluster, best first.
 
 Every candidate is a job-config layout (parallel.dp_replicate / dp_shard / tp / pp / pp_schedule /
-activation_checkpoint / fsdp_reshard_after_forward, train.micro_batch / grad_accum) and carries `set`, the
+activation_checkpoint / fsdp_reshard_after_forward, train.micro_batch / grad_accum; parallel.sequence_parallel
+as the plan says: off is never faster nor smaller, only asked for to match a Megatron run) and carries `set`, the
 `--set` overrides that make the trainer run it. TP stays inside a node (its all-reduces are on the critical
 path) and divides the kv heads (the trainer shards K and V by head); PP needs no divisibility (stages are
 split by layer count, config/stages.py) but at most one stage per block; data parallelism is DDP (without
@@ -75,7 +76,7 @@ def search(plan: PlanSpec, bench: list[CalRow] | None = None, top: int = 10) -> 
                    "pp_virtual_stages": v if sched == "interleaved_1F1B" else None, "activation_checkpoint": ac,
                    "ac_every": 2, "fsdp_reshard_after_forward": reshard, "micro_batch": micro,
                    "grad_accum": accum, "global_batch": gb, "zero": None, "memory_convention": "fsdp2",
-                   "sequence_parallel": True}  # the trainer runs TP with SP
+                   "sequence_parallel": base["parallel"]["sequence_parallel"]}
             try:
                 cand = PlanSpec.model_validate({**base, "parallel": par})
             except ValidationError:

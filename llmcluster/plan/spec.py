@@ -154,8 +154,8 @@ class ParallelSpec(Section):
     zero: Literal[0, 1, 2, 3] | None = None       # None: what the keys above give (see `zero_stage`)
     flash_attention: bool = True
     # Sequence parallelism with TP (Korthikanti et al.): norms, dropout and residuals sharded along the sequence.
-    # false: Megatron's layouts before it (TP only; the published no-SP activation figures). Planner-only:
-    # the trainer always runs SP with TP (trainer_gaps says so).
+    # false: Megatron's layouts before it (TP only, norms replicated; the published no-SP activation figures),
+    # as the trainer's parallel.sequence_parallel.
     sequence_parallel: bool = True
     precision: Literal["bf16", "fp16", "fp8", "fp32"] = "bf16"
     memory_convention: Literal["zero-paper", "megatron", "fsdp2", "deepspeed"] = "zero-paper"
@@ -302,8 +302,6 @@ class PlanSpec(Section):
         if (m.ffn_type != "swiglu" or m.head_dim not in (None, m.d_model // m.n_heads) or m.dropout
                 or m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2):
             gaps.append("the model is not a Llama shape (SwiGLU, an even head_dim = d_model / n_heads, no dropout)")
-        if p.tp > 1 and not p.sequence_parallel:
-            gaps.append("tp without sequence parallelism (the trainer shards the norms along the sequence)")
         if p.precision not in ("bf16", "fp16", "fp32", "fp8"):
             gaps.append(f"precision {p.precision}")
         if p.precision == "fp8" and (p.tp > 1 or p.pp > 1):  # train.float8 is refused with them (untested)

@@ -33,40 +33,65 @@ def loss_context(dims: ParallelDims):
     return contextlib.nullcontext
 
 
-def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = False) -> None:
-    """Megatron-style TP with sequence parallelism on the norms (activations sharded on the sequence
-    between blocks, so the norms and residual adds are not computed tp times over). `loss_parallel`: the
-    head's output stays a DTensor sharded on the vocabulary (see `uses_loss_parallel`)."""
+def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = False, sequence_parallel: bool = True) -> None:
+    """Megatron-style TP: attention and MLP column- then row-parallel. With `sequence_parallel` the norms are
+    sharded on the sequence (activations sharded on the sequence between blocks, so the norms and residual adds
+    are not computed tp times over); without it (Megatron's layout before SP) the activations between blocks
+    are whole on every TP rank and each rank computes the norms in full. `loss_parallel`: the head's output
+    stays a DTensor sharded on the vocabulary (see `uses_loss_parallel`)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
-    head = (ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
-            if loss_parallel else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))
-    top = {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "lm_head": head,
-    }
+    between = Shard(1) if sequence_parallel else Replicate()   # the hidden states' layout between modules
+    head = (ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
+            if loss_parallel else ColwiseParallel(input_layouts=between, output_layouts=Replicate()))
+    top = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=between), "lm_head": head}
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
     # A pipeline stage's rank model lacks the ends it does not hold (train/pipeline.py).
     parallelize_module(model, tp_mesh, {k: v for k, v in top.items() if getattr(model, k) is not None})
+    if not sequence_parallel and model.norm is not None:
+        _replicate(model.norm, tp_mesh)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "input_layernorm": SequenceParallel(),
-            "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
+        plan = {
             "self_attn.q_proj": ColwiseParallel(),
             "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "post_attention_layernorm": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=between),
             "mlp.gate_proj": ColwiseParallel(),
             "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-        })
+            "mlp.down_proj": RowwiseParallel(output_layouts=between),
+        }
+        if sequence_parallel:
+            plan |= {
+                "input_layernorm": SequenceParallel(),
+                "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                desired_input_layouts=(Replicate(), None, None)),
+                "post_attention_layernorm": SequenceParallel(),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            }
+        parallelize_module(block, tp_mesh, plan)
+        if not sequence_parallel:
+            _replicate(block.input_layernorm, tp_mesh)
+            _replicate(block.post_attention_layernorm, tp_mesh)
     if loss_parallel:
         model.register_forward_hook(lambda module, args, out: plain(out))
+
+
+def _replicate(module: nn.Module, tp_mesh) -> None:
+    """A module every TP rank computes in full on whole activations (a norm without SP). Its weights still
+    become DTensors, replicated on the TP mesh, so that every parameter of the model is a DTensor on one mesh
+    (the gradient norm and FSDP's 2-D sharding take them together); its input and output stay plain tensors.
+    Each rank's weight gradient is then the whole gradient (its input's gradient is already summed over the
+    TP group by the column-parallel layer after it), so none is reduced."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    distribute_module(
+        module, tp_mesh,
+        input_fn=lambda mod, inputs, mesh: tuple(DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+                                                 for t in inputs),
+        output_fn=lambda mod, out, mesh: out.to_local())
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
@@ -149,7 +174,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, device: torch.device, precision: str, 
 def apply_tp_ac_compile(model: nn.Module, cfg: JobConfig, dims: ParallelDims, mesh, device) -> None:
     """TP -> AC -> compile, in place and in this order (torchtitan's), before FSDP wraps the result."""
     if dims.tp > 1:
-        apply_tp(model, mesh["tp"], uses_loss_parallel(dims))
+        apply_tp(model, mesh["tp"], uses_loss_parallel(dims), cfg.parallel.sequence_parallel)
     if cfg.parallel.activation_checkpoint != "none":
         apply_ac(model, cfg.parallel.activation_checkpoint, cfg.parallel.ac_every)
     if cfg.train.compile:

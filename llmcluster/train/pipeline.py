@@ -47,7 +47,7 @@ class _Stage(nn.Module):
         self.lm_head = model.lm_head if last else None
         self._model = [model]  # not a submodule: the RoPE tables stay the rank model's (materialised there)
         # Under TP + sequence parallelism the hidden states between stages are sharded on the sequence, so
-        # the RoPE length is the data's, not the input's.
+        # the RoPE length is the data's, not the input's (without SP they are whole on every TP rank).
         self.seq_len = seq_len
 
     def forward(self, h: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
