@@ -36,6 +36,7 @@ from llmcluster.distributed import process_groups as D
 from llmcluster.train.metrics import device_peak_flops, peak_note
 from llmcluster.train.optimizer import build_optimizer
 from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, loss_context
+from llmcluster.train.resources import resolve_activation_checkpoint
 from llmcluster.train.pipeline import bubble_fraction, build_pipeline
 
 
@@ -60,6 +61,8 @@ def run_bench(cfg: JobConfig, root: Path, steps: int, warmup: int) -> dict:
     dims = D.ParallelDims.from_config(cfg, world)
     env = D.init_distributed(cfg, need_group=dims.needs_group)
     D.resolve_precision(cfg, env)
+    if (ac_line := resolve_activation_checkpoint(cfg, dims, env.device)) and env.is_main:
+        print(ac_line, flush=True)
     t = cfg.train
     dp = dims.dp
     global_batch = t.micro_batch * t.grad_accum * dp

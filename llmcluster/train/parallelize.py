@@ -150,6 +150,9 @@ def apply_tp_ac_compile(model: nn.Module, cfg: JobConfig, dims: ParallelDims, me
     """TP -> AC -> compile, in place and in this order (torchtitan's), before FSDP wraps the result."""
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], uses_loss_parallel(dims))
+    if cfg.parallel.activation_checkpoint == "auto":   # a mode of its own would silently checkpoint nothing
+        raise ValueError("parallel.activation_checkpoint=auto is resolved before the model is built "
+                         "(train/resources.py: resolve_activation_checkpoint)")
     if cfg.parallel.activation_checkpoint != "none":
         apply_ac(model, cfg.parallel.activation_checkpoint, cfg.parallel.ac_every)
     if cfg.train.compile:

@@ -81,7 +81,7 @@ class Trainer:
         if cfg.data.seq_len > cfg.model.max_seq_len:
             raise UserError("data.seq_len exceeds model.max_seq_len")
         # Before any allocation or run folder: a job that cannot fit is one line, not an OOM per rank.
-        require_fit(cfg, dims, env.device, env.local_world_size)
+        self.notes += require_fit(cfg, dims, env.device, env.local_world_size)
 
         # Storage and data first: bad input fails before any expensive work.
         fresh = self.storage.require_run_dirs(cfg.run.name)  # removed again (if still empty) when refused
