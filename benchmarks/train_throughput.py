@@ -4,10 +4,14 @@ Same shape (a job config's model section), same batch, precision, thread count, 
 loss; one process. Runs are interleaved (A B, B A, A B, ...) because timings on shared machines drift by
 ±25% over minutes; each side reports the median of its timed steps after warm-up.
 
-    OMP_NUM_THREADS=2 python benchmarks/train_throughput.py --precision bf16 --compile
+    python benchmarks/train_throughput.py             # llm_tiny, 2 threads, bf16 where native else fp32
+    python benchmarks/train_throughput.py --hf-compile  # also transformers compiled whole
 
-bf16 is only fast on CPUs with avx512_bf16/AMX (or on GPU); elsewhere it is emulated (~50× slower than
-fp32) and this script says so.
+Sides: ours eager and ours compiled (per block, as the trainer compiles), each through the model's own loss
+(what the trainer calls), against transformers' `LlamaForCausalLM` in the plain eager loop most people write;
+both ratios are printed (issue 36's CPU target: ours compiled >= 1.3x). bf16 is only fast on CPUs with
+avx512_bf16/AMX (or on GPU); `--precision auto` (the default) takes bf16 there and fp32 elsewhere and says
+which. A figure for a note, not a test gate: 2 shared cores drift.
 """
 
 from __future__ import annotations
@@ -43,15 +47,14 @@ def hf_model(m, device):
     return LlamaForCausalLM(conf).to(device)
 
 
-def make_step(model, optimizer, device, precision: str, logits_of):
+def make_step(model, optimizer, device, precision: str, loss_of):
     ac = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
           else contextlib.nullcontext())
 
     def step(x, y):
         optimizer.zero_grad(set_to_none=True)
         with ac:
-            logits = logits_of(model, x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+            loss = loss_of(model, x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -63,41 +66,52 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="llm_tiny", help="job config whose model section is the shape")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--compile", action="store_true",
-                    help="compile ours (per block, as the trainer does); transformers runs eager and compiled")
+    ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                    help="auto: bf16 where this device has it natively, else fp32")
+    ap.add_argument("--hf-compile", action="store_true", help="also time transformers compiled whole")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per round and side")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per round and side")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's own)")
     args = ap.parse_args()
 
     cfg = load_job_config(args.config, args.overrides)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not native_low_precision(device, args.precision):
-        print(f"note: {args.precision} is emulated on this CPU (no avx512_bf16/AMX): both sides run slowly; "
+    precision = args.precision
+    if precision == "auto":
+        precision = "bf16" if native_low_precision(device, "bf16") else "fp32"
+        print(f"precision: {precision} ({'native bf16 here' if precision == 'bf16' else 'no native bf16 here'})")
+    elif not native_low_precision(device, precision):
+        print(f"note: {precision} is emulated on this CPU (no avx512_bf16/AMX): both sides run slowly; "
               "the ratio still compares like with like", file=sys.stderr)
     m = cfg.model
-    torch.manual_seed(0)
-    ours = build_model(m, device="cpu", seed=0).to(device)
-    if args.compile:
-        apply_compile(ours, device)
     train = cfg.train.model_copy(update={"lr": 1e-4})
-    sides = {"llmcluster": make_step(ours, build_optimizer(ours, train, device), device, args.precision,
-                                     lambda mod, x: mod(x))}
-    # With --compile, transformers runs twice: the plain eager loop most people write, and compiled whole.
+
+    def ours_loss(mod, x, y):   # the trainer's call: the model's own loss (a sum), as a mean
+        return mod(x, y) / y.numel()
+
+    def hf_loss(mod, x, y):     # the plain loop: logits out, cross-entropy in fp32
+        logits = mod(input_ids=x).logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+    sides = {}
+    for label, compiled in (("llmcluster eager", False), ("llmcluster compiled", True)):
+        torch.manual_seed(0)
+        ours = build_model(m, device="cpu", seed=0).to(device)
+        if compiled and not apply_compile(ours, device):   # it warned why
+            continue
+        sides[label] = make_step(ours, build_optimizer(ours, train, device), device, precision, ours_loss)
     for label, compiled in (("transformers", False), ("transformers+compile", True)):
-        if compiled and not args.compile:
+        if compiled and not args.hf_compile:
             continue
         theirs = hf_model(m, device)
         if compiled:
             theirs = torch.compile(theirs)
-        sides[label] = make_step(theirs, build_optimizer(theirs, train, device), device, args.precision,
-                                 lambda mod, x: mod(input_ids=x).logits)
+        sides[label] = make_step(theirs, build_optimizer(theirs, train, device), device, precision, hf_loss)
     gen = torch.Generator().manual_seed(0)
     xy = torch.randint(0, m.vocab_size, (args.batch, args.seq_len + 1), generator=gen).to(device)
     x, y = xy[:, :-1], xy[:, 1:]
@@ -105,7 +119,7 @@ def main() -> int:
 
     print(f"shape: {m.n_layers} layers, d {m.d_model}, {m.n_heads} heads ({m.kv_heads} kv), ffn {m.ffn_hidden}, "
           f"vocab {m.vocab_size} = {param_count(m) / 1e6:.1f}M params; batch {args.batch} × {args.seq_len}; "
-          f"{args.precision}{' compiled' if args.compile else ''}; {torch.get_num_threads()} threads; {device}")
+          f"{precision}; {torch.get_num_threads()} threads; {device}; {args.rounds} interleaved rounds")
     times: dict[str, list[float]] = {k: [] for k in sides}
     names = list(sides)
     for r in range(args.rounds):
@@ -124,10 +138,10 @@ def main() -> int:
     for k, v in tps.items():
         spread = f"{tokens / max(times[k]):,.0f}-{tokens / min(times[k]):,.0f}"
         print(f"{k:21s} {v:10,.0f} tokens/s  (median of {len(times[k])} steps; range {spread})")
-    for k in tps:
-        if k != "llmcluster":
-            print(f"ratio llmcluster{' (compiled)' if args.compile else ''} / {k}: "
-                  f"{tps['llmcluster'] / tps[k]:.2f}x")
+    for ours_side in (k for k in tps if k.startswith("llmcluster")):
+        for k in (k for k in tps if k.startswith("transformers")):
+            print(f"ratio {ours_side} / {k}{' (eager, plain loop)' if k == 'transformers' else ''}: "
+                  f"{tps[ours_side] / tps[k]:.2f}x")
     return 0
 
 

@@ -60,6 +60,21 @@ def test_gpu_check_cpu_smoke_runs_every_step_in_order_and_writes_the_summary(tmp
     assert "FSDP dp_replicate=1 dp_shard=1" in (tmp_path / "work" / "train-fp16.log").read_text()
 
 
+def test_the_gpu_bench_runs_the_presets_own_compile_and_accumulation():
+    """Issue 36: the bench step measured an eager step with one micro-batch although llm_7b compiles and
+    accumulates 4, so AdamW and the clip ran 4x as often per token as in a real run. Nothing in the GPU bench
+    command may override them."""
+    from llmcluster.config import load_job_config
+
+    script = (REPO / "benchmarks" / "gpu_check.sh").read_text()
+    gpu_model = script[script.index("BENCH_MODEL=(--config llm_7b"):].split(")", 1)[0]
+    bench = script[script.index("run bench "):].split("\n\n", 1)[0]
+    for key in ("train.compile=", "train.grad_accum="):
+        assert key not in gpu_model and key not in bench, key
+    preset = load_job_config("llm_7b", [])
+    assert preset.train.compile and preset.train.grad_accum == 4
+
+
 @pytest.mark.slow
 def test_gpu_check_multi_dry_run_cpu_matches_one_rank(tmp_path):
     out = _run(tmp_path, "gpu_check_multi.sh", "--dry-run-cpu")

@@ -19,6 +19,15 @@ def test_the_job_plan_is_the_trainers_layout():
     assert plan.micro_batches == cfg.train.grad_accum
 
 
+def test_auto_checkpointing_is_fitted_as_full_the_most_the_trainer_can_save():
+    """`launch` must not refuse a job that the trainer's auto choice (at most full, train/resources.py) fits."""
+    sets = ["job.nodes=8", "job.gpus_per_node=4", "train.micro_batch=4", "train.grad_accum=4"]
+    auto = job_fit(load_job_config("llm_70b", sets + ["parallel.activation_checkpoint=auto"]), "A100-80GB")
+    full = job_fit(load_job_config("llm_70b", sets + ["parallel.activation_checkpoint=full"]), "A100-80GB")
+    none = job_fit(load_job_config("llm_70b", sets + ["parallel.activation_checkpoint=none"]), "A100-80GB")
+    assert auto.needed_bytes == full.needed_bytes < none.needed_bytes
+
+
 def test_a_job_that_fits_and_one_that_does_not_with_the_best_alternative():
     fits = job_fit(load_job_config("llm_70b", ["job.nodes=8", "job.gpus_per_node=4"]), "A100-80GB")
     assert fits.fits and fits.alternative is None and "fits" in fits.line()

@@ -37,3 +37,74 @@ def test_the_estimate_is_the_planners_and_grows_with_the_micro_batch():
     # gradients or optimizer states)
     assert need("train.micro_batch=4", "train.loss_chunks=4")[1] < small[1]
     assert need("train.micro_batch=4", "train.lora.rank=8")[0] < small[0]
+
+
+# -- parallel.activation_checkpoint: auto (issue 36) ---------------------------------------------------------
+
+def _ac_case(mode: str = "auto"):
+    """llm_1b on one GPU at a micro-batch whose activations decide: the planner's figures per AC mode."""
+    from llmcluster.plan.fit import job_plan
+    from llmcluster.plan.memory import plan_memory
+
+    sets = ["job.nodes=1", "job.gpus_per_node=1", "train.micro_batch=8"]
+    cfg = load_job_config("llm_1b", sets + [f"parallel.activation_checkpoint={mode}"])
+    totals = {m: plan_memory(job_plan(load_job_config("llm_1b", sets + [f"parallel.activation_checkpoint={m}"]),
+                                      "h100")).total for m in ("none", "selective", "full")}
+    return cfg, ParallelDims.from_config(cfg, 1), totals
+
+
+@pytest.mark.parametrize("between, expected", [(("none", None), "none"), (("selective", "none"), "selective"),
+                                               (("full", "selective"), "full")],
+                         ids=["fits without", "needs selective", "needs full"])
+def test_auto_checkpointing_takes_the_least_recompute_that_fits_by_the_planners_figures(between, expected):
+    """The choice against the planner's per-GPU totals (its margin included: reserve and allocator slack):
+    free memory just above one mode's figure and below the next lighter one's picks that mode."""
+    from llmcluster.train.resources import choose_activation_checkpoint
+
+    cfg, dims, totals = _ac_case()
+    assert totals["none"] > totals["selective"] > totals["full"], totals
+    enough, too_little = between
+    free = totals[enough] + 1 if too_little is None else (totals[enough] + totals[too_little]) / 2
+    mode, line = choose_activation_checkpoint(cfg, dims, free)
+    assert mode == expected
+    assert line.startswith(f"activation checkpointing auto -> {expected}: the step needs ")
+    assert f"{totals['none'] / 1024**3:,.1f} GiB without" in line and f"{free / 1024**3:,.1f} GiB free" in line
+    if expected != "none":
+        assert f"{totals[expected] / 1024**3:,.1f} GiB with" in line
+    assert "\n" not in line and "does not fit" not in line
+
+
+def test_auto_checkpointing_is_full_when_nothing_fits_and_none_on_cpu():
+    from llmcluster.train.resources import choose_activation_checkpoint
+
+    cfg, dims, totals = _ac_case()
+    mode, line = choose_activation_checkpoint(cfg, dims, totals["full"] / 2)
+    assert mode == "full" and "does not fit even so" in line
+    mode, line = choose_activation_checkpoint(cfg, dims, None)   # a CPU: no device memory to save
+    assert mode == "none" and line.startswith("activation checkpointing auto -> none: ")
+
+
+def test_auto_checkpointing_is_resolved_and_said_at_start_and_a_bad_mode_is_one_line(storage, capsys):
+    """The config accepts auto and nothing else new; `bench` (the trainer's pieces) resolves it before the
+    model is built and says so in one line (on this CPU: none), the record carrying the mode that ran."""
+    from conftest import cli_inprocess
+
+    bad = cli_inprocess(capsys, "bench", "--config", "llm_tiny", "--root", storage, "--steps", "1", "--warmup",
+                        "0", *overrides("parallel.activation_checkpoint=sometimes"))
+    assert_one_line_error(bad, "parallel.activation_checkpoint", "auto")
+    ok = cli_inprocess(capsys, "bench", "--config", "llm_tiny", "--root", storage, "--steps", "1", "--warmup", "0",
+                       *overrides("parallel.activation_checkpoint=auto", "model.n_layers=1", "data.seq_len=32",
+                                  "train.micro_batch=1", "run.name=ac-auto"))
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.count("activation checkpointing auto -> none: ") == 1, ok.stdout
+    assert "AC none" in ok.stdout
+
+
+def test_the_trainer_says_its_auto_checkpointing_choice_once_at_start(tiny_root):
+    proc = run_cli("train", "--config", "llm_tiny", "--root", tiny_root,
+                   *overrides("parallel.activation_checkpoint=auto", "train.steps=1", "run.name=ac-auto-train"),
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert out.count("activation checkpointing auto -> none: on a CPU") == 1, out
+    assert out.index("activation checkpointing auto") < out.index("run ac-auto-train:")

@@ -183,7 +183,9 @@ class ParallelConfig(Section):
     pp: int = Field(1, ge=1)                   # pipeline stages' ranks: the outermost mesh dimension
     pp_schedule: Literal["1F1B", "interleaved_1F1B"] = "1F1B"
     pp_virtual_stages: int | None = Field(None, ge=1)  # stages per pp rank; None: 1 (1F1B), 2 (interleaved)
-    activation_checkpoint: Literal["none", "selective", "full"] = "none"
+    # auto: the least recompute whose step fits the GPU by the planner's memory model (train/resources.py);
+    # none on CPU
+    activation_checkpoint: Literal["none", "selective", "full", "auto"] = "none"
     ac_every: int = Field(2, ge=1)             # selective: checkpoint every k-th block
     fsdp_reshard_after_forward: bool = True    # false: ZeRO-2-like (gathered weights kept for backward); pp > 1: false
     sequence_parallel: bool = True             # false: TP with replicated norms (Megatron pre-SP); tp 1: ignored

@@ -50,7 +50,10 @@ def job_plan(cfg: JobConfig, gpu: str) -> PlanSpec:
         "cluster": {"gpu": gpu, "nodes": job.nodes, "gpus_per_node": job.procs},
         "parallel": {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp, "pp": p.pp,
                      "pp_schedule": p.pp_schedule, "pp_virtual_stages": p.pp_virtual_stages,
-                     "activation_checkpoint": p.activation_checkpoint, "ac_every": p.ac_every,
+                     # auto: the trainer's choice is at best full (train/resources.py), so a job that
+                     # full makes fit is not refused before it starts
+                     "activation_checkpoint": "full" if p.activation_checkpoint == "auto"
+                     else p.activation_checkpoint, "ac_every": p.ac_every,
                      "fsdp_reshard_after_forward": p.fsdp_reshard_after_forward, "micro_batch": t.micro_batch,
                      "grad_accum": t.grad_accum, "precision": t.precision, "memory_convention": "fsdp2"},
     }

@@ -35,7 +35,8 @@ from llmcluster.storage.layout import Storage
 from llmcluster.distributed import process_groups as D
 from llmcluster.train.metrics import device_peak_flops, peak_note
 from llmcluster.train.optimizer import build_optimizer
-from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, loss_context
+from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, step_context
+from llmcluster.train.resources import resolve_activation_checkpoint
 from llmcluster.train.pipeline import bubble_fraction, build_pipeline
 
 
@@ -60,6 +61,8 @@ def run_bench(cfg: JobConfig, root: Path, steps: int, warmup: int) -> dict:
     dims = D.ParallelDims.from_config(cfg, world)
     env = D.init_distributed(cfg, need_group=dims.needs_group)
     D.resolve_precision(cfg, env)
+    if (ac_line := resolve_activation_checkpoint(cfg, dims, env.device)) and env.is_main:
+        print(ac_line, flush=True)
     t = cfg.train
     dp = dims.dp
     global_batch = t.micro_batch * t.grad_accum * dp
@@ -85,13 +88,14 @@ def run_bench(cfg: JobConfig, root: Path, steps: int, warmup: int) -> dict:
         return xy[:, :-1].to(env.device), xy[:, 1:].to(env.device)
 
     ddp = dims.ddp and env.distributed
+    step_ctx = step_context(dims, env.device)   # TP's loss_parallel, SDPA's backend order
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
         for i in range(t.grad_accum if pipe is None else 0):
             x, y = batch()
             sync = model.no_sync() if ddp and i < t.grad_accum - 1 else contextlib.nullcontext()
-            with sync, loss_context(dims)():
+            with sync, step_ctx():
                 with autocast(cfg, dims, env.device):
                     loss = model(x, y, t.loss_chunks) / y.numel()  # as the trainer: train.loss_chunks counts
                 (loss / t.grad_accum).backward()

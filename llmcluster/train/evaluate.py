@@ -8,14 +8,14 @@ import torch
 import torch.distributed as dist
 
 from llmcluster.data.dataset import MixtureSampler, eval_batches
-from llmcluster.train.parallelize import loss_context
+from llmcluster.train.parallelize import step_context
 
 
 class Evaluator:
     def __init__(self, cfg, env, dims, model, pipe, autocast, dataset, sampler, events):
         self.cfg, self.env, self.model, self.pipe, self.autocast, self.events = cfg, env, model, pipe, autocast, events
         self.dp_rank, self.dp_size = dims.dp_rank(env.rank), dims.dp
-        self.loss_ctx = loss_context(dims)    # TP: the loss on vocabulary-sharded logits, as in training
+        self.loss_ctx = step_context(dims, env.device)    # as in training (TP's loss_parallel, SDPA's order)
         self.interval, self.total = cfg.log.eval_interval, cfg.train.steps
         self.sources = ([(s.name, s.ds) for s in sampler.samplers] if isinstance(sampler, MixtureSampler)
                         else [(None, dataset)])

@@ -33,6 +33,20 @@ def loss_context(dims: ParallelDims):
     return contextlib.nullcontext
 
 
+def step_context(dims: ParallelDims, device: torch.device):
+    """The context every forward and backward of a step runs in: `loss_context`, and SDPA's backend order
+    (train/attention.py) around both, so activation checkpointing's recompute picks the forward's kernel."""
+    from llmcluster.train.attention import device_order, sdpa_priority
+
+    loss, order = loss_context(dims), device_order(device)
+
+    @contextlib.contextmanager
+    def context():
+        with loss(), sdpa_priority(order):
+            yield
+    return context
+
+
 def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = False, sequence_parallel: bool = True) -> None:
     """Megatron-style TP: attention and MLP column- then row-parallel. With `sequence_parallel` the norms are
     sharded on the sequence (activations sharded on the sequence between blocks, so the norms and residual adds
@@ -175,6 +189,9 @@ def apply_tp_ac_compile(model: nn.Module, cfg: JobConfig, dims: ParallelDims, me
     """TP -> AC -> compile, in place and in this order (torchtitan's), before FSDP wraps the result."""
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], uses_loss_parallel(dims), cfg.parallel.sequence_parallel)
+    if cfg.parallel.activation_checkpoint == "auto":   # a mode of its own would silently checkpoint nothing
+        raise ValueError("parallel.activation_checkpoint=auto is resolved before the model is built "
+                         "(train/resources.py: resolve_activation_checkpoint)")
     if cfg.parallel.activation_checkpoint != "none":
         apply_ac(model, cfg.parallel.activation_checkpoint, cfg.parallel.ac_every)
     if cfg.train.compile:
@@ -216,6 +233,7 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims, env: DistEnv,
     drawn: a 70B model never exists whole anywhere. Seeded weights do not depend on the mesh (see
     `Llama.init_weights`), so runs at different meshes start from the same point."""
     from llmcluster.model.llama import build_model
+    from llmcluster.train.attention import attention_line
 
     raw = build_model(cfg.model, device="meta")
     if cfg.train.lora is not None:  # adapters exist before sharding, so FSDP shards them with their block
@@ -227,6 +245,8 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims, env: DistEnv,
         if env.is_main:
             print(f"float8 ({cfg.train.float8.recipe}{', emulated' if cfg.train.float8.emulate else ''}): "
                   f"{n} Linear layers converted (the LM head stays in {cfg.train.precision})", flush=True)
+    if env.is_main:
+        print(attention_line(cfg, env.device), flush=True)
     sharded = dims.fsdp or dims.tp > 1
     model = parallelize(raw, cfg, dims, env) if sharded else raw
     raw.to_empty(device=env.device)

@@ -32,8 +32,9 @@ from llmcluster.config.stages import stage_layers
 from llmcluster.model.llama import build_model, document_mask
 from llmcluster.distributed.compat import pp_schedule_kwargs
 from llmcluster.distributed.process_groups import DistEnv, ParallelDims
-from llmcluster.train.parallelize import (_fill_own_shard, apply_fsdp, apply_tp_ac_compile, fsdp_mesh, loss_context,
-                                          plain)
+from llmcluster.train.attention import attention_line
+from llmcluster.train.parallelize import (_fill_own_shard, apply_fsdp, apply_tp_ac_compile, fsdp_mesh, plain,
+                                          step_context)
 
 
 class _Stage(nn.Module):
@@ -74,7 +75,7 @@ class Pipeline:
     has_first: bool
     has_last: bool
     n_microbatches: int
-    loss_ctx: object = contextlib.nullcontext   # TP: loss_parallel around the schedule's forwards and backwards
+    loss_ctx: object = contextlib.nullcontext   # step_context: loss_parallel (TP), SDPA's order, fwd and bwd
 
     def step(self, x: torch.Tensor, y: torch.Tensor, train: bool = True) -> list[torch.Tensor]:
         """One pass over the rank's whole batch (n_microbatches × micro-batch), which every pp rank reads. The
@@ -146,7 +147,10 @@ def build_pipeline(cfg: JobConfig, dims: ParallelDims, env: DistEnv, seed: int |
     else:
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn,
                                            **pp_schedule_kwargs(ScheduleInterleaved1F1B))
-    return Pipeline(schedule, stages, model, pp_group, 0 in mine, n_stages - 1 in mine, m, loss_context(dims))
+    if env.is_main:
+        print(attention_line(cfg, env.device), flush=True)
+    return Pipeline(schedule, stages, model, pp_group, 0 in mine, n_stages - 1 in mine, m,
+                    step_context(dims, env.device))
 
 
 def _init_held_weights(model: nn.Module, spare: dict[str, nn.Module], seed: int | None) -> None:

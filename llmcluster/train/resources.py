@@ -20,6 +20,7 @@ from llmcluster.plan.memory import GIB, logits_bytes, plan_memory
 # The planner needs a GPU type for its cluster; only its capacity differs between types, and the capacity
 # compared against here is the memory this process can actually have.
 _ANY_GPU = "h100"
+AC_MODES = ("none", "selective", "full")   # least recompute first
 
 
 def host_available_bytes() -> int:
@@ -33,9 +34,9 @@ def host_available_bytes() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def needed_bytes(cfg: JobConfig, dims) -> tuple[float, float] | None:
-    """(all, activations) per rank by the planner's model of the resolved layout, as a lower bound: what the
-    model counts that this job may not hold is left out. None when the planner cannot model the layout."""
+def _estimate(cfg: JobConfig, dims) -> tuple[float, float, float] | None:
+    """(all, activations, the planner's margin) per rank: see `needed_bytes`; the margin is the planner's own
+    (hardware.gpu_reserved_gib for the CUDA context and workspaces, plus its allocator slack)."""
     job = cfg.job.model_copy(update={"nodes": 1, "gpus_per_node": dims.world_size, "procs_per_node": None})
     parallel = cfg.parallel.model_copy(update={"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard})
     try:
@@ -50,7 +51,60 @@ def needed_bytes(cfg: JobConfig, dims) -> tuple[float, float] | None:
     activations = mem.activations
     if cfg.train.loss_chunks > 1 and mem.stage != "first":
         activations -= logits_bytes(plan.model, plan.model.seq_len, cfg.train.micro_batch, cfg.parallel.tp)
-    return states + activations, activations
+    return states + activations, activations, mem.buffers
+
+
+def needed_bytes(cfg: JobConfig, dims) -> tuple[float, float] | None:
+    """(all, activations) per rank by the planner's model of the resolved layout, as a lower bound: what the
+    model counts that this job may not hold is left out. None when the planner cannot model the layout."""
+    estimate = _estimate(cfg, dims)
+    return None if estimate is None else estimate[:2]
+
+
+def choose_activation_checkpoint(cfg: JobConfig, dims, free_bytes: float | None) -> tuple[str, str]:
+    """`parallel.activation_checkpoint: auto`: (the mode, the line that says why). The least recompute whose
+    step fits `free_bytes` (a GPU's free memory; None on a CPU) by the planner's memory model with its margin:
+    none, else selective (every parallel.ac_every-th block), else full. Pure: the caller measures the memory.
+
+    A CPU gets none: its activations live in host memory, which the fit check bounds, and recomputing them
+    buys no speed there. When even full does not fit, full (the fit check then says what does not fit)."""
+    if free_bytes is None:
+        return "none", ("activation checkpointing auto -> none: on a CPU the activations live in host memory "
+                        "(no device memory to save, and recomputing them buys no speed)")
+    needs = {}
+    for mode in AC_MODES:
+        estimate = _estimate(cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
+            update={"activation_checkpoint": mode})}), dims)
+        if estimate is None:
+            return "none", ("activation checkpointing auto -> none: the planner's memory model does not cover "
+                            "this layout; set parallel.activation_checkpoint to choose")
+        needs[mode] = estimate[0] + estimate[2]
+    chosen = next((m for m in AC_MODES if needs[m] <= free_bytes), "full")
+    figures = f"the step needs {needs['none'] / GIB:,.1f} GiB without"
+    if chosen == "full":
+        figures += f", {needs['selective'] / GIB:,.1f} GiB selective"
+    if chosen != "none":
+        figures += f", {needs[chosen] / GIB:,.1f} GiB with"
+    fits = "" if needs[chosen] <= free_bytes else " (does not fit even so)"
+    return chosen, (f"activation checkpointing auto -> {chosen}: {figures}; {free_bytes / GIB:,.1f} GiB free"
+                    f"{fits} (the planner's memory model with its margin)")
+
+
+def resolve_activation_checkpoint(cfg: JobConfig, dims, device) -> str | None:
+    """Collective: replace `auto` in cfg.parallel.activation_checkpoint with the mode chosen for the GPU with
+    the least free memory of the job (every rank must apply the same checkpointing: one layout, one set of
+    module names in the checkpoint); the line to print, or None when the config named a mode itself."""
+    if cfg.parallel.activation_checkpoint != "auto":
+        return None
+    from llmcluster.checkpoint.verify import gather_obj
+
+    free = None
+    if device.type == "cuda":
+        import torch
+
+        free = min(gather_obj(torch.cuda.mem_get_info(device)[0]))
+    cfg.parallel.activation_checkpoint, line = choose_activation_checkpoint(cfg, dims, free)
+    return line
 
 
 def fit_problem(cfg: JobConfig, dims, device, local_world: int) -> str | None:
@@ -74,11 +128,14 @@ def fit_problem(cfg: JobConfig, dims, device, local_world: int) -> str | None:
             "batch) or use more ranks")
 
 
-def require_fit(cfg: JobConfig, dims, device, local_world: int) -> None:
+def require_fit(cfg: JobConfig, dims, device, local_world: int) -> list[str]:
     """Collective: every rank refuses with the same line when any rank's share does not fit (a rank that
-    went on alone would wait for the others in its first collective until dist.timeout_s)."""
+    went on alone would wait for the others in its first collective until dist.timeout_s). First resolves
+    parallel.activation_checkpoint=auto (the fit depends on it); returns the notes to print at start."""
     from llmcluster.checkpoint.verify import first_error
 
+    ac_line = resolve_activation_checkpoint(cfg, dims, device)
     error = first_error(fit_problem(cfg, dims, device, local_world))
     if error:
         raise UserError(error)
+    return [ac_line] if ac_line else []

@@ -44,7 +44,7 @@ from llmcluster.train.evaluate import Evaluator
 from llmcluster.storage.events import EventLog
 from llmcluster.train.metrics import device_peak_flops, peak_note
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
-from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, loss_context
+from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, step_context
 from llmcluster.train.resources import require_fit
 from llmcluster.train.pipeline import bubble_fraction, build_pipeline, grad_scaler
 from llmcluster.storage import exit_reason
@@ -81,7 +81,7 @@ class Trainer:
         if cfg.data.seq_len > cfg.model.max_seq_len:
             raise UserError("data.seq_len exceeds model.max_seq_len")
         # Before any allocation or run folder: a job that cannot fit is one line, not an OOM per rank.
-        require_fit(cfg, dims, env.device, env.local_world_size)
+        self.notes += require_fit(cfg, dims, env.device, env.local_world_size)
 
         # Storage and data first: bad input fails before any expensive work.
         fresh = self.storage.require_run_dirs(cfg.run.name)  # removed again (if still empty) when refused
@@ -123,7 +123,7 @@ class Trainer:
             self.model = self.raw_model = self.pipe.model  # this rank's part, with the full model's names
         else:
             self.model, self.raw_model = build_parallel_model(cfg, dims, env, cfg.run.seed)
-        self.loss_ctx = loss_context(dims)  # TP: the loss on vocabulary-sharded logits, forward and backward
+        self.loss_ctx = step_context(dims, env.device)  # TP's loss_parallel, SDPA's order: fwd and bwd
         self.optimizer = build_optimizer(self.model, t, env.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.scaler = grad_scaler(env.device, t.precision == "fp16", self.pipe)
