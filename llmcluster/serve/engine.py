@@ -17,7 +17,7 @@ from pathlib import Path
 
 from llmcluster.config.serve import ServeConfig
 from llmcluster.errors import UserError
-from llmcluster.render import has_line_break
+from llmcluster.render import has_line_break, show_value
 from llmcluster.serve.engine_check import CPU_HEAD_DIMS
 from llmcluster.plan.served_model import ServedModel, from_directory
 
@@ -155,7 +155,7 @@ def served_name(name: str) -> str:
     rendered script): a line break, NUL or other control character in it has no use and could end a line of what
     is rendered (issue 32), so it is refused here, in one line, before anything is rendered."""
     if has_line_break(name) or any(ord(c) < 32 or ord(c) == 127 for c in name):
-        raise UserError(f"--model: the export directory's name {name!r} is the served model name and holds a line "
+        raise UserError(f"--model: the export directory's name {show_value(name)} is the served model name and holds a line "
                         "break or control character: rename the directory")
     return name
 

@@ -42,11 +42,11 @@ def render_sbatch(run: str, step: int, argv: list[str]) -> str:
 
 def sbatch_argv(run: str, step: int, out: Path, script: Path) -> list[str]:
     """sbatch's command line for the script (pure). The job name is a directive value (its small grammar); the
-    output path an argv element ('%' doubled: sbatch reads %j-style patterns in it); the script positional."""
-    from llmcluster.render import argv_element, directive_value
+    output path a directive path (its grammar, '%' doubled: sbatch reads %j-style patterns in it); the script positional."""
+    from llmcluster.render import argv_element, directive_path, directive_value
 
     return ["sbatch", "--parsable", f"--job-name={directive_value(f'{run}-eval-{step}', 'eval job name')}",
-            f"--output={argv_element(str(out).replace('%', '%%'), 'eval job output')}", "--nodes=1",
+            f"--output={directive_path(out, 'eval job output')}", "--nodes=1",
             argv_element(script, "eval job script", positional=True)]
 
 
