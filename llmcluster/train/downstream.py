@@ -42,7 +42,8 @@ def render_sbatch(run: str, step: int, argv: list[str]) -> str:
 
 def sbatch_argv(run: str, step: int, out: Path, script: Path) -> list[str]:
     """sbatch's command line for the script (pure). The job name is a directive value (its small grammar); the
-    output path a directive path (its grammar, '%' doubled: sbatch reads %j-style patterns in it); the script positional."""
+    output path a directive path (its grammar, '%' doubled: sbatch reads %j-style patterns in it); the script
+    positional."""
     from llmcluster.render import argv_element, directive_path, directive_value
 
     return ["sbatch", "--parsable", f"--job-name={directive_value(f'{run}-eval-{step}', 'eval job name')}",
