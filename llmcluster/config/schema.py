@@ -323,6 +323,25 @@ class EvalConfig(Section):
         return v
 
 
+class FtConfig(Section):
+    """Per-step fault tolerance on torchft (docs/fault-tolerance.md): each of parallel.dp_replicate's replicas is a
+    replica group of its own (its own torchrun world, restarted alone); a step commits with the groups in the
+    quorum, and a group that comes back heals from a live peer instead of stopping the others."""
+    enabled: bool = False
+    min_replicas: int = Field(1, ge=1)          # groups a step needs to commit; fewer: the step waits (quorum)
+    quorum_timeout_s: float = Field(60.0, gt=0)  # a quorum not formed in this long fails the step
+    join_timeout_s: float = Field(60.0, gt=0)    # how long the Lighthouse waits for more groups before a quorum
+    lighthouse: str | None = None               # HOST:PORT of a running Lighthouse; None: the launcher starts one
+
+    @field_validator("lighthouse")
+    @classmethod
+    def _lighthouse(cls, v):
+        m = METRICS_BIND_RE.fullmatch(v) if v is not None else None
+        if v is not None and (m is None or not 0 < int(m["port"]) <= 65535):
+            raise ValueError(f"ft.lighthouse {show_value(v)} must be HOST:PORT (e.g. head-node:29510)")
+        return v
+
+
 class JobConfig(Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -335,6 +354,7 @@ class JobConfig(Section):
     job: JobSpec = JobSpec()
     serve: ServeConfig = ServeConfig()   # read by `serve plan` only
     eval: EvalConfig | None = None       # downstream evaluation jobs per new checkpoint (issue 28)
+    ft: FtConfig = FtConfig()            # per-step fault tolerance across replica groups (torchft)
 
     @model_validator(mode="after")
     def _cross(self):
@@ -359,6 +379,14 @@ class JobConfig(Section):
             raise ValueError(
                 f"parallel.tp ({self.parallel.tp}) must divide the kv heads ({self.model.kv_heads})")
         p = self.parallel
+        if self.ft.enabled:
+            for bad, what in ((p.tp > 1, "parallel.tp > 1"), (p.pp > 1, "parallel.pp > 1")):
+                if bad:   # torchft 0.2.0 replicates whole groups over a DDP-style all-reduce: no TP/PP inside yet
+                    raise ValueError(f"ft.enabled with {what} is not supported yet: replica groups are data-parallel "
+                                     "only (parallel.dp_replicate groups, dp_shard inside each)")
+            if p.dp_replicate > 0 and self.ft.min_replicas > p.dp_replicate:
+                raise ValueError(f"ft.min_replicas ({self.ft.min_replicas}) is more than the replica groups "
+                                 f"(parallel.dp_replicate = {p.dp_replicate})")
         if p.pp > 1:
             if p.pp_stages > self.model.n_layers:
                 raise ValueError(f"parallel.pp x virtual stages ({p.pp_stages}) exceeds model.n_layers "
