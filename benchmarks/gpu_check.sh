@@ -20,17 +20,23 @@
 #
 #   bash benchmarks/gpu_check.sh                 # on the GPU machine; everything under $GPU_CHECK_WORK
 #   bash benchmarks/gpu_check.sh --cpu-smoke     # every step's code path on CPU, tiny shapes (a test runs this)
+#   bash benchmarks/gpu_check.sh --perf [--cpu-smoke]
+#                                                # the performance mode, its own 8 minutes (issue 36): where the
+#                                                # step's time goes at 8B width (benchmarks/gpu_perf.py), one
+#                                                # summary.json written as each step ends (a killed run keeps it)
 #   bash benchmarks/gpu_check.sh --fetch-wheels  # where a registry answers: what the GPU machine lacks, as
 #                                                # Python 3.12 wheels into .whl/ (git-ignored: carry it)
 # Python: $PYTHON if set, else the first of .venv/bin/python, python3 whose torch works (sees CUDA on the GPU run).
 set -uo pipefail
 
-MODE=gpu
-case "${1:-}" in
+MODE=gpu PERF=0
+case "$*" in
     "") ;;
     --cpu-smoke) MODE=cpu ;;
     --fetch-wheels) MODE=fetch ;;
-    *) echo "usage: bash benchmarks/gpu_check.sh [--cpu-smoke | --fetch-wheels]" >&2; exit 2 ;;
+    --perf) PERF=1 ;;
+    "--perf --cpu-smoke") PERF=1 MODE=cpu ;;
+    *) echo "usage: bash benchmarks/gpu_check.sh [--cpu-smoke | --fetch-wheels | --perf [--cpu-smoke]]" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -59,21 +65,33 @@ STEP_ORDER=(setup pytest sdpa timing nvml thermal data train-fp16 resume-fp16 tr
 # took ~20 s at d 1024) and 4x the micro-batches: 50 -> 75 s, the rest of the 480.
 declare -A LIMIT=([setup]=20 [pytest]=60 [sdpa]=15 [timing]=25 [nvml]=10 [thermal]=25 [data]=15
                   [train-fp16]=45 [resume-fp16]=45 [train-bf16]=45 [resume-bf16]=45 [bench]=75 [compile]=55)
+if (( PERF )); then
+    # The performance mode's own budget (a second call on the lent GPU, after the correctness run): what the
+    # MFU figure and the planner most need first (the per-layer slope, the GEMM ceiling), the most expensive
+    # (two cold compiles, float8) late. Estimates from the first H200 run: a 2-layer 8B-width step 0.13 s, a
+    # cold compile of the block ~20 s, building an 8-layer model on the device a few seconds.
+    STEP_ORDER=(setup layers gemm phases sdpa compile loss accum float8)
+    declare -A LIMIT=([setup]=20 [layers]=110 [gemm]=25 [phases]=45 [sdpa]=25 [compile]=120 [loss]=40
+                      [accum]=35 [float8]=55)
+fi
 source benchmarks/gpu_check_lib.sh
 # On CPU the same steps run on a loaded 2-core machine: the limits stretch, the budget printed above is the GPU's.
 SLACK=$([[ $MODE == cpu ]] && echo "${GPU_CHECK_CPU_SLACK:-4}" || echo 1)
 
-WORK=${GPU_CHECK_WORK:-$REPO/gpu-check-out}
+WORK=${GPU_CHECK_WORK:-$REPO/gpu-check$( ((PERF)) && echo -perf)-out}
+LOG=$( ((PERF)) && echo gpu_perf.log || echo gpu_check.log)
 mkdir -p "$WORK/figures"
 rm -f "$WORK/steps.tsv" "$WORK/summary.json" "$WORK"/figures/*.json
-exec > >(tee "$WORK/gpu_check.log") 2>&1
+exec > >(tee "$WORK/$LOG") 2>&1
 print_budget 480 || exit 2
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-160}  # rich tables in a log: one row per line
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK/inductor-cache}
+# On the GPU a cache of this run's own (the compile figures are cold compiles); on CPU torch's per-user default,
+# kept between smokes: only a machine's first smoke pays inductor's cold C++ builds (~2 minutes on 2 loaded cores).
+[[ $MODE == cpu ]] || export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK/inductor-cache}
 export LLMCLUSTER_STORAGE=$WORK/storage
-trap 'copy_out gpu_check.log' EXIT
+trap 'copy_out "$LOG"' EXIT
 
 PY=$(pick_python) || exit 1
 echo "python: $PY ($MODE)"
@@ -107,6 +125,24 @@ run setup bash -c setup || { echo "gpu_check: setup failed, nothing else can run
 export PYTHONPATH=$PYTHONPATH:$SITE
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit \
     --format=csv 2>/dev/null
+
+if (( PERF )); then   # one process runs the steps (torch and CUDA start once); a crash resumes after its step
+    perf=()
+    for s in "${STEP_ORDER[@]:1}"; do perf+=("$s=${LIMIT[$s]}"); done
+    left=$(( (480 - LIMIT[setup]) * SLACK ))
+    for attempt in 1 2 3; do
+        t0=$SECONDS
+        timeout --signal=TERM --kill-after=5 "$left" "$PY" benchmarks/gpu_perf.py --work "$WORK" \
+            $([[ $MODE == cpu ]] && echo --cpu) --slack "$SLACK" --deadline-s "$left" "${perf[@]}"
+        rc=$?
+        left=$(( left - (SECONDS - t0) ))
+        (( rc <= 2 || left < 10 )) && break
+        echo "gpu_perf exited $rc (killed or crashed): again, after the step it was in"
+    done
+    printf '\n=== perf summary (%s, %ss): %s\n' "$MODE" "$SECONDS" "$WORK/summary.json"
+    (( rc == 0 )) && echo "gpu_check --perf: all steps passed" || echo "gpu_check --perf: FAILED (exit $rc)"
+    exit $rc
+fi
 
 LLMC=("$PY" -m llmcluster)
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m llmcluster)

@@ -72,9 +72,11 @@ prepare_data() {
         "$stdlib/email" --tokenizer byte --val-fraction 0.1
 }
 
-# copy_out LOG: the log and the JSON summary into $OUT (the device machine's folder that comes back), if set.
+# copy_out LOG: the log and the JSON summary into $OUT (the device machine's folder that comes back), if set;
+# the performance mode's summary as perf_summary.json, beside the correctness run's of the same call.
 copy_out() {
     [[ -n ${OUT:-} && -d ${OUT:-} ]] || return 0
-    cp "$WORK/$1" "$WORK/summary.json" "$OUT/" 2>/dev/null
+    cp "$WORK/$1" "$OUT/" 2>/dev/null
+    cp "$WORK/summary.json" "$OUT/$( ((${PERF:-0})) && echo perf_)summary.json" 2>/dev/null
     true
 }

@@ -4,7 +4,9 @@
 MPT table (data/calibration.yaml), torchtitan's Llama-3 rows, OPT-175B, TinyLlama and LLaMA-1
 (data/published_runs.yaml); `published_errors` then predicts every run, fit and validation (Llama-2
 7B/13B/70B, BLOOM-176B, which no fitted constant sees), as docs/planning.md reports. Bench records of
-the user's own cluster (`--calibrate`) replace the fitted residual by the nearest record's.
+the user's own cluster (`--calibrate`) replace the fitted residual by the nearest record's; so does the summary
+of gpu_check's performance mode (`perf_rows`): its full-depth step extrapolated from the per-layer slope, with
+the GEMM ceiling it measured at the model's shapes in place of the modelled matmul rate.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from llmcluster.config.gpus import match_device_name
 from llmcluster.errors import UserError
-from llmcluster.plan.compute import step_time
+from llmcluster.plan.compute import flops_per_token, params, step_time
 from llmcluster.plan.spec import PlanCluster, ModelSpec, ParallelSpec, PlanSpec
 from llmcluster.plan.step_model import RESIDUAL_FAMILY, achievable_tflops, block_gemm_efficiency, fitted, fitted_residual
 from llmcluster.plan.tables import calibration, published_runs
@@ -36,6 +38,7 @@ class CalRow:
     efficiency: float   # inverted through our step-time model
     source: str
     recompute: str = "none"
+    ceiling_tflops: float | None = None   # a measured bf16 GEMM rate at the row's shapes (performance summary)
 
 
 def foundry_plan(row: list) -> PlanSpec:
@@ -57,13 +60,17 @@ _BENCH_KEYS = ("model_params", "tokens_per_s_per_device", "mfu", "device_name", 
 def bench_rows(paths: list[str]) -> list[CalRow]:
     """`llmcluster bench` records: their MFU, raised to hardware FLOPs when activations were
     recomputed and divided by the busy share of a pipelined step (the step-time model adds the bubble
-    itself), is taken as the efficiency (a one-node bench leaves little communication exposed)."""
+    itself), is taken as the efficiency (a one-node bench leaves little communication exposed).
+    A performance summary of gpu_check (`"mode": "perf"`) gives its rows through `perf_rows`."""
     rows = []
     for path in paths:
         try:
             rec = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise UserError(f"--calibrate {path}: cannot read a bench record: {e}") from None
+        if isinstance(rec, dict) and rec.get("mode") == "perf":
+            rows += perf_rows(rec, path)
+            continue
         missing = [k for k in _BENCH_KEYS if not isinstance(rec, dict) or k not in rec]
         if missing:
             raise UserError(f"--calibrate {path}: not a bench record (missing {', '.join(missing)})")
@@ -81,6 +88,72 @@ def bench_rows(paths: list[str]) -> list[CalRow]:
     return rows
 
 
+def depth_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares y = a + b·x over (x, y) points at two or more distinct x: (a, b)."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - b * mx, b
+
+
+def perf_figures(layers: dict) -> dict | None:
+    """The layer-scaling figures of a performance summary's `layers` step: step time (and peak memory) against
+    depth over the runs without activation checkpointing, fitted as fixed + per-layer; the per-layer MFU (one
+    block's FLOPs per token over its slope) and the model at full depth (`model.n_layers`) extrapolated.
+    None with fewer than two depths; no MFU where the step time did not grow with depth (a noisy CPU)."""
+    pts = [(d["layers"], d["step_s"]) for d in layers.get("depths", []) if d.get("ac") == "none" and d.get("step_s")]
+    if len({x for x, _ in pts}) < 2:
+        return None
+    fixed, per_layer = depth_fit(pts)
+    model = dict(layers["model"])
+    full = int(model.pop("n_layers"))
+    spec = lambda n: ModelSpec(**model, n_layers=n)  # noqa: E731
+    layer_flops = flops_per_token(spec(2)) - flops_per_token(spec(1))   # one block's, per token
+    tokens, peak = layers["tokens_per_step"], (layers.get("peak_tflops") or 0) * 1e12
+    out = {"depths": sorted({x for x, _ in pts}), "fixed_s": fixed, "per_layer_s": per_layer,
+           "layer_flops_per_token": layer_flops}
+    mem = [(d["layers"], d["peak_memory_gib"]) for d in layers["depths"]
+           if d.get("ac") == "none" and d.get("peak_memory_gib") is not None]
+    if len({x for x, _ in mem}) >= 2:
+        out["memory_fixed_gib"], out["memory_per_layer_gib"] = depth_fit(mem)
+        out["memory_full_depth_gib"] = out["memory_fixed_gib"] + full * out["memory_per_layer_gib"]
+    if per_layer <= 0 or not peak:
+        out["note"] = ("the step time did not grow with depth: no per-layer figures" if per_layer <= 0 else
+                       "no peak FLOP/s for this device: no MFU")
+        return out
+    step = fixed + full * per_layer
+    out.update(per_layer_tflops=layer_flops * tokens / per_layer / 1e12,
+               per_layer_mfu=layer_flops * tokens / per_layer / peak,
+               full_depth={"n_layers": full, "step_s": step, "params": params(spec(full)),
+                           "mfu": flops_per_token(spec(full)) * tokens / step / peak})
+    return out
+
+
+def perf_rows(rec: dict, path: str) -> list[CalRow]:
+    """The performance summary's full-depth extrapolation as a calibration row: its MFU (no recompute, so
+    the efficiency as it stands) and the bf16 GEMM ceiling the `gemm` step measured at the same shapes."""
+    steps = rec.get("steps") or {}
+    layers = (steps.get("layers") or {}).get("figures") or {}
+    if "model" not in layers or "device_name" not in layers:
+        raise UserError(f"--calibrate {path}: the performance summary has no layers figures (the step "
+                        f"{(steps.get('layers') or {}).get('status', 'did not run')})")
+    fig = perf_figures(layers)
+    full = (fig or {}).get("full_depth")
+    if full is None:
+        why = (fig or {}).get("note", "step times at fewer than two depths without activation checkpointing")
+        raise UserError(f"--calibrate {path}: no per-layer slope in the performance summary ({why})")
+    spec = match_device_name(str(layers["device_name"]))
+    if spec is None:
+        raise UserError(f"--calibrate {path}: unknown device '{layers['device_name']}'")
+    gemm = (steps.get("gemm") or {})
+    ceiling = (gemm.get("figures") or {}).get("ceiling_tflops") if gemm.get("status") == "pass" else None
+    depths = "/".join(map(str, fig["depths"]))
+    return [CalRow(f"performance summary: {full['n_layers']} layers from L={depths}", spec.name, full["params"],
+                   int(layers["model"]["seq_len"]), 1, full["mfu"], min(full["mfu"], 1.0), f"perf {path}", "none",
+                   ceiling)]
+
+
 def _distance(row: CalRow, params: float, seq: int, gpus: int, recompute: str) -> float:
     # Recomputation changes the kernel mix (bigger micro-batches, an extra forward): match it first.
     return (abs(math.log(params / row.params)) + 0.5 * abs(math.log(seq / row.seq))
@@ -95,10 +168,8 @@ def _full(recompute: str) -> bool:
 def pick_efficiency(plan: PlanSpec, rows: list[CalRow] | tuple[CalRow, ...]) -> tuple[float, str]:
     """(GEMM residual, where it came from) for this plan: the nearest bench record on the same GPU (or its
     family), its efficiency (a share of peak) turned into a residual on this plan's achievable, shape-limited
-    matmul rate (conservative: the record's memory-bound time is in its MFU and is counted again); else
-    the fitted residual."""
-    from llmcluster.plan.compute import params
-
+    matmul rate (conservative: the record's memory-bound time is in its MFU and is counted again), or on the
+    GEMM ceiling the record measured on this GPU; else the fitted residual."""
     gpu = plan.cluster.gpu
     for candidate in (gpu, FAMILY.get(gpu)):
         same = [r for r in rows if r.gpu == candidate]
@@ -107,8 +178,11 @@ def pick_efficiency(plan: PlanSpec, rows: list[CalRow] | tuple[CalRow, ...]) -> 
                                                         plan.parallel.activation_checkpoint))
             borrowed = "" if candidate == gpu else f" (borrowed from {candidate})"
             shape = achievable_tflops(plan) * block_gemm_efficiency(plan.model, plan.parallel.tp, fitted()["d_half"])
+            measured = ""
+            if best.ceiling_tflops and candidate == gpu:   # measured on this GPU: the rate the residual is on
+                shape, measured = best.ceiling_tflops, f", GEMM ceiling {best.ceiling_tflops:.0f} TFLOP/s measured"
             residual = min(1.0, best.efficiency * plan.cluster.spec.peak_tflops(plan.parallel.precision) / shape)
-            return residual, f"{best.source}: {best.label}, MFU {best.mfu:.1%}{borrowed}"
+            return residual, f"{best.source}: {best.label}, MFU {best.mfu:.1%}{measured}{borrowed}"
     f = fitted()
     residual, family = fitted_residual(gpu)
     return residual, (f"step model fitted on {f['fit_runs']} published runs (docs/planning.md): "
