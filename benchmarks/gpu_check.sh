@@ -35,7 +35,7 @@ case "$*" in
     --cpu-smoke) MODE=cpu ;;
     --fetch-wheels) MODE=fetch ;;
     --perf) PERF=1 ;;
-    "--perf --cpu-smoke") PERF=1 MODE=cpu ;;
+    "--perf --cpu-smoke" | "--cpu-smoke --perf") PERF=1 MODE=cpu ;;
     *) echo "usage: bash benchmarks/gpu_check.sh [--cpu-smoke | --fetch-wheels | --perf [--cpu-smoke]]" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.."

@@ -22,7 +22,7 @@ def _run(tmp_path, script: str, flag: str) -> str:
     """Run a check script in CPU mode with this interpreter; its output, after asserting it passed."""
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "LLMCLUSTER_STORAGE", "PYTHON")}
     env.update(GPU_CHECK_WORK=str(tmp_path / "work"), OMP_NUM_THREADS="2", PYTHON=sys.executable)
-    p = subprocess.run(["bash", f"benchmarks/{script}", flag], cwd=REPO, env=env, capture_output=True, text=True,
+    p = subprocess.run(["bash", f"benchmarks/{script}", *flag.split()], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=900)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-5000:]
@@ -58,6 +58,53 @@ def test_gpu_check_cpu_smoke_runs_every_step_in_order_and_writes_the_summary(tmp
     assert st["bench"]["figures"]["mfu"] > 0 and st["bench"]["figures"]["peak_memory_bytes"] > 0
     assert st["compile"]["figures"]["last_step"] == 2
     assert "FSDP dp_replicate=1 dp_shard=1" in (tmp_path / "work" / "train-fp16.log").read_text()
+
+
+PERF_STEPS = ["setup", "layers", "gemm", "phases", "sdpa", "compile", "loss", "accum", "float8"]
+
+
+@pytest.mark.slow
+def test_gpu_check_perf_cpu_smoke_runs_every_step_in_order_into_one_summary(tmp_path):
+    """Issue 36: the performance mode's steps on CPU (tiny shapes, wall-clock stand-ins), in priority order,
+    inside its own GPU budget, each step's figures in the one summary.json."""
+    out = _run(tmp_path, "gpu_check.sh", "--perf --cpu-smoke")
+    assert "gpu_check --perf: all steps passed" in out
+    budget, total = _budget(out)
+    assert list(budget) == PERF_STEPS and sum(budget.values()) == total <= 480, budget
+    assert re.findall(r"^=== perf (\S+) \(limit", out, re.M) == PERF_STEPS[1:]
+    s = json.loads((tmp_path / "work" / "summary.json").read_text())
+    assert s["ok"] and s["mode"] == "perf" and list(s["steps"]) == PERF_STEPS[1:], s["failed"]
+    st = {n: x["figures"] for n, x in s["steps"].items()}
+    assert all(x["status"] in ("pass", "skipped") and x["limit_s"] == budget[n] for n, x in s["steps"].items())
+    runs = [(d["layers"], d["ac"]) for d in st["layers"]["depths"]]
+    assert runs == [(2, "selective"), (1, "none"), (2, "none"), (3, "none")]
+    assert st["layers"]["fit"]["depths"] == [1, 2, 3]          # the slope, whatever its CPU noise says
+    assert st["gemm"]["ceiling_tflops"] > 0 and "no GPU" in st["gemm"]["nvml"]["skipped"]
+    assert set(st["phases"]["fsdp"]["phases_s"]) == {"forward", "backward", "clip", "optimizer"}
+    assert "CPU stand-in" in st["phases"]["clock"] and "fsdp_copies_s" in st["phases"]
+    assert "fwd_bwd_s" in st["sdpa"]["backends"]["MATH"] and st["sdpa"]["chosen"]
+    if s["steps"]["compile"]["status"] == "pass":   # a machine with a C++ compiler
+        assert [(r["layers"], r["compile"]) for r in st["compile"]["runs"]] == [(1, False), (1, True), (3, False),
+                                                                                (3, True)]
+        assert all(r["compile_s"] >= 0 for r in st["compile"]["runs"] if r["compile"])
+    assert all(v["rel_diff"] < 1e-2 for v in st["loss"]["variants"].values())
+    assert st["accum"]["accum_4"]["tokens_per_step"] == 4 * st["accum"]["accum_1"]["tokens_per_step"]
+    assert st["float8"].get("tensorwise") or st["float8"].get("skipped")
+
+
+def test_gpu_perf_resumes_after_a_crashed_step_and_stops_at_its_deadline(tmp_path):
+    """A step left "running" by a killed process is marked crashed, not retried; a step the budget no longer
+    covers is skipped with the reason; the summary says both (exit 1: the crash is a failure)."""
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"mode": "perf", "device": "cpu", "steps": {"layers": {"status": "running", "figures": {"depths": [1]}}}}))
+    p = subprocess.run([sys.executable, "benchmarks/gpu_perf.py", "--work", str(tmp_path), "--cpu", "--deadline-s",
+                        "0", "layers=10", "gemm=10"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 1, p.stdout + p.stderr
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["steps"]["layers"]["status"] == "crashed" and s["steps"]["layers"]["figures"] == {"depths": [1]}
+    assert s["steps"]["gemm"]["status"] == "skipped" and "budget ran out" in s["steps"]["gemm"]["error"]
+    assert s["failed"] == ["layers"] and not s["ok"]
 
 
 def test_the_gpu_bench_runs_the_presets_own_compile_and_accumulation():
@@ -105,9 +152,11 @@ def test_parity_fails_when_a_mesh_differs(tmp_path):
     assert bad.returncode == 1 and "parity bad vs ref: MISMATCH" in bad.stdout, bad.stdout
 
 
-@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_check_multi.sh"])
-def test_gpu_checks_reject_an_unknown_option(script):
-    p = subprocess.run(["bash", f"benchmarks/{script}", "--bogus"], cwd=REPO, capture_output=True, text=True,
+@pytest.mark.parametrize("script, args", [("gpu_check.sh", ["--bogus"]), ("gpu_check_multi.sh", ["--bogus"]),
+                                          ("gpu_check.sh", ["--perf", "--perf"]),
+                                          ("gpu_check.sh", ["--perf", "--fetch-wheels"])])
+def test_gpu_checks_reject_an_unknown_option(script, args):
+    p = subprocess.run(["bash", f"benchmarks/{script}", *args], cwd=REPO, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 2 and p.stderr.strip().startswith("usage:")
 
