@@ -17,7 +17,8 @@ def register(sub) -> None:
     p.add_argument("--emit-config", metavar="FILE",
                    help="write the best --search candidate as a job config for `llmcluster train`")
     p.add_argument("--calibrate", nargs="+", default=[], metavar="BENCH_JSON",
-                   help="take the compute efficiency from `llmcluster bench` records of this cluster")
+                   help="take the compute efficiency from `llmcluster bench` records of this cluster "
+                        "(or the summary.json of `gpu_check.sh --perf`)")
     p.add_argument("--plot", metavar="DIR", help="write memory.png and cost.png into DIR")
     p.set_defaults(func=run)
 
