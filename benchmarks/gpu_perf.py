@@ -51,7 +51,7 @@ WIDTH = {"gpu": {"d_model": 4096, "n_heads": 32, "n_kv_heads": 8, "ffn_hidden": 
 # there a block under FSDP's hooks costs a fixed ~0.1-0.3 s a step, and the figures are not the point.
 SHAPE = {"gpu": {"seq_len": 4096, "micro_batch": 2, "steps": 5, "warmup": 2, "depths": (2, 4, 8),
                  "compile": (2, 8)},
-         "cpu": {"seq_len": 16, "micro_batch": 2, "steps": 2, "warmup": 1, "depths": (1, 2, 3), "compile": (1, 3)}}
+         "cpu": {"seq_len": 16, "micro_batch": 2, "steps": 1, "warmup": 1, "depths": (1, 2, 3), "compile": (1, 3)}}
 FULL_DEPTH = 32   # Llama-3-8B's: what the layer scaling extrapolates to
 
 
@@ -426,11 +426,14 @@ def nvml_under_load(rig: Rig, block: list) -> dict:
 
 
 def step_float8(rig: Rig, fig: dict, put) -> str:
+    from llmcluster.config.schema import Float8Config
     from llmcluster.errors import UserError
-    from llmcluster.train.float8 import torchao_version
+    from llmcluster.train.float8 import check_float8
 
-    if torchao_version() is None:
-        fig["skipped"] = "torchao is not installed (carry its wheel: pip install 'llmcluster[float8]')"
+    try:   # no torchao, an untested torch/torchao pair, below sm89: the trainer's own refusal, before any run
+        check_float8(Float8Config(emulate=not rig.gpu), rig.device)
+    except UserError as e:
+        fig["skipped"] = str(e)
         return "skipped"
     # On the GPU compiled, as float8 is meant to run (torchao's casts fuse only under compile); on CPU the
     # emulated casts, eager: the config path, not a speed.
@@ -440,11 +443,7 @@ def step_float8(rig: Rig, fig: dict, put) -> str:
     put()
     for recipe in recipes:
         extra = (f"train.float8.recipe={recipe}",) + (() if rig.gpu else ("train.float8.emulate=true",))
-        try:
-            r = rig.train(rig.config(2, compile=compiled, extra=extra))
-        except UserError as e:   # untested torch/torchao pair, below sm89: the trainer's own refusal
-            fig["skipped"] = str(e)
-            return "skipped"
+        r = rig.train(rig.config(2, compile=compiled, extra=extra))
         r["speedup_vs_bf16"] = fig["bf16"]["step_s"] / r["step_s"]
         fig[recipe] = r
         put()
