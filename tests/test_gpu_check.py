@@ -1,4 +1,5 @@
-"""`benchmarks/gpu_check.sh --cpu-smoke` and `gpu_check_multi.sh --dry-run-cpu`: the GPU checks' own steps on
+"""`benchmarks/gpu_check.sh --cpu-smoke` (and `--perf --cpu-smoke`, the performance mode) and `gpu_check_multi.sh
+--dry-run-cpu`: the GPU checks' own steps on
 CPU with tiny shapes (gloo, fake NVML in the nvml/thermal probes since a CPU machine has no NVML), so the
 scripts cannot rot between the rare runs on a lent GPU machine; and the GPU budget they print adds up."""
 
