@@ -150,3 +150,68 @@ def test_the_slurm_job_is_rendered_through_the_boundary(tmp_path, monkeypatch):
         downstream.render_sbatch("r", 10, [*argv, hostile])
     with pytest.raises(UserError, match="#SBATCH"):
         downstream.sbatch_argv(hostile, 10, logs / "x.log", script)
+
+
+# -- through the Scheduler interface (issue 33): the trainer runs no scheduler tool itself ---------------------------
+
+def test_the_trainer_calls_no_scheduler_tool_itself():
+    """Submitting and polling go through launch/scheduler.py's objects: train/downstream.py starts no process."""
+    import ast
+
+    tree = ast.parse(Path(downstream.__file__).read_text())
+    calls = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    assert not calls & {"run", "Popen", "call", "check_call", "check_output", "system"}, calls
+
+
+def fake_tools(bin_dir: Path, **outputs: str) -> None:
+    """Slurm CLIs on PATH that print `outputs[name]` (a missing name: the tool is not installed)."""
+    import shlex
+
+    bin_dir.mkdir(exist_ok=True)
+    for name, out in outputs.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\nprintf '%s' {shlex.quote(out)}\n")
+        (bin_dir / name).chmod(0o755)
+
+
+@pytest.mark.parametrize("tools, active", [
+    ({"squeue": "RUNNING|n1\n", "scontrol": ""}, True),                      # queued or running: pending
+    ({"squeue": "", "sacct": "COMPLETED|0:0|n1\n", "scontrol": ""}, False),   # ended: its checkpoint may go
+    ({"squeue": "", "sacct": "", "scontrol": ""}, False),                     # Slurm no longer knows it: ended
+    ({}, True),                         # Slurm cannot be asked (no squeue here): keep what it may still read
+])
+def test_a_slurm_evaluation_is_pending_while_slurm_says_it_is_active(tmp_path, monkeypatch, tools, active):
+    logs = tmp_path / "logs" / "r"
+    (logs / "eval" / "pending").mkdir(parents=True)
+    fake_tools(tmp_path / "bin", **tools)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    for step, job_id in ((10, "4242"), (20, "not-an-id"), (30, None)):   # a doctored id is no job of ours
+        (logs / "eval" / "pending" / f"step_{step}.json").write_text(
+            json.dumps({"step": step, "scheduler": "slurm", "job_id": job_id}))
+    assert pending_steps(logs) == ({10} if active else set())
+
+
+def test_a_recorded_pid_is_believed_only_while_it_is_that_evaluation(tmp_path):
+    """pids are reused: a live process whose command line is not the evaluation of that step is not it."""
+    logs = tmp_path / "logs" / "r"
+    (logs / "eval" / "pending").mkdir(parents=True)
+    other = subprocess.Popen(stand_in(downstream.eval_argv("r", 7, tmp_path, None)))   # evaluating step 7
+    try:
+        for step in (7, 8):
+            (logs / "eval" / "pending" / f"step_{step}.json").write_text(
+                json.dumps({"step": step, "scheduler": "local", "pid": other.pid}))
+        (logs / "eval" / "pending" / "step_9.json").write_text(
+            json.dumps({"step": 9, "scheduler": "no-such-scheduler", "pid": other.pid}))
+        assert pending_steps(logs) == {7}
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_kubernetes_says_once_that_it_submits_no_evaluation(tmp_path):
+    said = []
+    d = Downstream(cfg("eval.tasks=[arc_easy]"), tmp_path, tmp_path / "logs", True, log=said.append,
+                   environ={"KUBERNETES_SERVICE_HOST": "10.0.0.1"})
+    for step in (10, 20):
+        d.checkpointed(step, step == 20)
+    assert not (tmp_path / "logs" / "eval").exists()
+    assert len(said) == 1 and "on k8s is not supported yet" in said[0], said

@@ -108,3 +108,26 @@ def test_validate_collectives_across_both_nodes(slurm, tmp_path):
     assert {r["bytes"] for r in results} >= {64 * 1024, 256 * 1024}
     assert all(r["wrong"] == 0 and r["busbw_GBps"] > 0 for r in results), results
     assert "busbw" in run_cli("jobs", "logs", "nccl-check", "--root", root, check=True).stdout
+
+
+def test_a_downstream_evaluation_is_a_slurm_job_of_its_own(slurm, tmp_path, monkeypatch):
+    """The trainer's evaluation of a checkpoint (train/downstream.py) goes to Slurm through the Scheduler object: a
+    job named <run>-eval-<step>, pending while Slurm runs it and not once it has ended (issue 33). A stand-in with
+    the real command line's words takes the harness's place."""
+    from llmcluster.config import load_job_config
+    from llmcluster.train import downstream
+
+    real = downstream.eval_argv
+    program = "import time; print('evaluated', flush=True); time.sleep(10)"
+    monkeypatch.setattr(downstream, "eval_argv", lambda *a: [sys.executable, "-c", program, *real(*a)[3:]])
+    logs = tmp_path / "logs" / "r"
+    d = downstream.Downstream(load_job_config(None, ["run.name=r", "eval.tasks=[arc_easy]"]), tmp_path, logs, True,
+                              log=lambda s: None, environ={"SLURM_JOB_ID": "1"})
+    d.checkpointed(10, True)
+    job = json.loads((logs / "eval" / "pending" / "step_10.json").read_text())["job_id"]
+    assert "JobName=r-eval-10 " in subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
+                                                 text=True).stdout
+    assert downstream.pending_steps(logs) == {10}
+    assert wait_for(job, ("COMPLETED",)) == "COMPLETED"
+    assert downstream.pending_steps(logs) == set()
+    assert "evaluated" in (logs / "eval" / "job-step_10.log").read_text()

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from llmcluster.errors import UserError
-from llmcluster.launch.scheduler import Scheduler
+from llmcluster.launch.scheduler import Command, Scheduler
 from llmcluster.launch.spec import LaunchSpec
 from llmcluster.render import comment_text, shell_export, shell_join
 
@@ -28,9 +28,20 @@ def missing_secrets(spec: LaunchSpec) -> list[str]:
     return [n for n in spec.job.secret_env if n not in os.environ]
 
 
+def _cmdline(pid: int) -> list[bytes]:
+    """The process's argv as /proc has it (OSError: no such process); empty while it is caught in its exec, and for
+    a zombie."""
+    raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    return raw.removesuffix(b"\0").split(b"\0") if raw else []
+
+
 class Local(Scheduler):
     name = "local"
     artifact = "launch.sh"
+    runs_commands = True
+
+    def __init__(self):
+        self.started: list[subprocess.Popen] = []   # command jobs of this process, reaped as they end
 
     def check(self, spec: LaunchSpec) -> None:
         if spec.job.nodes > 1:
@@ -86,7 +97,7 @@ class Local(Scheduler):
         """The recorded pid if it is alive and its command line is this job's (leader or not)."""
         try:
             pid = int(rec["pid"])
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            cmd = _cmdline(pid)
         except (KeyError, ValueError, TypeError, OSError):
             return None
         if rec.get("kind") == "serve":
@@ -142,3 +153,27 @@ class Local(Scheduler):
                     f"`llmcluster jobs status {rec['run']}` says CANCELLED once it is gone")
         write_record(logs, {**rec, "state": "CANCELLED"})
         return None
+
+    def submit_command(self, cmd: Command) -> dict:
+        """Start it in the background, in a session of its own: a Ctrl-C to the caller does not reach it."""
+        self.started = [p for p in self.started if p.poll() is None]
+        with open(cmd.output, "ab") as f:
+            p = subprocess.Popen(cmd.argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
+        self.started.append(p)
+        return {"job_id": f"local-{p.pid}", "pid": p.pid}
+
+    def command_active(self, rec: dict, marks: tuple[str, ...]) -> bool:
+        pid = rec.get("pid")
+        if not isinstance(pid, int) or pid <= 0:
+            return False
+        try:
+            # an ended job its parent has not reaped yet is a zombie: ended
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                return False
+            argv = _cmdline(pid)
+        except (OSError, IndexError):
+            return False
+        if not argv:   # a process caught in its exec shows no command line yet: alive, keep what it may read
+            return True
+        return all(m.encode() in argv for m in marks)

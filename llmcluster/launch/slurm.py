@@ -21,10 +21,10 @@ import subprocess
 from pathlib import Path
 
 from llmcluster.errors import EXIT_PREEMPTED, UserError
-from llmcluster.launch.scheduler import Scheduler
+from llmcluster.launch.scheduler import ACTIVE_STATES, Command, Scheduler
 from llmcluster.launch.spec import LaunchSpec
-from llmcluster.render import (Program, ShellVar, comment_text, directive_path, directive_value, list_item,
-                               shell_export, shell_join, shell_word)
+from llmcluster.render import (Program, ShellVar, argv_element, comment_text, directive_path, directive_value,
+                               list_item, shell_export, shell_join, shell_word)
 from llmcluster.storage.exit_reason import EXIT_DIR_ENV
 
 JOB_ID = re.compile(r"\d+(?:_\d+)?")
@@ -152,17 +152,39 @@ def _call(argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([_tool(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=timeout)
 
 
-def submit(script_path: str) -> str:
-    """sbatch --parsable -> the job id. --export=ALL: the submitting environment (job.secret_env among
-    it) reaches the job without being written into the script; umask 027 makes slurm-<id>.out 0640."""
+def sbatch_argv(script_path, options: list[str] = ()) -> list[str]:
+    """sbatch's command line for a script (pure): --parsable (the id alone on stdout), then `options`, then
+    --export=ALL: the submitting environment (job.secret_env among it) reaches the job without being written
+    into the script."""
+    script = argv_element(script_path, "batch script", positional=True)
+    return ["sbatch", "--parsable", *options, "--export=ALL", script]
+
+
+def submit(script_path, options: list[str] = ()) -> str:
+    """Submit the script -> the job id. umask 027 makes the job's output files 0640."""
     old = os.umask(0o027)
     try:
-        p = _call(["sbatch", "--parsable", "--export=ALL", script_path])
+        p = _call(sbatch_argv(script_path, options))
     finally:
         os.umask(old)
     if p.returncode != 0:
         raise UserError(f"sbatch failed: {' '.join(p.stderr.split()) or p.returncode}")
     return p.stdout.strip().split(";")[0]          # "<id>[;cluster]"
+
+
+# -- a command as a job of its own (scheduler.Command: the trainer's downstream evaluations) ----------------------
+
+def command_script(title: str, argv: list[str]) -> str:
+    """A command job's batch script (pure: the text only). The title through comment_text (it cannot end the line
+    early), the command through shell_join."""
+    return f"#!/bin/bash\n# llmcluster: {comment_text(title)}\nexec {shell_join(argv)}\n"
+
+
+def command_options(name: str, output: Path) -> list[str]:
+    """sbatch's options for a command job (pure). The job name is a directive value (its small grammar); the
+    output path a directive path (its grammar, '%' doubled: sbatch reads %j-style patterns in it)."""
+    return [f"--job-name={directive_value(name, 'job name')}", f"--output={directive_path(output, 'job output')}",
+            "--nodes=1"]
 
 
 def _job_id(rec: dict) -> str:
@@ -209,6 +231,7 @@ def _scontrol(job_id: str) -> dict | None:
 class Slurm(Scheduler):
     name = "slurm"
     artifact = "job.sbatch"
+    runs_commands = True
 
     def render(self, spec: LaunchSpec) -> str:
         return render(spec)
@@ -238,3 +261,17 @@ class Slurm(Scheduler):
         p = _call(["scancel", job_id])
         if p.returncode != 0:
             raise UserError(f"scancel {job_id} failed: {' '.join(p.stderr.split())}")
+
+    def submit_command(self, cmd: Command) -> dict:
+        script = cmd.output.with_suffix(".sh")
+        script.write_text(command_script(cmd.title, cmd.argv))
+        return {"job_id": submit(script, command_options(cmd.name, cmd.output))}
+
+    def command_active(self, rec: dict, marks: tuple[str, ...]) -> bool:
+        job_id = rec.get("job_id")
+        if not isinstance(job_id, str) or not JOB_ID.fullmatch(job_id):
+            return False
+        try:
+            return state(job_id)["state"] in ACTIVE_STATES
+        except (UserError, OSError, subprocess.TimeoutExpired):
+            return True      # unknown: keep the checkpoint rather than delete what may still be read
