@@ -175,7 +175,24 @@ def check_parallel_keys(p) -> None:
         raise ValueError("parallel.pp_virtual_stages > 1 needs parallel.pp_schedule=interleaved_1F1B")
 
 
-class ParallelConfig(Section):
+class ParallelKeys(Section):
+    """What the trainer's `parallel:` and the plan's ParallelSpec share (check_parallel_keys, the stage count):
+    written once, so plan and train agree. Subclasses declare the fields."""
+
+    @model_validator(mode="after")
+    def _degrees(self):
+        check_parallel_keys(self)
+        return self
+
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per pp rank: 1 without a pipeline; else pp_virtual_stages or the schedule's default."""
+        if self.pp == 1:
+            return 1
+        return self.pp_virtual_stages or (2 if self.pp_schedule == "interleaved_1F1B" else 1)
+
+
+class ParallelConfig(ParallelKeys):
     """Mesh degrees; -1 means "whatever is left of the world size" (at most one of them)."""
     dp_replicate: int = Field(1, ge=-1)
     dp_shard: int = Field(-1, ge=-1)
@@ -189,15 +206,6 @@ class ParallelConfig(Section):
     ac_every: int = Field(2, ge=1)             # selective: checkpoint every k-th block
     fsdp_reshard_after_forward: bool = True    # false: ZeRO-2-like (gathered weights kept for backward); pp > 1: false
     sequence_parallel: bool = True             # false: TP with replicated norms (Megatron pre-SP); tp 1: ignored
-
-    @model_validator(mode="after")
-    def _degrees(self):
-        check_parallel_keys(self)
-        return self
-
-    @property
-    def virtual_stages(self) -> int:
-        return self.pp_virtual_stages or (2 if self.pp_schedule == "interleaved_1F1B" else 1)
 
     @property
     def pp_stages(self) -> int:
@@ -343,18 +351,18 @@ class FtConfig(Section):
 
 
 class JobConfig(Section):
-    run: RunConfig = RunConfig()
-    model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
-    train: TrainConfig = TrainConfig()
-    parallel: ParallelConfig = ParallelConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    log: LogConfig = LogConfig()
-    dist: DistConfig = DistConfig()
-    job: JobSpec = JobSpec()
-    serve: ServeConfig = ServeConfig()   # read by `serve plan` only
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    dist: DistConfig = Field(default_factory=DistConfig)
+    job: JobSpec = Field(default_factory=JobSpec)
+    serve: ServeConfig = Field(default_factory=ServeConfig)   # read by `serve plan` only
     eval: EvalConfig | None = None       # downstream evaluation jobs per new checkpoint (issue 28)
-    ft: FtConfig = FtConfig()            # per-step fault tolerance across replica groups (torchft)
+    ft: FtConfig = Field(default_factory=FtConfig)            # per-step fault tolerance across replica groups (torchft)
 
     @model_validator(mode="after")
     def _cross(self):

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from llmcluster.config.cluster import ClusterSpec, Cost, Hardware, Reliability, Topology
 from llmcluster.config.gpus import GPUSpec, gpu_spec
-from llmcluster.config.schema import LogConfig, ModelConfig, check_parallel_keys
+from llmcluster.config.schema import LogConfig, ModelConfig, ParallelKeys
 from llmcluster.errors import UserError
 
 
@@ -128,7 +128,7 @@ class PlanCluster(Section):
         return self.nics_per_node or self.gpus_per_node
 
 
-class ParallelSpec(Section):
+class ParallelSpec(ParallelKeys):
     """The job config's layout keys, meaning what they mean to `llmcluster train` (`parallel.*` and
     `train.micro_batch / grad_accum / global_batch`), plus what only the cost model needs.
 
@@ -159,17 +159,6 @@ class ParallelSpec(Section):
     sequence_parallel: bool = True
     precision: Literal["bf16", "fp16", "fp8", "fp32"] = "bf16"
     memory_convention: Literal["zero-paper", "megatron", "fsdp2", "deepspeed"] = "zero-paper"
-
-    @model_validator(mode="after")
-    def _keys(self):
-        check_parallel_keys(self)
-        return self
-
-    @property
-    def virtual_stages(self) -> int:
-        if self.pp == 1:
-            return 1
-        return self.pp_virtual_stages or (2 if self.pp_schedule == "interleaved_1F1B" else 1)
 
     @property
     def recomputed_share(self) -> float:
