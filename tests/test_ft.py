@@ -146,3 +146,93 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_
     windows = [[s for s in range(lo, lo + 10) if s in common] for lo in range(1, steps + 1, 10)]
     gaps = [abs(sum(a[s] - b[s] for s in w) / len(w)) for w in windows if w]
     assert max(gaps) < 0.25, gaps
+
+
+def test_a_run_without_failures_resumes_bitwise_after_a_full_stop(tiny_root):
+    """Stopped at step 6 (train.stop_at, a checkpoint) and started again: both groups resume from the writer's
+    checkpoint and end bitwise where an uninterrupted run ends."""
+    items = ("ft.min_replicas=2", "train.steps=12", "checkpoint.interval_steps=6")
+    first = subprocess.run(_cmd(tiny_root, "ft-resume", *items, "train.stop_at=6"), cwd=REPO, env=cli_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tiny_root / "checkpoints" / "ft-resume" / "step_6" / "COMPLETE.json").is_file()
+    again = subprocess.run(_cmd(tiny_root, "ft-resume", *items), cwd=REPO, env=cli_env(), capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and "(step 6)" in again.stdout
+    whole = subprocess.run(_cmd(tiny_root, "ft-whole", *items), cwd=REPO, env=cli_env(), capture_output=True,
+                           text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    resumed, ref = _digests(tiny_root, "ft-resume", again.stdout), _digests(tiny_root, "ft-whole", whole.stdout)
+    assert resumed[0] == resumed[1] == ref[0] == ref[1] and ref[0][0] == 12, (resumed, ref)
+    assert not any(e["event"] == "ft_heal" for e in _events(tiny_root, "ft-resume"))
+
+
+def test_the_lighthouse_killed_stops_the_run_and_it_resumes_from_its_checkpoint(tiny_root):
+    """No quorum without the Lighthouse: the supervisor stops every group (SIGTERM: the writer checkpoints as on a
+    preemption), exits 75 and leaves no process behind; the same command resumes and finishes."""
+    run = "ft-lighthouse"
+    items = ("ft.min_replicas=2", "train.steps=30", "checkpoint.interval_steps=5", "ft.quorum_timeout_s=5")
+    env = cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP="0:0.3:1-30")
+    proc = subprocess.Popen(_cmd(tiny_root, run, *items), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait(lambda: (tiny_root / "checkpoints" / run / "step_5" / "COMPLETE.json").is_file(), proc, "step_5")
+        pids = [g["pid"] for g in _job(tiny_root, run)["ft"]["groups"]]
+        os.kill(_job(tiny_root, run)["ft"]["lighthouse_pid"], signal.SIGKILL)
+        out, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 75, err[-3000:]
+    assert "the Lighthouse exited" in err and "Traceback" not in err.split("the Lighthouse exited")[0]
+    assert not any(Path(f"/proc/{p}").exists() for p in pids)   # no group left behind
+    job = _job(tiny_root, run)
+    assert job["state"] == "FAILED" and job["exit_code"] == 75
+    again = subprocess.run(_cmd(tiny_root, run, *items), cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    # from the checkpoint the writer wrote as it was stopped (or, had it been stuck in a quorum, the last periodic one)
+    resumed = re.search(r"resumed from \S+/step_(\d+) \(step (\d+)\)", again.stdout)
+    assert resumed and resumed[1] == resumed[2] and int(resumed[1]) >= 5, again.stdout
+    digests = _digests(tiny_root, run, again.stdout)
+    assert digests[0] == digests[1] and digests[0][0] == 30
+
+
+def test_the_live_group_count_is_a_gauge_and_groups_on_one_host_get_their_own_ports(monkeypatch):
+    from llmcluster.config.schema import JobConfig
+    from llmcluster.launch.ft_local import GROUP_ENV, GROUPS_ENV
+    from llmcluster.monitor.train_metrics import TrainMetrics
+    from llmcluster.train import ft
+
+    m = TrainMetrics("r", 0, None)
+    m.ft_groups(1)
+    assert m.registry.get_sample_value("llmcluster_train_ft_groups", {"run": "r", "rank": "0"}) == 1
+    cfg = JobConfig.model_validate({"ft": {"enabled": True}, "parallel": {"dp_replicate": 2}})
+    monkeypatch.setenv(GROUPS_ENV, "2")
+    slots = set()
+    for g in ("0", "1"):
+        monkeypatch.setenv(GROUP_ENV, g)
+        slots |= {ft.port_slot(cfg, r, 2) for r in range(2)}
+        assert ft.data_shard(cfg, 1, 2) == (int(g) * 2 + 1, 4)   # each group its own shard of the global batch
+    assert slots == {0, 1, 2, 3}
+    assert ft.port_slot(JobConfig(), 1, 2) == 1
+
+
+def test_goodput_counts_the_ft_records_without_letting_them_split_the_steps():
+    from llmcluster.launch.goodput import goodput
+
+    base = [{"t": 0.0, "attempt": 1, "event": "attempt_start", "step": 0},
+            {"t": 1.0, "attempt": 1, "event": "init_done", "step": 0}]
+    base += [{"t": 1.0 + k, "attempt": 1, "event": "step", "step": k} for k in range(1, 11)]
+    base.append({"t": 11.5, "attempt": 1, "event": "exit", "step": 10, "reason": "completed"})
+    ft = [{"t": 1.0, "attempt": 1, "event": "ft_quorum", "step": 0, "groups": 2},
+          {"t": 3.5, "attempt": 1, "event": "ft_group_failed", "step": 3, "group": 1, "pids": [9], "exit_code": -9},
+          {"t": 4.2, "attempt": 1, "event": "ft_quorum", "step": 4, "groups": 1},
+          {"t": 7.5, "attempt": 1, "event": "ft_heal", "step": 7, "group": 1, "peer": 0, "bytes": 2e6, "seconds": 0.5},
+          {"t": 7.5, "attempt": 1, "event": "ft_quorum", "step": 7, "groups": 2}]
+    plain, with_ft = goodput(base), goodput(sorted(base + ft, key=lambda e: e["t"]))
+    assert plain["ft"] is None and with_ft["productive_s"] == plain["productive_s"]
+    assert with_ft["badput_s"] == plain["badput_s"]
+    assert with_ft["ft"] == {"groups": 2, "group_failures": 1, "heals": 1, "heal_s": 0.5, "heal_bytes": 2e6,
+                             "steps_fewer_groups": 3, "lighthouse_lost": 0}

@@ -200,7 +200,7 @@ class Replica:
             self.quorum_ids = ids
             t.log(f"ft: step {t.step + 1}: quorum of {len(ids)} of {self.groups} groups ({', '.join(ids)})")
             t.events.emit("ft_quorum", t.step, groups=len(ids), replica_ids=ids)
-            t.metrics.ft_groups(len(ids)) if hasattr(t.metrics, "ft_groups") else None
+            t.metrics.ft_groups(len(ids))
 
     def average(self, model, loss):
         """Gradients and the loss, averaged over the groups in the quorum (one flat all-reduce)."""
