@@ -236,3 +236,16 @@ def test_goodput_counts_the_ft_records_without_letting_them_split_the_steps():
     assert with_ft["badput_s"] == plain["badput_s"]
     assert with_ft["ft"] == {"groups": 2, "group_failures": 1, "heals": 1, "heal_s": 0.5, "heal_bytes": 2e6,
                              "steps_fewer_groups": 3, "lighthouse_lost": 0}
+
+
+def test_jobs_status_shows_each_group_and_its_pids(tmp_path, capsys):
+    logs = tmp_path / "storage" / "logs" / "r"
+    logs.mkdir(parents=True)
+    rec = {"run": "r", "scheduler": "local", "kind": "train", "job_id": "local-1", "pid": 1, "state": "FAILED",
+           "exit_code": 75, "ft": {"lighthouse": "127.0.0.1:1", "groups": [
+               {"group": 0, "pid": 11, "pids": [11, 12], "restarts": 0, "state": "DOWN"},
+               {"group": 1, "pid": 21, "pids": [21, "x"], "restarts": 2, "state": "DOWN"}, "junk"]}}
+    (logs / "job.json").write_text(json.dumps(rec))
+    proc = cli_inprocess(capsys, "jobs", "status", "r", "--root", str(tmp_path / "storage"))
+    assert proc.returncode == 0, proc.stderr
+    assert "group0=DOWN(pids 11,12, restarts 0)" in proc.stdout and "group1=DOWN(pids 21, restarts 2)" in proc.stdout
