@@ -9,7 +9,7 @@ loses one replica to SIGKILL at each step of `--kills`:
 Both are read by `jobs goodput` (launch/goodput.py) from the run's events.jsonl; the ft run's figure is the
 writer group's (it never stops), with the steps committed with fewer groups beside it. Every step is padded to
 STEP_PAD_S (a test hook). Prints one JSON line.
-    python benchmarks/ft_goodput.py [--steps 60] [--kills 15,35] [--interval 20]
+    python benchmarks/ft_goodput.py [--steps 120] [--kills 20,70] [--interval 20]
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def group1(root: Path, run: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--kills", default="15,35")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--kills", default="20,70")
     ap.add_argument("--interval", type=int, default=20)
     a = ap.parse_args()
     kills = [int(k) for k in a.kills.split(",")]
