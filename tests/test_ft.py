@@ -87,6 +87,7 @@ def test_ft_outside_a_replica_group_is_refused(tiny_root, capsys):
     assert_one_line_error(proc, "not started as a replica group", "--procs-per-node")
 
 
+@pytest.mark.slow   # real processes: 20-90 s on a loaded 2-core machine
 def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_root):
     """2 groups x 1 rank; group 1 SIGKILLed twice. Group 0 (the writer) is never restarted and commits steps
     while group 1 is down; group 1 heals from it; both finish with bitwise identical weights; the loss curve
@@ -148,6 +149,7 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_
     assert max(gaps) < 0.25, gaps
 
 
+@pytest.mark.slow   # real processes: 20-90 s on a loaded 2-core machine
 def test_a_run_without_failures_resumes_bitwise_after_a_full_stop(tiny_root):
     """Stopped at step 6 (train.stop_at, a checkpoint) and started again: both groups resume from the writer's
     checkpoint and end bitwise where an uninterrupted run ends."""
@@ -168,6 +170,7 @@ def test_a_run_without_failures_resumes_bitwise_after_a_full_stop(tiny_root):
     assert not any(e["event"] == "ft_heal" for e in _events(tiny_root, "ft-resume"))
 
 
+@pytest.mark.slow   # real processes: 20-90 s on a loaded 2-core machine
 def test_the_lighthouse_killed_stops_the_run_and_it_resumes_from_its_checkpoint(tiny_root):
     """No quorum without the Lighthouse: the supervisor stops every group (SIGTERM: the writer checkpoints as on a
     preemption), exits 75 and leaves no process behind; the same command resumes and finishes."""
