@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, cli_env, cli_inprocess, overrides, read_metrics, run_cli
+from conftest import REPO, assert_one_line_error, cli_env, cli_inprocess, overrides, read_metrics
 
 torchft = pytest.importorskip("torchft")
 

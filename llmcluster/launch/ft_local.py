@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from llmcluster.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE, UserError
+from llmcluster.render import argv_element
 from llmcluster.storage.events import EVENTS, read_events
 from llmcluster.storage.job_record import write_record
 
@@ -109,7 +110,7 @@ class Supervisor:
             return
         ft = self.cfg.ft
         argv = [self.exe, "--min_replicas", str(ft.min_replicas), "--join_timeout_ms",
-                str(int(ft.join_timeout_s * 1000)), "--bind", self.address]
+                str(int(ft.join_timeout_s * 1000)), "--bind", argv_element(self.address, "the Lighthouse's address")]
         with open(self.logs / "ft" / "lighthouse.log", "ab") as out:
             self.lighthouse = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
