@@ -96,7 +96,8 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_
     Steps 1-95 are slowed to 0.5 s (a test hook) so that the run outlasts two restarts on a loaded machine."""
     run, steps = "ft-kill", 100
     items = ("ft.min_replicas=1", f"train.steps={steps}", "checkpoint.interval_steps=20", "log.interval=1")
-    env = cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP="0:0.5:1-95")
+    env = cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP="0:0.5:1-95",
+                  LLMCLUSTER_TEST_FT_RESTART_DELAY_S="6")   # group 1 stays down 6 s at least, however fast its restart
     proc = subprocess.Popen(_cmd(tiny_root, run, *items), cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -252,3 +253,34 @@ def test_jobs_status_shows_each_group_and_its_pids(tmp_path, capsys):
     proc = cli_inprocess(capsys, "jobs", "status", "r", "--root", str(tmp_path / "storage"))
     assert proc.returncode == 0, proc.stderr
     assert "group0=DOWN(pids 11,12, restarts 0)" in proc.stdout and "group1=DOWN(pids 21, restarts 2)" in proc.stdout
+
+
+@pytest.mark.slow   # real processes
+def test_the_supervisor_killed_outright_leaves_no_lighthouse_or_group_behind(tiny_root):
+    """The Lighthouse and the groups run in sessions of their own: they get SIGTERM when their supervisor dies."""
+    run = "ft-orphans"
+    env = cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP="0:0.3")
+    proc = subprocess.Popen(_cmd(tiny_root, run, "ft.min_replicas=1", "train.steps=500"), cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def running(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    try:
+        _wait(lambda: _step(tiny_root, run) >= 2, proc, "step 2")
+        job = _job(tiny_root, run)
+        pids = [job["ft"]["lighthouse_pid"], *(p for g in job["ft"]["groups"] for p in g["pids"])]
+        proc.kill()   # the supervisor alone, SIGKILL: none of its own cleanup runs
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while any(map(running, pids)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if running(p)]
+    finally:
+        for p in [proc.pid]:
+            try:
+                os.killpg(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -25,11 +25,15 @@ from pathlib import Path
 
 from llmcluster.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE, UserError
 from llmcluster.render import argv_element
+from llmcluster.testing import test_hook
 from llmcluster.storage.events import EVENTS, read_events
 from llmcluster.storage.job_record import write_record
 
 GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV = "LLMCLUSTER_FT_GROUP", "LLMCLUSTER_FT_GROUPS", "TORCHFT_LIGHTHOUSE"
 NOT_INSTALLED = "ft.enabled: true needs torchft, which is not installed here: pip install 'llmcluster[ft]'"
+# Test hook (acts only with LLMCLUSTER_TESTING=1): seconds before a dead group is started again, so that a test can
+# see the others commit steps without it however fast a restart is on the machine.
+RESTART_DELAY_ENV = "LLMCLUSTER_TEST_FT_RESTART_DELAY_S"
 MAX_RESTARTS = 3        # per group: a group that keeps dying is a bug or a bad node, not a transient fault
 STOP_WAIT_S = 120.0     # after SIGTERM, how long the groups get to checkpoint before SIGKILL
 POLL_S = 0.2
@@ -51,6 +55,17 @@ def lighthouse_command() -> str:
     if spec is None or found is None:
         raise UserError(NOT_INSTALLED)
     return found
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the supervisor dies, even by SIGKILL, so that neither the
+    Lighthouse nor a group (each in a session of its own) outlives it: the groups checkpoint and stop."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _free_port() -> int:
@@ -102,6 +117,7 @@ class Supervisor:
         self.done = [False] * groups
         self.trees: list[list[int]] = [[] for _ in range(groups)]   # each group's launcher and ranks, as last seen
         self.seen = 0.0
+        self.restart_at: dict[int, float] = {}   # group -> when to start it again
         self.stopping = None   # why every group is being stopped (a signal, the Lighthouse's death)
 
     # -- processes ---------------------------------------------------------------------------------
@@ -112,17 +128,19 @@ class Supervisor:
         argv = [self.exe, "--min_replicas", str(ft.min_replicas), "--join_timeout_ms",
                 str(int(ft.join_timeout_s * 1000)), "--bind", argv_element(self.address, "the Lighthouse's address")]
         with open(self.logs / "ft" / "lighthouse.log", "ab") as out:
-            self.lighthouse = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.lighthouse = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                               preexec_fn=_die_with_parent)
 
     def _start_group(self, g: int) -> None:
         env = {"RUST_LOG": "warn", **os.environ, GROUP_ENV: str(g), GROUPS_ENV: str(self.groups), LIGHTHOUSE_ENV: f"http://{self.address}"}
         if g == 0:   # the writer's lines on the terminal, as a run without ft; the others' in their files
             self.procs[g] = subprocess.Popen([sys.executable, "-m", "llmcluster", *self.argv], env=env,
-                                             start_new_session=True)
+                                             start_new_session=True, preexec_fn=_die_with_parent)
             return
         with open(self.logs / "ft" / f"group{g}.log", "ab") as out:
             self.procs[g] = subprocess.Popen([sys.executable, "-m", "llmcluster", *self.argv], env=env,
-                                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                             preexec_fn=_die_with_parent)
 
     def _look(self, force: bool = False) -> None:
         if force or time.monotonic() - self.seen > 1.0:
@@ -210,8 +228,13 @@ class Supervisor:
                 return self._stop(f"the Lighthouse exited ({self.lighthouse.returncode}): stopping every group; "
                                   "run the same command again to resume from the last checkpoint")
             self._look()
+            for g, at in list(self.restart_at.items()):
+                if time.monotonic() >= at:
+                    del self.restart_at[g]
+                    self._start_group(g)
+                    self._record("RUNNING")
             for g, p in enumerate(self.procs):
-                rc = p.poll() if p is not None and not self.done[g] else None
+                rc = p.poll() if p is not None and not self.done[g] and g not in self.restart_at else None
                 if rc is None:
                     continue
                 if rc == 0:
@@ -236,7 +259,7 @@ class Supervisor:
               + (f"; restarting it ({self.restarts[g]} of {MAX_RESTARTS})" if self.restarts[g] <= MAX_RESTARTS
                  else ""), file=sys.stderr, flush=True)
         if self.restarts[g] <= MAX_RESTARTS:
-            self._start_group(g)
+            self.restart_at[g] = time.monotonic() + float(test_hook(RESTART_DELAY_ENV) or 0)
 
     def _stop(self, why: str) -> int:
         """SIGTERM every live group, wait for their checkpoint, SIGKILL what is left. The run's code: 75 (resume

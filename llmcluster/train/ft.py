@@ -196,8 +196,8 @@ class Replica:
         for r in q.recover_dst_replica_ranks:   # the sender knows the bytes; the receiver its time (its own line)
             t.events.emit("ft_heal", t.step, group=group_of(r), peer=self.group, bytes=self.sent_bytes,
                           seconds=round(heal_s, 3), side="sender")
-        if ids != self.quorum_ids:
-            self.quorum_ids = ids
+        if sorted(q.replica_ids) != self.quorum_ids:   # with the uuids: a group replaced by its restart is news
+            self.quorum_ids = sorted(q.replica_ids)
             t.log(f"ft: step {t.step + 1}: quorum of {len(ids)} of {self.groups} groups ({', '.join(ids)})")
             t.events.emit("ft_quorum", t.step, groups=len(ids), replica_ids=ids)
             t.metrics.ft_groups(len(ids))
