@@ -16,6 +16,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from llmcluster.launch.ft_local import supervise
+
+    if (code := supervise(args)) is not None:   # ft.enabled: the Lighthouse and one world per replica group
+        return code
     if (code := launched_ranks(args)) is not None:
         return code
     from llmcluster.floor import require_torch

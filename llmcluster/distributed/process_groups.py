@@ -34,10 +34,11 @@ class DistEnv:
     local_rank: int
     local_world_size: int
     device: torch.device
+    writer: bool = True   # False in a replica group other than the writer (train/ft.py): rank 0 writes nothing
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.rank == 0 and self.writer
 
     @property
     def distributed(self) -> bool:

@@ -17,6 +17,11 @@ interval between two consecutive lines:
   - the last step boundary → a failed exit: `failure` (the step in flight, and noticing the failure);
   - anything else (shutdown after the last checkpoint, an unknown event): `other`.
 So productive_s + sum(badput_s) == wall_s exactly. No torch here: the head node runs this.
+
+An ft run (per-step fault tolerance, train/ft.py) also records ft_quorum, ft_heal, ft_group_failed and
+ft_lighthouse_lost: they split no interval (a group's failure costs the writer's steps only what it delays
+them: a slow step, `hang_or_straggler`), and `ft` sums them: the groups' failures, the heals (count, bytes,
+seconds of the heal step's quorum as recorded) and the steps committed with fewer groups than the most seen.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ BUCKETS = ("startup", "checkpoint_restore", "checkpoint_save", "eval", "lost_pro
 BAR = {"productive": "#", "startup": "s", "checkpoint_restore": "r", "checkpoint_save": "c", "eval": "e",
        "lost_progress": "l", "hang_or_straggler": "h", "failure": "f", "other": "o"}   # the text bar's letters
 PLOT = "goodput.png"   # what --plot DIR writes
+FT_PREFIX = "ft_"   # per-step fault tolerance's records (ft_summary)
 SLOW = 3.0   # a step over this many median steps counts its excess as hang_or_straggler
 _STEP_END = {"step", "eval_start", "save_start", "checkpointed"}   # closes an interval of training at `step`
 _SPANS = {"eval_end": "eval", "save_end": "checkpoint_save", "restore_end": "checkpoint_restore",
@@ -73,8 +79,27 @@ def _step_intervals(att: list[dict]) -> list[float]:
             if a["event"] == b["event"] == "step" and b["step"] == a["step"] + 1]
 
 
+def ft_summary(events: list[dict]) -> dict | None:
+    ft = [e for e in events if e["event"].startswith(FT_PREFIX)]
+    if not ft:
+        return None
+    quorums = [(e["step"], e["groups"]) for e in ft if e["event"] == "ft_quorum" and isinstance(e.get("groups"), int)]
+    full = max((g for _s, g in quorums), default=0)
+    last = max(e["step"] for e in events)
+    # a quorum recorded at step s serves the steps after s, up to the next one
+    fewer = sum(max(0, nxt - s) for (s, g), (nxt, _g) in zip(quorums, quorums[1:] + [(last, 0)]) if g < full)
+    heals = [e for e in ft if e["event"] == "ft_heal"]
+    number = (int, float)
+    return {"groups": full, "group_failures": sum(e["event"] == "ft_group_failed" for e in ft),
+            "heals": len(heals), "heal_s": sum(e.get("seconds") for e in heals if isinstance(e.get("seconds"), number)),
+            "heal_bytes": sum(e.get("bytes") for e in heals if isinstance(e.get("bytes"), number)),
+            "steps_fewer_groups": fewer,
+            "lighthouse_lost": sum(e["event"] == "ft_lighthouse_lost" for e in ft)}
+
+
 def goodput(events: list[dict]) -> dict:
-    atts = attempts(events)
+    ft = ft_summary(events)
+    atts = attempts([e for e in events if not e["event"].startswith(FT_PREFIX)])
     if not atts:
         raise UserError("no attempt that trained is recorded for this run (events.jsonl is written by the "
                         "trainer's rank 0; starts that did nothing are left out)")
@@ -121,7 +146,7 @@ def goodput(events: list[dict]) -> dict:
             "badput": {k: v / wall if wall > 0 else 0.0 for k, v in bad.items()},
             "attempts": len(atts), "recomputed_steps": recomputed,
             "step_time_s": statistics.median(step_times) if step_times else None,
-            "unaccounted_s": wall - productive - total_bad}
+            "unaccounted_s": wall - productive - total_bad, "ft": ft}
 
 
 def _spans(att: list[dict], start: str, end: str) -> list[float]:
@@ -201,6 +226,10 @@ def render(result: dict, plan: dict | None = None, width: int = 60, label: str =
         lines.append(f"  {k:<20}{v:>10.2f}{share:>9.1%}{p}")
     bar = "".join(BAR[k] * round(width * v / wall if wall > 0 else 0) for k, v in rows)
     lines.append(f"  [{bar[:width]:<{width}}]  " + ", ".join(f"{c} {k}" for k, c in BAR.items()))
+    if ft := result.get("ft"):
+        lines.append(f"  ft: {ft['groups']} groups, {ft['group_failures']} group failure(s), {ft['heals']} heal(s) "
+                     f"({ft['heal_bytes'] / 1e6:.1f} MB, {ft['heal_s']:.2f} s), {ft['steps_fewer_groups']} step(s) "
+                     "committed with fewer groups")
     return "\n".join(lines)
 
 

@@ -50,11 +50,24 @@ def list_jobs(root: Path, query: bool = True) -> int:
     return 0
 
 
+def ft_groups(ft: dict) -> dict:
+    """group<i>=STATE(pids …, restarts r) from a supervisor's record (job.json is user-writable: shapes checked)."""
+    out = {}
+    for g in ft.get("groups") if isinstance(ft.get("groups"), list) else []:
+        if isinstance(g, dict) and isinstance(g.get("group"), int):
+            pids = [p for p in g.get("pids") or [] if isinstance(p, int)] if isinstance(g.get("pids"), list) else []
+            out[f"group{g['group']}"] = (f"{g.get('state') if isinstance(g.get('state'), str) else '?'}"
+                                         f"(pids {','.join(map(str, pids)) or '-'}, restarts {g.get('restarts')})")
+    return out
+
+
 def status(root: Path, run: str, as_json: bool = False) -> int:
     import json
 
     logs, rec = _record(root, run)
     info = {"run": run, "scheduler": rec["scheduler"], "job_id": rec.get("job_id"), **state(logs, rec)}
+    if isinstance(rec.get("ft"), dict):   # ft: each replica group's state and processes, as its supervisor saw them
+        info.update(ft_groups(rec["ft"]))
     if as_json:
         print(json.dumps(info))
     else:

@@ -103,6 +103,8 @@ class Local(Scheduler):
         if rec.get("kind") == "serve":
             port = str(rec.get("port")).encode()
             ours = SERVER_MODULE in cmd and any(a == b"--port" and b == port for a, b in zip(cmd, cmd[1:]))
+        elif rec.get("ft"):   # ft's supervisor (launch/ft_local.py): `python -m llmcluster train ...`
+            ours = b"llmcluster" in cmd and b"train" in cmd
         else:
             ours = b"torch.distributed.run" in cmd and str(logs / "ranks").encode() in cmd
         return pid if ours and pid > 1 else None

@@ -380,6 +380,10 @@ class MetricsProcessor:
         if self.prom:
             self.prom.m.bad_step()
 
+    def ft_groups(self, groups: int) -> None:
+        if self.prom:   # every group's ranks serve it (each sees the quorum)
+            self.prom.m.ft_groups(groups)
+
     def straggler(self, rank: int | None) -> None:
         if self.prom and self.is_main:
             self.prom.m.straggler(rank)

@@ -56,6 +56,8 @@ class TrainMetrics:
         self._rank_step_time = gauge("rank_step_time_seconds",
                                      "Step time of each rank (published by rank 0; label rank = that rank).")
 
+        self._ft_groups = gauge("ft_groups", "Replica groups in the last quorum (ft.enabled: per-step fault "
+                                "tolerance); absent without ft.")
         me = {"run": self.run, "rank": str(self.rank)}
         now = time.time()
         self._start_ts.labels(**me).set(now)
@@ -104,6 +106,9 @@ class TrainMetrics:
 
     def bad_step(self) -> None:
         self._bad_steps.labels(**self._me).inc()
+
+    def ft_groups(self, groups: int) -> None:
+        self._ft_groups.labels(**self._me).set(groups)
 
     def straggler(self, rank: int | None) -> None:
         self._straggler.labels(**self._me).set(-1 if rank is None or rank < 0 else rank)

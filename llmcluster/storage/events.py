@@ -7,6 +7,11 @@ heartbeat at every step boundary (about 70 bytes a step), so a killed attempt's 
 already in the file) and the training step reached. Lifecycle lines are fsynced (a few per checkpoint
 interval); heartbeats are only flushed, which a killed process does not lose.
 
+An ft run (per-step fault tolerance, docs/fault-tolerance.md) adds, from its writer group: ft_quorum (`groups`,
+`replica_ids`) when the quorum changes, ft_heal (`group` healed, `peer`, `bytes`, `seconds`, `side`); and from
+the supervisor (launch/ft_local.py, one appended line each): ft_group_failed (`group`, `pids`, `exit_code`),
+ft_lighthouse_lost. ft_writer is reserved for the writer's hand-over.
+
 No torch here: the head node reads these files.
 """
 

@@ -31,7 +31,7 @@ RECORD_OPTIONAL = {"job_id": records.of_type(str, int, what="a string or an inte
                    "exit_code": records.integer(), "state": records.TEXT, "kind": records.TEXT,
                    "artifact": records.TEXT, "submitted_at": records.TEXT, "code_version": records.TEXT,
                    "cluster": records.TEXT, "endpoint": records.TEXT, "previous_job_ids": records.LIST,
-                   "k8s": records.OBJECT, "slo_ttft_p99_ms": records.number(0)}
+                   "k8s": records.OBJECT, "ft": records.OBJECT, "slo_ttft_p99_ms": records.number(0)}
 
 
 def read_record(logs: Path) -> dict | None:

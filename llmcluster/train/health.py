@@ -214,3 +214,13 @@ def young_daly_steps(save_s: float, mtbf_s: float, step_s: float) -> tuple[float
     """(sqrt(2·C·M) seconds, that interval in whole steps of `step_s`, at least 1): Young/Daly's optimum."""
     optimum_s = math.sqrt(2 * save_s * mtbf_s)
     return optimum_s, max(1, round(optimum_s / max(step_s, 1e-9)))
+
+
+def note_stragglers(times: list[float], factor: float, metrics, log) -> None:
+    """Name the ranks whose compute time is over the median x `factor` (log.straggler_factor)."""
+    if len(times) < 2:
+        return
+    med, slow = slow_ranks(times, factor)
+    metrics.straggler(slow[0] if slow else None)
+    for r in slow:
+        log(f"warning: straggler: rank {r} compute time {times[r]:.3f}s vs median {med:.3f}s")

@@ -210,3 +210,11 @@ def pp_all_reduce_(t: torch.Tensor, pipe: Pipeline | None) -> torch.Tensor:
     if pipe is not None:
         dist.all_reduce(t, group=pipe.pp_group)
     return t
+
+
+def bubble_note(dims, grad_accum: int) -> str:
+    """The start line's note on the pipeline bubble ("" without PP)."""
+    if dims.pp == 1:
+        return ""
+    b = bubble_fraction(dims.pp, dims.virtual_stages, grad_accum)
+    return f" (includes the pipeline bubble: {100 * b:.1f}% of each step idle per stage)"

@@ -39,14 +39,15 @@ from llmcluster.train.downstream import Downstream, pending_steps
 from llmcluster.train.gc_cadence import GarbageCollection
 from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
 from llmcluster.train.health import (BusyTimer, CollectiveFailure, FaultInjector, LossSpikeDetector, SampleLog,
-                                     is_collective_error, slow_ranks, young_daly_steps)
+                                     is_collective_error, note_stragglers, young_daly_steps)
 from llmcluster.train.evaluate import Evaluator
+from llmcluster.train import ft
 from llmcluster.storage.events import EventLog
 from llmcluster.train.metrics import device_peak_flops, peak_note
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
 from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, step_context
 from llmcluster.train.resources import require_fit
-from llmcluster.train.pipeline import bubble_fraction, build_pipeline, grad_scaler
+from llmcluster.train.pipeline import bubble_note, build_pipeline, grad_scaler
 from llmcluster.storage import exit_reason
 from llmcluster.train.signals import PreemptionFlag
 from llmcluster.monitor.tracking import MetricsProcessor, run_info
@@ -63,15 +64,16 @@ class Trainer:
         self.storage = Storage(root)
         self.dims: D.ParallelDims | None = None
         world = int(os.environ.get("WORLD_SIZE", 1))
-        self.dims = D.ParallelDims.from_config(cfg, world)
+        self.dims = D.ParallelDims.from_config(ft.group_config(cfg), world)  # ft: the group's own world
         self.env = D.init_distributed(cfg, need_group=self.dims.needs_group)
         env, dims = self.env, self.dims
+        env.writer = ft.is_writer(cfg)   # ft: one group writes checkpoints, events and metrics
         self.notes: list[str] = []  # said once the run starts (after every input check passed)
         if not D.native_low_precision(env.device, cfg.train.precision):
             self.notes.append(f"warning: train.precision={cfg.train.precision} is emulated on this CPU (no "
                               "native support): computing in fp32")
             cfg.train.precision = "fp32"
-        self.dp_rank, self.dp_size = dims.dp_rank(env.rank), dims.dp
+        self.dp_rank, self.dp_size = ft.data_shard(cfg, dims.dp_rank(env.rank), dims.dp)
         t = cfg.train
         self.global_batch = t.global_batch or t.micro_batch * t.grad_accum * self.dp_size
         if self.global_batch != t.micro_batch * t.grad_accum * self.dp_size:
@@ -87,9 +89,9 @@ class Trainer:
         fresh = self.storage.require_run_dirs(cfg.run.name)  # removed again (if still empty) when refused
         self.metrics = None
         # One writer per run, decided before anything expensive: a second one is refused within seconds.
-        self.ckpt = Checkpointer(self.storage, cfg.run.name, env.rank, env.world_size,
+        self.ckpt = ft.checkpointer(cfg, Checkpointer(self.storage, cfg.run.name, env.rank, env.world_size,
                                  cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, log=self.log,
-                                 lock_stale_s=cfg.checkpoint.lock_stale_s, dist_timeout_s=cfg.dist.timeout_s)
+                                 lock_stale_s=cfg.checkpoint.lock_stale_s, dist_timeout_s=cfg.dist.timeout_s))
         self.ckpt.claim()
         self.events = EventLog(self.storage.run_logs(cfg.run.name), env.is_main)
         try:
@@ -157,17 +159,19 @@ class Trainer:
         self.preempt = PreemptionFlag().install()
         self.evaluator = Evaluator(cfg, env, dims, self.model, self.pipe, self.autocast, self.dataset, sampler,
                                    self.events)
-        self.metrics = MetricsProcessor(cfg, root, self.storage.run_logs(cfg.run.name), env.rank, env.local_rank,
+        self.metrics = MetricsProcessor(cfg, root, self.storage.run_logs(cfg.run.name), env.rank,
+                                        ft.port_slot(cfg, env.local_rank, env.local_world_size),
                                         self.step, env.is_main)
         if env.is_main:
             self.metrics.start(run_info(cfg, root, self.dataset_digest, env.device))
         self.downstream = Downstream(cfg, root, self.storage.run_logs(cfg.run.name), env.is_main, self.log)
         self.ckpt.protected = lambda: pending_steps(self.storage.run_logs(cfg.run.name)) if cfg.eval else set()
+        self.ft = ft.Replica(self) if cfg.ft.enabled else None   # after everything a healing peer copies
         self.events.emit("init_done", self.step)
 
     # -- helpers -----------------------------------------------------------------------------------
     def log(self, text: str) -> None:
-        if self.env.is_main:
+        if self.env.rank == 0:   # a group's rank 0 (ft): the writer's lines, and the other groups' own
             self.metrics.message(text) if getattr(self, "metrics", None) else print(text, flush=True)
 
     def _keep_global_batch(self, state: dict) -> None:
@@ -227,6 +231,8 @@ class Trainer:
         """Returns (global mean loss, grad norm, applied)."""
         cfg, model = self.cfg, self.model
         accum = cfg.train.grad_accum
+        if self.ft:   # the quorum; a group behind it heals here
+            self.ft.start_step()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.env.device, dtype=torch.float32)
         self.busy_timer.start()
@@ -252,6 +258,8 @@ class Trainer:
         if self.sample_log:
             self.sample_log.write(self.step + 1, sample_ids)
         loss = self._mean_over_ranks(loss_sum / accum)
+        if self.ft:   # across the replica groups in the quorum
+            loss = self.ft.average(model, loss)
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         norm = clip_grad_norm(model.parameters(), max_norm, self.pipe.pp_group if self.pipe else None)
@@ -265,12 +273,14 @@ class Trainer:
         if self.spikes.is_spike(z):
             self.log(f"warning: step {self.step + 1}: loss spike {loss_v:.4f} (z-score {z:.1f} over the last "
                      f"{cfg.train.spike_window} steps){': update skipped' if spike_skip else ''}")
-        if finite and not spike_skip:
+        commit = self.ft.should_commit() if self.ft else True   # every group's decision, every step
+        if finite and not spike_skip and commit:
             self.scaler.step(self.optimizer)  # fp16: skips by itself on inf gradients
             self.scaler.update()
         else:
             self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        if commit:   # ft: a step not committed did not happen (its batch is drawn again)
+            self.scheduler.step()
         return loss_v, norm_v, finite
 
     def _pipeline_step(self, batches: list) -> tuple[torch.Tensor, list[int]]:
@@ -292,13 +302,6 @@ class Trainer:
 
     def evaluate(self) -> float:
         return self.evaluator(self.step)["val_loss"]
-
-    def _bubble_note(self) -> str:
-        d = self.dims
-        if d.pp == 1:
-            return ""
-        b = bubble_fraction(d.pp, d.virtual_stages, self.cfg.train.grad_accum)
-        return f" (includes the pipeline bubble: {100 * b:.1f}% of each step idle per stage)"
 
     # -- the loop ----------------------------------------------------------------------------------
     def fit(self) -> int:
@@ -323,6 +326,10 @@ class Trainer:
             t0 = time.perf_counter()
             self.gc.step(self.step + 1)
             loss, norm, applied = self.train_step()
+            if self.ft and not self.ft.committed:   # not applied: the same batch again (ft.py), unless told to stop
+                if D.all_reduce_max(1.0 if self.preempt.set else 0.0, self.env) > 0:
+                    return self._preempted(False)
+                continue
             self.step += 1
             self._time_step(time.perf_counter() - t0)
             self._check_bad_step(loss, norm, applied)
@@ -349,7 +356,7 @@ class Trainer:
             self.log(f"resumed from {self.resumed_from} (step {self.step})")
         self.log(f"run {cfg.run.name}: {self.dims.describe()}, device {self.env.device}, {t.precision}, "
                  f"{param_count(cfg.model) / 1e6:.2f}M params, global batch {self.global_batch} × {cfg.data.seq_len} "
-                 f"tokens; MFU vs {peak_note(self.peak_flops, self.peak_source)}{self._bubble_note()}")
+                 f"tokens; MFU vs {peak_note(self.peak_flops, self.peak_source)}{bubble_note(self.dims, self.cfg.train.grad_accum)}")
         if self.step == 0:  # the baseline the validation curve is read against
             self.log(f"step 0 val {self.evaluate():.4f} (untrained; a uniform guess over the vocabulary "
                      f"scores {math.log(cfg.model.vocab_size):.4f})")
@@ -378,7 +385,7 @@ class Trainer:
                   "tokens_seen": self.sampler.consumed * cfg.data.seq_len,
                   "tokens_by_source": self.sampler.tokens_by_source(),
                   "rank_step_time_s": times, "rank_busy_s": busy_times, "bad_steps": self.bad_total, **val}
-        self._note_stragglers(busy_times)
+        note_stragglers(busy_times, self.cfg.log.straggler_factor, self.metrics, self.log)
         self.metrics.write(record)
 
     def _checkpoint(self, final: bool) -> bool:
@@ -449,18 +456,12 @@ class Trainer:
                                f"(train.max_bad_steps={self.cfg.train.max_bad_steps}); lower train.lr or check "
                                "the data; the last good checkpoint is intact")
 
-    def _note_stragglers(self, times: list[float]) -> None:
-        if len(times) < 2:
-            return
-        med, slow = slow_ranks(times, self.cfg.log.straggler_factor)
-        self.metrics.straggler(slow[0] if slow else None)
-        for r in slow:
-            self.log(f"warning: straggler: rank {r} compute time {times[r]:.3f}s vs median {med:.3f}s")
-
     def close(self, reason: str | None = None, detail: str = "") -> None:
         """`reason`: how the attempt ended (exit_reason's words), recorded as its last event; `detail`: a
         refusal's message."""
         self.preempt.uninstall()
+        if getattr(self, "ft", None):
+            self.ft.shutdown(reason)
         self.sampler.close()
         self.ckpt.close()
         if self.sample_log:

@@ -1,0 +1,287 @@
+"""`llmcluster train --procs-per-node P` with ft.enabled: the Lighthouse and one supervised world per replica group.
+
+The contract (docs/fault-tolerance.md, "Per-step fault tolerance"): the Lighthouse is a process of its own
+(`torchft_lighthouse`, torchft's console script, bound to 127.0.0.1); each group is its own `llmcluster train
+--procs-per-node P` (its own elastic launch, its own rendezvous on a free port) with TORCHFT_LIGHTHOUSE,
+LLMCLUSTER_FT_GROUP and LLMCLUSTER_FT_GROUPS in its environment. A group that exits non-zero is recorded
+(ft_group_failed) and started again alone, at most MAX_RESTARTS times; the others keep stepping. A stop signal
+(SIGTERM, Ctrl-C) is passed to every group (they checkpoint, as without ft); the Lighthouse dying stops the run the
+same way: the groups cannot form a quorum without it, and the run resumes from its checkpoint when started again.
+No torch here (a launcher): the groups import it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from llmcluster.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE, UserError
+from llmcluster.render import argv_element
+from llmcluster.testing import test_hook
+from llmcluster.storage.events import EVENTS, read_events
+from llmcluster.storage.job_record import write_record
+
+GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV = "LLMCLUSTER_FT_GROUP", "LLMCLUSTER_FT_GROUPS", "TORCHFT_LIGHTHOUSE"
+NOT_INSTALLED = "ft.enabled: true needs torchft, which is not installed here: pip install 'llmcluster[ft]'"
+# Test hook (acts only with LLMCLUSTER_TESTING=1): seconds before a dead group is started again, so that a test can
+# see the others commit steps without it however fast a restart is on the machine.
+RESTART_DELAY_ENV = "LLMCLUSTER_TEST_FT_RESTART_DELAY_S"
+MAX_RESTARTS = 3        # per group: a group that keeps dying is a bug or a bad node, not a transient fault
+STOP_WAIT_S = 120.0     # after SIGTERM, how long the groups get to checkpoint before SIGKILL
+POLL_S = 0.2
+
+
+def in_group() -> bool:
+    """This process is a group's own launch (started by the supervisor below)."""
+    return GROUP_ENV in os.environ
+
+
+def lighthouse_command() -> str:
+    """torchft's console script beside this interpreter (a venv's bin), else on PATH; refused without the extra."""
+    beside = Path(sys.executable).parent / "torchft_lighthouse"
+    found = str(beside) if beside.is_file() else shutil.which("torchft_lighthouse")
+    try:
+        spec = importlib.util.find_spec("torchft")   # not imported: that would import torch
+    except ImportError:
+        spec = None
+    if spec is None or found is None:
+        raise UserError(NOT_INSTALLED)
+    return found
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the supervisor dies, even by SIGKILL, so that neither the
+    Lighthouse nor a group (each in a session of its own) outlives it: the groups checkpoint and stop."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its live descendants (from /proc): torch's elastic agent starts each rank in a session of its own,
+    so a signal to the group's process group does not reach its ranks, and a launcher killed outright leaves them
+    running; the supervisor signals the whole tree."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(d.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _ours(pid: int) -> bool:
+    try:
+        return b"llmcluster" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+class Supervisor:
+    def __init__(self, cfg, root: Path, argv: list[str], procs: int):
+        if procs < 1:
+            raise UserError(f"--procs-per-node must be at least 1, got {procs}")
+        groups = cfg.parallel.dp_replicate
+        if groups < 2:
+            raise UserError(f"ft.enabled needs parallel.dp_replicate >= 2 replica groups (got {groups})")
+        self.cfg, self.argv, self.groups = cfg, argv, groups
+        self.logs = root / "logs" / cfg.run.name
+        self.exe = lighthouse_command()
+        self.lighthouse = None
+        self.address = cfg.ft.lighthouse or f"127.0.0.1:{_free_port()}"
+        self.procs: list[subprocess.Popen | None] = [None] * groups
+        self.restarts = [0] * groups
+        self.done = [False] * groups
+        self.trees: list[list[int]] = [[] for _ in range(groups)]   # each group's launcher and ranks, as last seen
+        self.seen = 0.0
+        self.restart_at: dict[int, float] = {}   # group -> when to start it again
+        self.stopping = None   # why every group is being stopped (a signal, the Lighthouse's death)
+
+    # -- processes ---------------------------------------------------------------------------------
+    def _start_lighthouse(self) -> None:
+        if self.cfg.ft.lighthouse:   # a running one, named by the config: not ours to start or stop
+            return
+        ft = self.cfg.ft
+        argv = [self.exe, "--min_replicas", str(ft.min_replicas), "--join_timeout_ms",
+                str(int(ft.join_timeout_s * 1000)), "--bind", argv_element(self.address, "the Lighthouse's address")]
+        with open(self.logs / "ft" / "lighthouse.log", "ab") as out:
+            self.lighthouse = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                               preexec_fn=_die_with_parent)
+
+    def _start_group(self, g: int) -> None:
+        env = {"RUST_LOG": "warn", **os.environ, GROUP_ENV: str(g), GROUPS_ENV: str(self.groups), LIGHTHOUSE_ENV: f"http://{self.address}"}
+        if g == 0:   # the writer's lines on the terminal, as a run without ft; the others' in their files
+            self.procs[g] = subprocess.Popen([sys.executable, "-m", "llmcluster", *self.argv], env=env,
+                                             start_new_session=True, preexec_fn=_die_with_parent)
+            return
+        with open(self.logs / "ft" / f"group{g}.log", "ab") as out:
+            self.procs[g] = subprocess.Popen([sys.executable, "-m", "llmcluster", *self.argv], env=env,
+                                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                             preexec_fn=_die_with_parent)
+
+    def _look(self, force: bool = False) -> None:
+        if force or time.monotonic() - self.seen > 1.0:
+            self.seen = time.monotonic()
+            for g, p in enumerate(self.procs):
+                if p is not None and p.poll() is None:
+                    self.trees[g] = _tree(p.pid)
+
+    def _signal_group(self, g: int, sig: int) -> None:
+        for pid in self.trees[g]:
+            if _ours(pid):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def _signal_groups(self, sig: int) -> None:
+        self._look(force=True)
+        for g, p in enumerate(self.procs):
+            if p is not None and (p.poll() is None or sig == signal.SIGKILL):
+                self._signal_group(g, sig)
+
+    # -- records -----------------------------------------------------------------------------------
+    def _event(self, kind: str, **fields) -> None:
+        """A supervisor's line in events.jsonl (the writer rank's file; appended in one write)."""
+        path = self.logs / EVENTS
+        recs = read_events(path, warn=None) if path.is_file() else []
+        attempt = max((r["attempt"] for r in recs), default=1)
+        step = max((r["step"] for r in recs), default=0)
+        line = json.dumps({"t": round(time.time(), 6), "attempt": attempt, "event": kind, "step": step, **fields})
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+    def _record(self, state: str, code: int | None = None) -> None:
+        self._look(force=True)
+        groups = [{"group": g, "pid": p.pid if p else None, "pids": self.trees[g], "restarts": self.restarts[g],
+                   "state": "COMPLETED" if self.done[g] else ("RUNNING" if p and p.poll() is None else "DOWN")}
+                  for g, p in enumerate(self.procs)]
+        rec = {"run": self.cfg.run.name, "scheduler": "local", "kind": "train", "job_id": f"local-{os.getpid()}",
+               "pid": os.getpid(), "state": state, "procs_per_node": int(self.argv_procs()),
+               "ft": {"lighthouse": self.address, "lighthouse_pid": self.lighthouse.pid if self.lighthouse else None,
+                      "groups": groups}}
+        if code is not None:
+            rec["exit_code"] = code
+        write_record(self.logs, rec)
+
+    def argv_procs(self) -> str:
+        for flag in ("--procs-per-node", "--nproc-per-node"):
+            if flag in self.argv:
+                return self.argv[self.argv.index(flag) + 1]
+        return "1"
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self) -> int:
+        (self.logs / "ft").mkdir(parents=True, exist_ok=True)
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        code = EXIT_FAILURE
+        try:
+            self._start_lighthouse()
+            for g in range(self.groups):
+                self._start_group(g)
+            self._record("RUNNING")
+            code = self._supervise()
+        finally:
+            self._signal_groups(signal.SIGKILL)
+            if self.lighthouse is not None and self.lighthouse.poll() is None:
+                self.lighthouse.terminate()
+                self.lighthouse.wait()
+            for s, h in previous.items():
+                signal.signal(s, h)
+            self._record("COMPLETED" if code == 0 else "FAILED", code)
+        print(f"[llmcluster] run {self.cfg.run.name} exited with {code}; logs in {self.logs}", file=sys.stderr)
+        return code
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.stopping is None:
+            self.stopping = signal.Signals(signum).name
+
+    def _supervise(self) -> int:
+        while True:
+            if self.stopping:
+                return self._stop(f"{self.stopping}: stopping every group (they checkpoint)")
+            if self.lighthouse is not None and self.lighthouse.poll() is not None:
+                self._event("ft_lighthouse_lost", code=self.lighthouse.returncode)
+                return self._stop(f"the Lighthouse exited ({self.lighthouse.returncode}): stopping every group; "
+                                  "run the same command again to resume from the last checkpoint")
+            self._look()
+            for g, at in list(self.restart_at.items()):
+                if time.monotonic() >= at:
+                    del self.restart_at[g]
+                    self._start_group(g)
+                    self._record("RUNNING")
+            for g, p in enumerate(self.procs):
+                rc = p.poll() if p is not None and not self.done[g] and g not in self.restart_at else None
+                if rc is None:
+                    continue
+                if rc == 0:
+                    self.done[g] = True
+                elif rc == EXIT_USAGE:   # bad input: every group would say the same
+                    self._stop("")
+                    return EXIT_USAGE
+                else:
+                    self._group_failed(g, p, rc)
+                    if self.restarts[g] > MAX_RESTARTS:
+                        return self._stop(f"group {g} failed {self.restarts[g]} times: stopping the run")
+                self._record("RUNNING")
+            if all(self.done):
+                return 0
+            time.sleep(POLL_S)
+
+    def _group_failed(self, g: int, p: subprocess.Popen, rc: int) -> None:
+        self._signal_group(g, signal.SIGKILL)   # ranks its launcher left behind must not train on as a ghost group
+        self.restarts[g] += 1
+        self._event("ft_group_failed", group=g, pids=self.trees[g], exit_code=rc)
+        print(f"[llmcluster] replica group {g} (pid {p.pid}) exited with {rc}; the other groups keep training"
+              + (f"; restarting it ({self.restarts[g]} of {MAX_RESTARTS})" if self.restarts[g] <= MAX_RESTARTS
+                 else ""), file=sys.stderr, flush=True)
+        if self.restarts[g] <= MAX_RESTARTS:
+            self.restart_at[g] = time.monotonic() + float(test_hook(RESTART_DELAY_ENV) or 0)
+
+    def _stop(self, why: str) -> int:
+        """SIGTERM every live group, wait for their checkpoint, SIGKILL what is left. The run's code: 75 (resume
+        it), unless a group said worse."""
+        if why:
+            print(f"[llmcluster] {why}", file=sys.stderr, flush=True)
+        self._signal_groups(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_WAIT_S
+        while any(p is not None and p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        codes = {p.returncode for g, p in enumerate(self.procs) if p is not None and not self.done[g]}
+        return EXIT_USAGE if EXIT_USAGE in codes else EXIT_PREEMPTED
+
+
+def supervise(args) -> int | None:
+    """The run's exit code when this `train --procs-per-node` is an ft run's launch; None otherwise."""
+    if args.procs_per_node is None or in_group():
+        return None
+    from llmcluster.config.load import load_job_config
+    from llmcluster.paths import resolve_storage_root
+
+    cfg = load_job_config(args.config, args.overrides)
+    if not cfg.ft.enabled:
+        return None
+    return Supervisor(cfg, resolve_storage_root(args.root, cfg.run.storage), args.argv, args.procs_per_node).run()

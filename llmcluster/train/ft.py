@@ -1,0 +1,249 @@
+"""Per-step fault tolerance across replica groups on torchft (issue 37; docs/fault-tolerance.md).
+
+The trainer knows torchft only through this module. Each of parallel.dp_replicate's replicas is a replica group:
+its own torchrun world (the launcher sets LLMCLUSTER_FT_GROUP / LLMCLUSTER_FT_GROUPS and TORCHFT_LIGHTHOUSE),
+whose mesh is dp_shard x 1 x 1. Across groups, a step is:
+
+    start_step   quorum with the Lighthouse (synchronous): a group behind the quorum's step heals here, from a
+                 live peer (model, optimizer, lr schedule, step, data position), before it draws its batch
+    average      the gradients (and the loss) averaged over the groups in the quorum on torchft's fault-tolerant
+                 process group (gloo on CPU, nccl on GPU); a peer dying mid-all-reduce marks the step errored
+    should_commit every group agrees; a step not committed is not applied and is retried with the same batch
+                 (the data position is put back, the lr schedule does not step): no sample of the group's
+                 shard is skipped or trained twice.
+
+Data: each group reads its own shard of the global batch (dp_rank = group x dp_shard + rank in the group); a step
+committed with fewer groups trains on those groups' shards only (fewer samples; the missing shards are not
+replayed). The writer of checkpoints, events and metrics is group 0 (the lock holder, checkpoint/ownership.py);
+the other groups write nothing but their own log lines.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+from llmcluster.errors import UserError
+from llmcluster.launch.ft_local import GROUP_ENV, GROUPS_ENV, NOT_INSTALLED
+WRITER_GROUP = 0
+
+
+def require_torchft() -> None:
+    """ft.enabled without the extra: one line that says how to install it."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise UserError(NOT_INSTALLED) from None
+
+
+def group() -> tuple[int, int]:
+    """(this process's replica group, the number of groups), from the launcher's environment."""
+    try:
+        g, n = int(os.environ[GROUP_ENV]), int(os.environ[GROUPS_ENV])
+    except (KeyError, ValueError):
+        raise UserError(f"ft.enabled: this process was not started as a replica group ({GROUP_ENV}/{GROUPS_ENV} "
+                        "unset): start the run with `llmcluster train --config C --procs-per-node P` or "
+                        "`llmcluster launch`") from None
+    if not 0 <= g < n:
+        raise UserError(f"ft.enabled: {GROUP_ENV}={g} is not a group of {GROUPS_ENV}={n}")
+    return g, n
+
+
+def group_config(cfg):
+    """The config a group's own world is built from: dp_replicate is across groups (torchft), so 1 inside."""
+    if not cfg.ft.enabled:
+        return cfg
+    require_torchft()
+    _g, n = group()
+    if cfg.parallel.dp_replicate not in (-1, n):
+        raise UserError(f"ft.enabled: parallel.dp_replicate is {cfg.parallel.dp_replicate} but the launcher "
+                        f"started {n} replica groups")
+    inner = cfg.model_copy(deep=True)
+    inner.parallel.dp_replicate = 1
+    return inner
+
+
+def data_shard(cfg, dp_rank: int, dp_size: int) -> tuple[int, int]:
+    """Every group reads its own shard of the global batch: the groups are the outer data-parallel dimension."""
+    if not cfg.ft.enabled:
+        return dp_rank, dp_size
+    g, n = group()
+    return g * dp_size + dp_rank, n * dp_size
+
+
+def is_writer(cfg) -> bool:
+    return not cfg.ft.enabled or group()[0] == WRITER_GROUP
+
+
+def port_slot(cfg, local_rank: int, local_world: int) -> int:
+    """The Prometheus port offset of this rank: groups sharing a host get ports of their own."""
+    return local_rank + (group()[0] * local_world if cfg.ft.enabled else 0)
+
+
+def _tensor_bytes(obj) -> int:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+class _QuorumTap:
+    """Delegates to torchft's ManagerClient and keeps the last quorum it answered (the replica ids and who heals
+    from whom, which the Manager does not expose): what ft_quorum / ft_heal record."""
+
+    def __init__(self, client):
+        self._inner, self.last = client, None
+
+    def _quorum(self, *a, **kw):
+        self.last = self._inner._quorum(*a, **kw)
+        return self.last
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class Replica:
+    """This process's side of the replica groups: the torchft Manager and the per-step protocol above."""
+
+    def __init__(self, trainer):
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+        self.t = trainer
+        cfg, env = trainer.cfg, trainer.env
+        self.group, self.groups = group()
+        timeout = timedelta(seconds=cfg.dist.timeout_s)
+        pg = ProcessGroupNCCL(timeout=timeout) if env.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        store = {}
+        if "MASTER_ADDR" not in os.environ:   # a group of one process without torchrun: a store of its own
+            from torch.distributed import TCPStore
+
+            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            store = {"store_addr": "127.0.0.1", "store_port": self._store.port, "rank": 0, "world_size": 1}
+        self.manager = Manager(pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=
+                               cfg.ft.min_replicas, use_async_quorum=False, timeout=timeout,
+                               quorum_timeout=timedelta(seconds=cfg.ft.quorum_timeout_s), connect_timeout=timeout,
+                               replica_id=f"llmcluster_group_{self.group}", init_sync=False, **store)
+        self.tap = self.manager._client = _QuorumTap(self.manager._client)
+        # The Manager's step is the trainer's (a resumed run's quorum compares the checkpoint's step).
+        self.manager.load_state_dict({"step": trainer.step, "batches_committed": 0})
+        self.committed = True
+        self.before = None        # the data position at the start of the step: put back on a retry
+        self.quorum_ids: list[str] | None = None
+        self.sent_bytes = 0
+        self.heal_from = None
+
+    # -- the state a healing peer copies -----------------------------------------------------------
+    def _state(self) -> dict:
+        t = self.t
+        state = {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(), "step": t.step,
+                 "train": t.train_state()}
+        self.sent_bytes = _tensor_bytes(state)
+        return state
+
+    def _load(self, state: dict) -> None:
+        t = self.t
+        t.model.load_state_dict(state["model"])
+        t.optimizer.load_state_dict(state["optimizer"])
+        t.step = int(state["step"])
+        s = state["train"]
+        self._reposition(s["sampler"])
+        t.scheduler.load_state_dict(s["scheduler"])
+        if s.get("scaler") and t.scaler.is_enabled():
+            t.scaler.load_state_dict(s["scaler"])
+        t.bad_total = int(s.get("bad_steps", 0))
+        t.spikes.load_state_dict(s.get("loss_window"))
+
+    def _reposition(self, sampler_state: dict) -> None:
+        """The prefetch thread has run ahead: a new one from `sampler_state` (the underlying sampler is kept)."""
+        from llmcluster.data.prefetch import Prefetcher
+
+        old = self.t.sampler
+        old.close()
+        self.t.sampler = Prefetcher(old.sampler, old.depth, old.pin)
+        self.t.sampler.load_state_dict(sampler_state)
+
+    # -- one step ----------------------------------------------------------------------------------
+    def start_step(self) -> None:
+        t = self.t
+        t0 = time.perf_counter()
+        step_before = t.step
+        self.manager.start_quorum()
+        q = self.tap.last
+        heal_s = time.perf_counter() - t0
+        if q is not None:
+            self._note_quorum(q, step_before, heal_s)
+        self.before = t.sampler.state_dict()
+
+    def _note_quorum(self, q, step_before: int, heal_s: float) -> None:
+        t = self.t
+        names = [r.split(":")[0] for r in q.replica_ids]   # llmcluster_group_<g>:<uuid>, in replica-rank order
+        ids = sorted(set(names))
+
+        def group_of(rank: int) -> int:
+            return int(names[rank].rsplit("_", 1)[1])
+        if q.heal:
+            peer = group_of(q.recover_src_replica_rank)
+            t.log(f"ft: group {self.group} healed from replica {peer} at step {t.step} (was at {step_before}) "
+                  f"in {heal_s:.2f} s")
+            t.events.emit("ft_heal", t.step, group=self.group, peer=peer, seconds=round(heal_s, 3),
+                          bytes=None, side="receiver")
+        for r in q.recover_dst_replica_ranks:   # the sender knows the bytes; the receiver its time (its own line)
+            t.events.emit("ft_heal", t.step, group=group_of(r), peer=self.group, bytes=self.sent_bytes,
+                          seconds=round(heal_s, 3), side="sender")
+        if sorted(q.replica_ids) != self.quorum_ids:   # with the uuids: a group replaced by its restart is news
+            self.quorum_ids = sorted(q.replica_ids)
+            t.log(f"ft: step {t.step + 1}: quorum of {len(ids)} of {self.groups} groups ({', '.join(ids)})")
+            t.events.emit("ft_quorum", t.step, groups=len(ids), replica_ids=ids)
+            t.metrics.ft_groups(len(ids))
+
+    def average(self, model, loss):
+        """Gradients and the loss, averaged over the groups in the quorum (one flat all-reduce)."""
+        import torch
+
+        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.detach().float().reshape(1)])
+        self.manager.allreduce(flat).wait()
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return flat[-1].to(loss.dtype)
+
+    def should_commit(self) -> bool:
+        self.committed = self.manager.should_commit()
+        if not self.committed:   # its batch again (the lr schedule does not step), or saved as not drawn on a stop
+            self._reposition(self.before)
+            self.t.log(f"ft: step {self.t.step + 1} not committed (a group failed during it): retried")
+        return self.committed
+
+    def shutdown(self, reason: str | None) -> None:
+        if reason == "completed":   # the replicas' agreement, checkable from their logs (the tests compare them)
+            self.t.log(f"ft: group {self.group} finished at step {self.t.step}, weights sha256 {self.digest()}")
+        self.manager.shutdown(wait=False)
+
+    def digest(self) -> str:
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, v in sorted(self.t.model.state_dict().items()):
+            h.update(name.encode())
+            h.update(getattr(v, "_local_tensor", v).detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+
+def checkpointer(cfg, ckpt):
+    """A group other than the writer reads checkpoints (a full stop resumes every group from the same one) and
+    writes none: no lock, no save, no pruning."""
+    if is_writer(cfg):
+        return ckpt
+    ckpt.claim = ckpt.prepare_start = ckpt.close = lambda *a, **k: None
+    ckpt.save = ckpt.wait_pending = ckpt.poll = lambda *a, **k: None
+    ckpt.heartbeat = lambda: False
+    return ckpt

@@ -1,0 +1,286 @@
+"""Per-step fault tolerance on torchft (issue 37): replica groups as real processes over gloo, the Lighthouse a
+process of its own, the supervisor of `train --procs-per-node` restarting a dead group alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, assert_one_line_error, cli_env, cli_inprocess, overrides, read_metrics
+
+torchft = pytest.importorskip("torchft")
+
+FT = ("ft.enabled=true", "parallel.dp_replicate=2", "ft.join_timeout_s=2", "ft.quorum_timeout_s=30",
+      "dist.timeout_s=30", "log.eval_interval=1000", "train.threads=1")
+DIGEST = re.compile(r"ft: group (\d) finished at step (\d+), weights sha256 ([0-9a-f]{16})")
+
+
+def _cmd(root: Path, run: str, *items: str) -> list[str]:
+    return [sys.executable, "-m", "llmcluster", "train", "-c", "llm_tiny", "--root", str(root), "--procs-per-node",
+            "1", *overrides(f"run.name={run}", *FT, *items)]
+
+
+def _events(root: Path, run: str) -> list[dict]:
+    path = root / "logs" / run / "events.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+
+
+def _job(root: Path, run: str) -> dict:
+    try:
+        return json.loads((root / "logs" / run / "job.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _digests(root: Path, run: str, stdout: str) -> dict[int, tuple[int, str]]:
+    text = stdout + (root / "logs" / run / "ft" / "group1.log").read_text()
+    return {int(g): (int(s), d) for g, s, d in DIGEST.findall(text)}
+
+
+def _wait(pred, proc, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert proc.poll() is None, f"the run ended before {what}: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _step(root: Path, run: str) -> int:
+    steps = [e["step"] for e in _events(root, run) if e["event"] == "step"]
+    return max(steps, default=0)
+
+
+def _losses(root: Path, run: str) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(root, run) if "loss" in r}
+
+
+def test_without_torchft_the_run_is_refused_in_one_line(tiny_root, tmp_path):
+    """The extra missing (the module hidden from the interpreter): one line naming the install command, before any
+    Lighthouse or group is started."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'torchft':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, Hide())\n")
+    env = cli_env(PYTHONPATH=os.pathsep.join([str(hide), str(REPO)]))
+    proc = subprocess.run(_cmd(tiny_root, "ft-missing"), cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert_one_line_error(proc, "pip install 'llmcluster[ft]'")
+    assert not (tiny_root / "checkpoints" / "ft-missing").exists()
+
+
+def test_ft_outside_a_replica_group_is_refused(tiny_root, capsys):
+    proc = cli_inprocess(capsys, "train", "-c", "llm_tiny", "--root", str(tiny_root),
+                         *overrides("run.name=ft-nogroup", *FT))
+    assert_one_line_error(proc, "not started as a replica group", "--procs-per-node")
+
+
+@pytest.mark.slow   # real processes: 20-90 s on a loaded 2-core machine
+def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_root):
+    """2 groups x 1 rank; group 1 SIGKILLed twice. Group 0 (the writer) is never restarted and commits steps
+    while group 1 is down; group 1 heals from it; both finish with bitwise identical weights; the loss curve
+    stays within 0.25 nats (10-step means) of the same run without kills (steps committed with one group see
+    half the batch).
+    Steps 1-95 are slowed to 0.5 s (a test hook) so that the run outlasts two restarts on a loaded machine."""
+    run, steps = "ft-kill", 100
+    items = ("ft.min_replicas=1", f"train.steps={steps}", "checkpoint.interval_steps=20", "log.interval=1")
+    env = cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP="0:0.5:1-95",
+                  LLMCLUSTER_TEST_FT_RESTART_DELAY_S="6")   # group 1 stays down 6 s at least, however fast its restart
+    proc = subprocess.Popen(_cmd(tiny_root, run, *items), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def quorum(groups: int, after: int):
+        return lambda: any(e["event"] == "ft_quorum" and e["groups"] == groups and e["step"] >= after
+                           for e in _events(tiny_root, run))
+    try:
+        _wait(quorum(2, 0), proc, "both groups in a quorum")
+        pid0 = _job(tiny_root, run)["ft"]["groups"][0]["pid"]
+        for _ in range(2):
+            _wait(lambda: _step(tiny_root, run) >= 2 + max(e["step"] for e in _events(tiny_root, run)
+                                                           if e["event"] == "ft_quorum"), proc, "two more steps")
+            before = _job(tiny_root, run)["ft"]["groups"][1]["pid"]
+            killed_at = _step(tiny_root, run)
+            for pid in _job(tiny_root, run)["ft"]["groups"][1]["pids"]:   # the node dies: launcher and rank
+                os.kill(pid, signal.SIGKILL)
+            _wait(lambda: _job(tiny_root, run)["ft"]["groups"][1]["pid"] != before, proc, "group 1's restart")
+            _wait(quorum(1, killed_at), proc, "a quorum of group 0 alone")
+            alone = _step(tiny_root, run)
+            _wait(lambda: _step(tiny_root, run) >= alone + 2, proc, "steps committed by group 0 alone")
+            _wait(quorum(2, alone), proc, "group 1 back in the quorum")
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    job = _job(tiny_root, run)
+    assert job["ft"]["groups"][0]["pid"] == pid0 and job["ft"]["groups"][0]["restarts"] == 0
+    assert job["ft"]["groups"][1]["restarts"] == 2
+    events = _events(tiny_root, run)
+    assert [e["group"] for e in events if e["event"] == "ft_group_failed"] == [1, 1]
+    # group 1 healed from group 0 after each restart (and one group may have healed from the other at the start)
+    heals = [e for e in events if e["event"] == "ft_heal" and e["group"] == 1 and e["step"] > 2]
+    assert len(heals) == 2 and all(e["peer"] == 0 and e["bytes"] > 0 for e in heals), heals
+    digests = _digests(tiny_root, run, out)
+    assert digests[0] == digests[1] and digests[0][0] == steps, digests
+
+    ref = "ft-kill-ref"
+    ref_proc = subprocess.run(_cmd(tiny_root, ref, *items[1:], "ft.min_replicas=2"), cwd=REPO, env=cli_env(),
+                              capture_output=True, text=True, timeout=600)
+    assert ref_proc.returncode == 0, ref_proc.stderr[-3000:]
+    a, b = _losses(tiny_root, run), _losses(tiny_root, ref)
+    assert set(b) == set(range(1, steps + 1))
+    common = set(a) & set(b)   # the writer's first steps are missing when it healed from group 1 at the start
+    assert len(common) >= steps - 5 and steps in common
+    # the curve, as 10-step means (a single step's loss is over a different half of the batch when one group
+    # committed it alone): within 0.25 nats of the run without kills (0.11 measured)
+    windows = [[s for s in range(lo, lo + 10) if s in common] for lo in range(1, steps + 1, 10)]
+    gaps = [abs(sum(a[s] - b[s] for s in w) / len(w)) for w in windows if w]
+    assert max(gaps) < 0.25, gaps
+
+
+@pytest.mark.slow   # real processes: 20-90 s on a loaded 2-core machine
+def test_a_run_without_failures_resumes_bitwise_after_a_full_stop(tiny_root):
+    """Stopped at step 6 (train.stop_at, a checkpoint) and started again: both groups resume from the writer's
+    checkpoint and end bitwise where an uninterrupted run ends."""
+    items = ("ft.min_replicas=2", "train.steps=12", "checkpoint.interval_steps=6")
+    first = subprocess.run(_cmd(tiny_root, "ft-resume", *items, "train.stop_at=6"), cwd=REPO, env=cli_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tiny_root / "checkpoints" / "ft-resume" / "step_6" / "COMPLETE.json").is_file()
+    again = subprocess.run(_cmd(tiny_root, "ft-resume", *items), cwd=REPO, env=cli_env(), capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and "(step 6)" in again.stdout
+    whole = subprocess.run(_cmd(tiny_root, "ft-whole", *items), cwd=REPO, env=cli_env(), capture_output=True,
+                           text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    resumed, ref = _digests(tiny_root, "ft-resume", again.stdout), _digests(tiny_root, "ft-whole", whole.stdout)
+    assert resumed[0] == resumed[1] == ref[0] == ref[1] and ref[0][0] == 12, (resumed, ref)
+    assert not any(e["event"] == "ft_heal" for e in _events(tiny_root, "ft-resume"))
+
+
+@pytest.mark.slow   # real processes: 20-90 s on a loaded 2-core machine
+def test_the_lighthouse_killed_stops_the_run_and_it_resumes_from_its_checkpoint(tiny_root):
+    """No quorum without the Lighthouse: the supervisor stops every group (SIGTERM: the writer checkpoints as on a
+    preemption), exits 75 and leaves no process behind; the same command resumes and finishes."""
+    run = "ft-lighthouse"
+    items = ("ft.min_replicas=2", "train.steps=30", "checkpoint.interval_steps=5", "ft.quorum_timeout_s=5")
+    env = cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP="0:0.3:1-30")
+    proc = subprocess.Popen(_cmd(tiny_root, run, *items), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait(lambda: (tiny_root / "checkpoints" / run / "step_5" / "COMPLETE.json").is_file(), proc, "step_5")
+        pids = [g["pid"] for g in _job(tiny_root, run)["ft"]["groups"]]
+        os.kill(_job(tiny_root, run)["ft"]["lighthouse_pid"], signal.SIGKILL)
+        out, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 75, err[-3000:]
+    assert "the Lighthouse exited" in err and "Traceback" not in err.split("the Lighthouse exited")[0]
+    assert not any(Path(f"/proc/{p}").exists() for p in pids)   # no group left behind
+    job = _job(tiny_root, run)
+    assert job["state"] == "FAILED" and job["exit_code"] == 75
+    again = subprocess.run(_cmd(tiny_root, run, *items), cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    # from the checkpoint the writer wrote as it was stopped (or, had it been stuck in a quorum, the last periodic one)
+    resumed = re.search(r"resumed from \S+/step_(\d+) \(step (\d+)\)", again.stdout)
+    assert resumed and resumed[1] == resumed[2] and int(resumed[1]) >= 5, again.stdout
+    digests = _digests(tiny_root, run, again.stdout)
+    assert digests[0] == digests[1] and digests[0][0] == 30
+
+
+def test_the_live_group_count_is_a_gauge_and_groups_on_one_host_get_their_own_ports(monkeypatch):
+    from llmcluster.config.schema import JobConfig
+    from llmcluster.launch.ft_local import GROUP_ENV, GROUPS_ENV
+    from llmcluster.monitor.train_metrics import TrainMetrics
+    from llmcluster.train import ft
+
+    m = TrainMetrics("r", 0, None)
+    m.ft_groups(1)
+    assert m.registry.get_sample_value("llmcluster_train_ft_groups", {"run": "r", "rank": "0"}) == 1
+    cfg = JobConfig.model_validate({"ft": {"enabled": True}, "parallel": {"dp_replicate": 2}})
+    monkeypatch.setenv(GROUPS_ENV, "2")
+    slots = set()
+    for g in ("0", "1"):
+        monkeypatch.setenv(GROUP_ENV, g)
+        slots |= {ft.port_slot(cfg, r, 2) for r in range(2)}
+        assert ft.data_shard(cfg, 1, 2) == (int(g) * 2 + 1, 4)   # each group its own shard of the global batch
+    assert slots == {0, 1, 2, 3}
+    assert ft.port_slot(JobConfig(), 1, 2) == 1
+
+
+def test_goodput_counts_the_ft_records_without_letting_them_split_the_steps():
+    from llmcluster.launch.goodput import goodput
+
+    base = [{"t": 0.0, "attempt": 1, "event": "attempt_start", "step": 0},
+            {"t": 1.0, "attempt": 1, "event": "init_done", "step": 0}]
+    base += [{"t": 1.0 + k, "attempt": 1, "event": "step", "step": k} for k in range(1, 11)]
+    base.append({"t": 11.5, "attempt": 1, "event": "exit", "step": 10, "reason": "completed"})
+    ft = [{"t": 1.0, "attempt": 1, "event": "ft_quorum", "step": 0, "groups": 2},
+          {"t": 3.5, "attempt": 1, "event": "ft_group_failed", "step": 3, "group": 1, "pids": [9], "exit_code": -9},
+          {"t": 4.2, "attempt": 1, "event": "ft_quorum", "step": 4, "groups": 1},
+          {"t": 7.5, "attempt": 1, "event": "ft_heal", "step": 7, "group": 1, "peer": 0, "bytes": 2e6, "seconds": 0.5},
+          {"t": 7.5, "attempt": 1, "event": "ft_quorum", "step": 7, "groups": 2}]
+    plain, with_ft = goodput(base), goodput(sorted(base + ft, key=lambda e: e["t"]))
+    assert plain["ft"] is None and with_ft["productive_s"] == plain["productive_s"]
+    assert with_ft["badput_s"] == plain["badput_s"]
+    assert with_ft["ft"] == {"groups": 2, "group_failures": 1, "heals": 1, "heal_s": 0.5, "heal_bytes": 2e6,
+                             "steps_fewer_groups": 3, "lighthouse_lost": 0}
+
+
+def test_jobs_status_shows_each_group_and_its_pids(tmp_path, capsys):
+    logs = tmp_path / "storage" / "logs" / "r"
+    logs.mkdir(parents=True)
+    rec = {"run": "r", "scheduler": "local", "kind": "train", "job_id": "local-1", "pid": 1, "state": "FAILED",
+           "exit_code": 75, "ft": {"lighthouse": "127.0.0.1:1", "groups": [
+               {"group": 0, "pid": 11, "pids": [11, 12], "restarts": 0, "state": "DOWN"},
+               {"group": 1, "pid": 21, "pids": [21, "x"], "restarts": 2, "state": "DOWN"}, "junk"]}}
+    (logs / "job.json").write_text(json.dumps(rec))
+    proc = cli_inprocess(capsys, "jobs", "status", "r", "--root", str(tmp_path / "storage"))
+    assert proc.returncode == 0, proc.stderr
+    assert "group0=DOWN(pids 11,12, restarts 0)" in proc.stdout and "group1=DOWN(pids 21, restarts 2)" in proc.stdout
+
+
+@pytest.mark.slow   # real processes
+def test_the_supervisor_killed_outright_leaves_no_lighthouse_or_group_behind(tiny_root):
+    """The Lighthouse and the groups run in sessions of their own: they get SIGTERM when their supervisor dies."""
+    run = "ft-orphans"
+    env = cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP="0:0.3")
+    proc = subprocess.Popen(_cmd(tiny_root, run, "ft.min_replicas=1", "train.steps=500"), cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def running(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    try:
+        _wait(lambda: _step(tiny_root, run) >= 2, proc, "step 2")
+        job = _job(tiny_root, run)
+        pids = [job["ft"]["lighthouse_pid"], *(p for g in job["ft"]["groups"] for p in g["pids"])]
+        proc.kill()   # the supervisor alone, SIGKILL: none of its own cleanup runs
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while any(map(running, pids)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if running(p)]
+    finally:
+        for p in [proc.pid]:
+            try:
+                os.killpg(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
