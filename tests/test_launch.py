@@ -75,6 +75,7 @@ exit "${FAKE_RC:-0}"
 def run_batch_script(tmp_path: Path, script: str, **env: str) -> tuple[str, str]:
     """The sbatch script run by bash as slurmd would (job id 7), with scontrol/srun stand-ins on PATH
     (the real ones are exercised in test_launch_slurm.py); returns (stdout, the stand-ins' log)."""
+    import errno
     import os
     import socket
 
@@ -86,8 +87,11 @@ def run_batch_script(tmp_path: Path, script: str, **env: str) -> tuple[str, str]
     log = tmp_path / "fake.log"
     log.write_text("")
     with socket.socket() as busy:          # the job's first-choice port is taken: the next one is used
-        busy.bind(("", 29507))
-        busy.listen()
+        try:
+            busy.bind(("", 29507))
+            busy.listen()
+        except OSError as e:               # another process on this machine holds it: taken all the same
+            assert e.errno == errno.EADDRINUSE, e
         p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
                            env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
                                 "SLURM_JOB_NODELIST": "gpu-[a-b]", "FAKE_LOG": str(log), **env})
