@@ -382,6 +382,43 @@ def k8s_entries(form: str) -> dict[str, Callable]:
     }
 
 
+def k8s_ft_entries() -> dict[str, Callable]:
+    """The JobSet with ft (issue 37): the groups' pods and the Lighthouse's Deployment + Service."""
+    def render(**kw):
+        kw = {"config": lambda _: FT_ON, **kw}
+        return lambda v: launch_text("k8s", kind="jobset", **{k: f(v) for k, f in kw.items()})
+
+    def ranks(docs):
+        return [c for c in containers(docs) if c["name"] != "lighthouse"]
+
+    def env_is(name, want):
+        def check(docs, value):
+            got = [kubelet(e["value"]) for c in ranks(docs) for e in c["env"] if e["name"] == name]
+            assert len(got) == 2 and set(got) == {want(value)}, got
+        return check
+
+    def args_check(docs, value):
+        for c in ranks(docs):
+            argv = [kubelet(a) for a in c["command"] + c["args"]]
+            assert argv[argv.index("--no-python") + 1:] == ["prog", value, "--flag", value]
+
+    def names(docs, value):
+        assert {o["metadata"]["name"] for o in docs if o["kind"] != "ConfigMap"} == {value, f"{value}-lighthouse"}
+
+    return {
+        "launch k8s jobset ft: job.env value": yaml_entry(render(job=lambda v: {"env": {"X": v}}), env_is("X", str)),
+        "launch k8s jobset ft: program word": yaml_entry(render(program=lambda v: ["prog", v, "--flag", v]),
+                                                         args_check),
+        "launch k8s jobset ft: run name (groups, Lighthouse)": yaml_entry(render(run=lambda v: v), names),
+        "launch k8s jobset ft: job.image (groups, Lighthouse)": yaml_entry(
+            render(image=lambda v: v),
+            lambda d, v: len(containers(d)) == 3 and all(c["image"] == v for c in containers(d)) or pytest.fail("image")),
+        "launch k8s jobset ft: ft.lighthouse": yaml_entry(
+            render(config=lambda v: {**FT_ON, "ft": {"enabled": True, "lighthouse": v}}),
+            env_is("TORCHFT_LIGHTHOUSE", lambda v: f"http://{v}"), benign="lighthouse-host:29510"),
+    }
+
+
 # monitor config
 def prometheus(nodes=("gpu01",), interval="15s", serve=None) -> str:
     from llmcluster.monitor import scrape_config as sc
@@ -673,6 +710,7 @@ RENDERERS: dict[str, Build] = {
         benign="lighthouse-host:29510"),
     # launch --scheduler k8s: the four forms (job.yaml)
     **{name: b for form in K8S_FORMS for name, b in k8s_entries(form).items()},
+    **k8s_ft_entries(),
     # monitor config: prometheus.yml, and --kubernetes's manifests
     "monitor config: --nodes host": yaml_entry(lambda v: prometheus(nodes=[v]), node_target_check),
     "monitor config: --slurm-nodelist": nodelist,

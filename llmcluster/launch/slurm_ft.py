@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmcluster.launch.spec import LaunchSpec
+from llmcluster.launch.spec import LIGHTHOUSE, LIGHTHOUSE_PORT, LaunchSpec, lighthouse_argv
 from llmcluster.render import Program, ShellVar, shell_export, shell_join, shell_word
 from llmcluster.storage.exit_reason import EXIT_DIR_ENV
 
-LIGHTHOUSE = "torchft_lighthouse"      # torchft's console script (the `ft` extra)
-LIGHTHOUSE_PORT = 29510                # the first port tried for a Lighthouse the launcher starts
 RELAUNCH_PAUSE_S = 2                   # between a dead step and its relaunch: no hot loop on a broken node
 # exits 0 once something accepts connections at HOST PORT (the Lighthouse is up before the groups start)
 LISTENING = Program("import socket, sys\n"
@@ -56,8 +54,7 @@ def body(spec: LaunchSpec, srun: list[str], port_python: str, free_port: str, co
                   shell_export("TORCHFT_LIGHTHOUSE", f"http://{ft.lighthouse}")]
     else:
         lh = ["srun", "--overlap", "--nodes=1", "--ntasks=1", ShellVar("--nodelist=$head_node"), *container,
-              lighthouse_program(spec), "--min_replicas", str(ft.min_replicas),
-              "--join_timeout_ms", str(int(ft.join_timeout_s * 1000)), "--bind", ShellVar("$head:$lighthouse_port")]
+              *lighthouse_argv(lighthouse_program(spec), ft, ShellVar("$head:$lighthouse_port"))]
         lines += [
             "# the Lighthouse (the quorum of the groups) on the batch host, a step of its own",
             f'lighthouse_port=$({free_port} '

@@ -21,6 +21,8 @@ SCHEDULERS = ("local", "slurm", "k8s")
 # SIGUSR1 belongs to NCCL) must be added, or the default action of SIGUSR2 kills the torchrun agent itself.
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
 LAUNCHES = "launches"   # logs/<run>/launches/<n>/: one immutable directory per launch
+LIGHTHOUSE = "torchft_lighthouse"      # torchft's console script (the `ft` extra): the groups' quorum
+LIGHTHOUSE_PORT = 29510                # the Lighthouse's port where the launcher starts one (Slurm: the first tried)
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,13 @@ class LaunchSpec:
         else:
             argv += self.command
         return argv
+
+
+def lighthouse_argv(program: str, ft: FtConfig, bind: str) -> list[str]:
+    """The Lighthouse a launcher starts for an ft run (Slurm: a step on the batch host; Kubernetes: a
+    Deployment): its quorum needs ft.min_replicas groups and waits ft.join_timeout_s for more."""
+    return [program, "--min_replicas", str(ft.min_replicas), "--join_timeout_ms", str(int(ft.join_timeout_s * 1000)),
+            "--bind", bind]
 
 
 def trainer_command(config_path: str, root: str) -> list[str]:
