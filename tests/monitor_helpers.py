@@ -128,6 +128,7 @@ def exported_metric_names(storage_root: Path) -> set[str]:
     tm.checkpoint(2, 1.0, time.time())
     tm.bad_step()
     tm.straggler(1)
+    tm.ft_groups(2)
     names |= set(families(generate_latest(tm.registry).decode()))
     return names
 

@@ -72,16 +72,17 @@ exit "${FAKE_RC:-0}"
 """}
 
 
-def run_batch_script(tmp_path: Path, script: str, **env: str) -> tuple[str, str]:
+def run_batch_script(tmp_path: Path, script: str, fakes: dict | None = None, **env: str) -> tuple[str, str]:
     """The sbatch script run by bash as slurmd would (job id 7), with scontrol/srun stand-ins on PATH
-    (the real ones are exercised in test_launch_slurm.py); returns (stdout, the stand-ins' log)."""
+    (the real ones are exercised in test_launch_slurm.py; `fakes` replaces some); returns (stdout, the
+    stand-ins' log)."""
     import errno
     import os
     import socket
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in FAKE_SLURM.items():
+    for name, text in {**FAKE_SLURM, **(fakes or {})}.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     log = tmp_path / "fake.log"

@@ -242,19 +242,26 @@ CHECKOV_SKIP = {
 }
 
 
-@pytest.mark.parametrize("kind", FORMS)
-def test_every_form_passes_checkov(tmp_path, kind):
+FT = ("--set", "ft.enabled=true", "--set", "parallel.dp_replicate=2")   # 2 replica groups of 1 node (issue 37)
+
+
+@pytest.mark.parametrize("kind,extra", [(k, ()) for k in FORMS] + [("jobset", FT)],
+                         ids=FORMS + ["jobset-ft"])
+def test_every_form_passes_checkov(tmp_path, kind, extra):
     """checkov (from PyPI, in its own venv: `make checkov`) on every built-in object, and on each pod
-    template of the custom resources as a Pod (checkov does not look inside CRDs)."""
+    template of the custom resources as a Pod (checkov does not look inside CRDs). With ft: the Lighthouse's
+    Deployment and Service too."""
     assert CHECKOV.is_file(), f"{CHECKOV} missing: run `make checkov`"
     digest = "nvcr.io/nvidia/pytorch:24.07-py3@sha256:" + "a" * 64     # CKV_K8S_43: images by digest
-    objects = render(tmp_path, kind, "--image", digest, "--namespace", "ml", "--set", "job.secret_env=[HF_TOKEN]")
+    objects = render(tmp_path, kind, "--image", digest, "--namespace", "ml", "--set", "job.secret_env=[HF_TOKEN]",
+                     *extra)
     # the built-in kinds as they are; a custom resource's pod templates as Pods (checkov reads Volcano's
     # kind "Job" as a batch/v1 Job and finds no template in it)
     docs = [o for o in objects if (o["apiVersion"], o["kind"]) not in CRD_SCHEMAS]
     if kind != "indexed-job":
         docs += [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"pod-{i}", "namespace": "ml"},
-                  "spec": tpl["spec"]} for i, tpl in enumerate(pod_templates(objects[2:]))]
+                  "spec": tpl["spec"]} for i, tpl in enumerate(pod_templates(
+                      [o for o in objects[2:] if (o["apiVersion"], o["kind"]) in CRD_SCHEMAS]))]
     (tmp_path / "objects.yaml").write_text(yaml.safe_dump_all(docs))
     p = subprocess.run([str(CHECKOV), "-f", str(tmp_path / "objects.yaml"), "--framework", "kubernetes",
                         "--skip-check", ",".join(CHECKOV_SKIP), "--output", "json", "--quiet", "--compact"],
@@ -264,6 +271,58 @@ def test_every_form_passes_checkov(tmp_path, kind):
     failed = [(c["check_id"], c["resource"]) for c in report.get("results", {}).get("failed_checks", [])]
     assert not failed, failed
     assert report["summary"]["passed"] > 20, report["summary"]
+
+
+def test_ft_one_jobset_job_per_group_restarted_alone_beside_a_hardened_lighthouse(tmp_path):
+    objects = render(tmp_path, "jobset", *FT, "--set", "ft.min_replicas=1", "--set", "ft.join_timeout_s=5")
+    validate_all(objects)
+    assert [o["kind"] for o in objects] == ["ConfigMap", "NetworkPolicy", "Deployment", "Service", "JobSet"]
+    _, netpol, deploy, svc, js = objects
+    groups = js["spec"]["replicatedJobs"]
+    assert [g["name"] for g in groups] == ["group-0", "group-1"] and all(g["replicas"] == 1 for g in groups)
+    # a failed group's Job is recreated alone (JobSet's RestartJob), counted against job.max_requeues
+    assert js["spec"]["failurePolicy"] == {"maxRestarts": 3, "rules": [{
+        "name": "restart-the-failed-group-alone", "action": "RestartJob", "targetReplicatedJobs": ["group-0", "group-1"]}]}
+    for g, rj in enumerate(groups):
+        job = rj["template"]["spec"]
+        assert job["completions"] == job["parallelism"] == 1 and job["backoffLimit"] == 0
+        c = job["template"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["TORCHFT_LIGHTHOUSE"] == "http://llm-tiny-lighthouse:29510"
+        assert env["LLMCLUSTER_FT_GROUP"] == str(g) and env["LLMCLUSTER_FT_GROUPS"] == "2"
+        argv = c["args"]
+        assert argv[argv.index("--nnodes") + 1] == "1"      # the group's own world, its own rendezvous
+        assert argv[argv.index("--rdzv-endpoint") + 1] == f"llm-tiny-group-{g}-0-0.llm-tiny:29500"
+    # the Lighthouse: one pod, never two at once, hardened like the ranks, fenced by the run's NetworkPolicy
+    assert deploy["metadata"]["name"] == svc["metadata"]["name"] == "llm-tiny-lighthouse"
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deploy["spec"]["template"]
+    assert netpol["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert svc["spec"]["selector"] == pod["metadata"]["labels"] and svc["spec"]["ports"][0]["port"] == 29510
+    spec = pod["spec"]
+    (c,) = spec["containers"]
+    assert [c["command"][0], *c["args"]] == ["torchft_lighthouse", "--min_replicas", "1", "--join_timeout_ms", "5000",
+                                             "--bind", "0.0.0.0:29510"]
+    assert spec["automountServiceAccountToken"] is False and spec["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                    "privileged": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True}
+    assert c["resources"]["limits"] == c["resources"]["requests"] == {"cpu": "1", "memory": "512Mi"}
+
+
+def test_ft_with_a_running_lighthouse_renders_none(tmp_path):
+    objects = render(tmp_path, "jobset", *FT, "--set", "ft.lighthouse=lh.example:29999")
+    validate_all(objects)
+    assert [o["kind"] for o in objects] == ["ConfigMap", "NetworkPolicy", "JobSet"]
+    for tpl in pod_templates(objects[2:]):
+        env = {e["name"]: e.get("value") for e in tpl["spec"]["containers"][0]["env"]}
+        assert env["TORCHFT_LIGHTHOUSE"] == "http://lh.example:29999"
+
+
+@pytest.mark.parametrize("kind", ["indexed-job", "volcano", "pytorchjob"])
+def test_ft_is_refused_where_a_group_cannot_restart_alone(tmp_path, kind):
+    p = run_cli("launch", "--scheduler", "k8s", "--k8s-kind", kind, "--nodes", "2", "--image", IMAGE,
+                "--root", tmp_path / "s", "--dry-run", *FT)
+    assert_one_line_error(p, f"--k8s-kind {kind}", "--k8s-kind jobset")
 
 
 def test_indexed_job_is_the_seed_form(tmp_path):

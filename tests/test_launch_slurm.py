@@ -131,3 +131,26 @@ def test_a_downstream_evaluation_is_a_slurm_job_of_its_own(slurm, tmp_path, monk
     assert wait_for(job, ("COMPLETED",)) == "COMPLETED"
     assert downstream.pending_steps(logs) == set()
     assert "evaluated" in (logs / "eval" / "job-step_10.log").read_text()
+
+
+def test_ft_a_killed_group_step_is_relaunched_and_the_allocation_kept(slurm, tmp_path):
+    """ft on the real Slurm (issue 37): 2 nodes, 2 replica groups of one node each, the Lighthouse a step on the
+    batch host. Group 1's step dies once (its torchrun has no restarts left: --max-restarts 0); the batch script
+    relaunches that step alone in the same allocation, group 0's step runs once, and the job completes without a
+    requeue. The program is a stand-in that checks the Lighthouse answers at TORCHFT_LIGHTHOUSE."""
+    root, marker = tmp_path / "s", tmp_path / "group1-died"
+    program = ('h=${TORCHFT_LIGHTHOUSE#http://}; (exec 3<>"/dev/tcp/${h%:*}/${h##*:}") && '
+               'echo "group $LLMCLUSTER_FT_GROUP of $LLMCLUSTER_FT_GROUPS on $SLURMD_NODENAME: lighthouse up"; '
+               f'if [ "$LLMCLUSTER_FT_GROUP" = 1 ] && [ ! -e {marker} ]; then touch {marker}; '
+               'echo "group 1 dies"; exit 3; fi; sleep 8; echo "group $LLMCLUSTER_FT_GROUP done"')
+    job = launch(root, "ft-relaunch", program, "--max-restarts", "0", "--set", "ft.enabled=true",
+                 "--set", "parallel.dp_replicate=2")
+    assert wait_for(job, ("COMPLETED",), timeout=240) == "COMPLETED"
+    out = (root / "logs" / "ft-relaunch" / f"slurm-{job}.out").read_text()
+    assert "group 1 dies" in out and "group 1 step exited with 1: relaunching it (1 of 3)" in out, out
+    assert "group 0 done" in out and "group 1 done" in out and "groups exited with 0" in out
+    assert "group 0 of 2 on n1: lighthouse up" in out and "group 1 of 2 on n2: lighthouse up" in out
+    assert "group 0: nodes n1" in out and "(relaunch 1)" not in out.split("group 0: nodes n1")[1].split("\n")[0]
+    assert out.count("group 0: nodes n1") == 1, "group 0's step was restarted"
+    assert "requeue" not in out and job_state(job) == "COMPLETED"
+

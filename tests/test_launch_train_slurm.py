@@ -185,3 +185,24 @@ def test_cancel_leaves_the_last_complete_checkpoint_intact(root):
     assert files, marker
     for rel, digest in files.items():
         assert hashlib.sha256((last / rel).read_bytes()).hexdigest() == digest, rel
+
+
+@pytest.mark.skipif(not (REPO / "llmcluster" / "train" / "ft.py").is_file(),
+                    reason="needs the trainer's ft side (llmcluster/train/ft.py)")
+def test_ft_two_groups_one_step_killed_relaunched_in_the_allocation(root):
+    """Issue 37's Slurm acceptance: 2 nodes, 2 replica groups (one node each); group 1's step is SIGKILLed
+    mid-run (as a lost node would end it); the batch script relaunches that step alone, the allocation is kept
+    (no requeue) and the run finishes."""
+    job = launch(root, "ft-kill", "--set", f"train.steps={STEPS * 2}", "--set", "ft.enabled=true",
+                 "--set", "ft.join_timeout_s=5", "--set", "parallel.dp_replicate=2", "--set", "parallel.dp_shard=1")
+    wait_step(root, "ft-kill", job, 3)
+    steps = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %N"], capture_output=True, text=True).stdout
+    group1 = [ln.split()[0] for ln in steps.splitlines()
+              if ln.split()[1:] == ["n2"] and not ln.split()[0].endswith((".batch", ".extern"))]
+    assert len(group1) == 1, steps
+    subprocess.run(["scancel", "--signal=KILL", group1[0]], check=True)
+    assert wait_for(job, ("COMPLETED",), timeout=400) == "COMPLETED", log_tail(root, "ft-kill")
+    out = "\n".join(f.read_text() for f in (root / "logs" / "ft-kill").glob("slurm-*.out"))
+    assert "group 1 step exited with" in out and "relaunching it (1 of 3)" in out, out
+    assert "requeue" not in out and out.count("group 0: nodes n1") == 1
+    assert max(m["step"] for m in metrics(root, "ft-kill")) == STEPS * 2

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from llmcluster.plan.calibration import foundry_plan
-from llmcluster.plan.checkpoint import checkpoint
+from llmcluster.plan.checkpoint import checkpoint, ft_recovery
 from llmcluster.plan.comm import bus_bandwidth, collective_time
 from llmcluster.plan.compute import efficiency_for_mfu, flops_per_token, mfu, step_time
 from llmcluster.plan.memory import (count_params, layer_activation_bytes, model_states, pipeline_factor,
@@ -158,6 +158,55 @@ def test_young_daly_interval():
     assert default.badput["failure"] == pytest.approx((10 + 600) / m)
     assert default.badput["hang_or_straggler"] > 0
     assert default.goodput == pytest.approx(1 - sum(default.badput.values()))
+
+
+def test_ft_goodput_per_group_recovery_against_the_restart_path_by_hand():
+    """Issue 37: 4 nodes x 4 GPUs in 2 replica groups of 2 nodes, node MTBF 1000 h (job: 250 h = 900,000 s),
+    a 1e9-parameter model (14 GB of training state, written at 1 GB/s: C = 14 s, read at 20 GB/s: 0.7 s),
+    restart R = 10 min, 4 NICs x 25 GB/s per node."""
+    from llmcluster.config.schema import FtConfig
+
+    cluster = PlanCluster(gpu="A100-80GB", nodes=4, gpus_per_node=4, storage_write_GBps=1.0, node_mtbf_hours=1000,
+                          restart_minutes=10, nics_per_node=4, nic_GBps=25.0)
+    plan = _plan(cluster=cluster, parallel=ParallelSpec(dp_replicate=2),
+                 training=TrainingSpec(failure_detect_minutes=0, straggler_share=0),
+                 ft=FtConfig(enabled=True, min_replicas=1, quorum_timeout_s=60))
+    ck = checkpoint(plan, 1e9)
+    m, c, read, r = 900_000.0, 14.0, 0.7, 600.0
+    tau = math.sqrt(2 * c * m)                                   # 5,019.96 s
+    # the restart path: every failure costs all nodes the restart and half an interval of lost work
+    assert ck.goodput == pytest.approx(1 - (c / tau + (tau / 2 + r) / m))            # 0.993756
+    ft = ft_recovery(plan, ck)
+    # per-group recovery: the failed half restarts (no checkpoint read) and heals 14 GB over its 2 nodes'
+    # 100 GB/s (0.07 s); the other half keeps stepping: half of (R - read + H) per failure, plus the quorum
+    # timeout for everyone; no lost work, the same checkpoint writes
+    heal = 14e9 / (2 * 100e9)
+    assert ft.groups == 2 and ft.share == 0.5 and ft.heal_s == pytest.approx(heal)
+    assert ft.goodput == pytest.approx(1 - (c / tau + ((r - read + heal) / 2 + 60) / m))   # 0.996811
+    assert ft.goodput > ck.goodput
+    # min_replicas 2 of 2 groups: no step commits while one is down, the whole cluster waits for it
+    strict = _plan(cluster=cluster, parallel=ParallelSpec(dp_replicate=2),
+                   training=TrainingSpec(failure_detect_minutes=0, straggler_share=0),
+                   ft=FtConfig(enabled=True, min_replicas=2, quorum_timeout_s=60))
+    waits = ft_recovery(strict, checkpoint(strict, 1e9))
+    assert waits.share == 1.0 and waits.goodput == pytest.approx(1 - (c / tau + (r - read + heal + 60) / m))
+
+
+@pytest.mark.parametrize("nodes,dp_replicate,min_replicas,words", [
+    (4, 3, 1, None),       # 3 groups on 4 nodes: refused by the mesh rule before ft's
+    (2, 4, 1, ("2 nodes", "4 replica groups")),
+    (4, 2, 3, ("ft.min_replicas (3)", "replica groups")),
+])
+def test_ft_plan_layouts_the_launchers_cannot_run_are_refused(nodes, dp_replicate, min_replicas, words):
+    from pydantic import ValidationError
+
+    from llmcluster.config.schema import FtConfig
+
+    with pytest.raises(ValidationError) as e:
+        _plan(cluster=PlanCluster(gpu="A100-80GB", nodes=nodes, gpus_per_node=4),
+              parallel=ParallelSpec(dp_replicate=dp_replicate), ft=FtConfig(enabled=True, min_replicas=min_replicas))
+    for w in words or ():
+        assert w in str(e.value)
 
 
 def test_fat_tree_sizing():

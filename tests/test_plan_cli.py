@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, assert_one_line_error, run_cli
+from conftest import REPO, assert_one_line_error, cli_env, run_cli
 from llmcluster.paths import preset_path
 
 PLANS = sorted((REPO / "plans").glob("*.yaml"))
@@ -219,3 +219,22 @@ def test_search_from_a_plan_without_sequence_parallelism_emits_it_for_the_traine
     assert not any("parallel.sequence_parallel" in s for c in every if c["tp"] == 1 for s in c["set"])
     cfg = load_job_config(str(write_job_config(tmp_path / "job.yaml", load_plan(plan), with_tp[0])))
     assert cfg.parallel.tp == with_tp[0]["tp"] and cfg.parallel.sequence_parallel is False
+
+
+def test_plan_with_ft_prints_goodput_with_and_without_it():
+    """Issue 37: `ft` in the plan's vocabulary (the job config's section); the report and --json give the
+    restart path's goodput and per-group recovery's side by side, and the run's time uses ft's."""
+    plan = REPO / "plans" / "seed-a100-7b.yaml"
+    flags = ("--set", "ft.enabled=true", "--set", "parallel.dp_replicate=2")
+    r = plan_json(plan, *flags)
+    ft = r["ft"]
+    assert ft["enabled"] and ft["groups"] == 2 and ft["failure_share"] == 0.5
+    assert ft["goodput_ft"] > ft["goodput_restart"] and r["time"]["goodput"] == ft["goodput_ft"]
+    assert ft["badput_ft"]["lost_progress"] == 0 and "ft.enabled=true" in r["parallel"]["set"]
+    text = run_cli("plan", plan, *preset_args(plan), *flags, env=cli_env(COLUMNS="200"), check=True).stdout
+    assert f"goodput, restart path (Young/Daly)  {ft['goodput_restart']:.2%}" in text
+    assert f"goodput, per-group recovery (ft)    {ft['goodput_ft']:.2%}" in text
+    off = plan_json(plan, "--set", "parallel.dp_replicate=2")      # not enabled: shown, not used
+    assert off["ft"]["enabled"] is False and off["time"]["goodput"] == off["ft"]["goodput_restart"]
+    assert_one_line_error(run_cli("plan", plan, *preset_args(plan), "--set", "ft.enabled=true", "--set",
+                                  "parallel.dp_replicate=8"), "4 nodes", "8 replica groups")

@@ -194,7 +194,8 @@ ROOT = "/srv/llmc-storage"
 
 
 def launch_text(scheduler: str, *, job: dict | None = None, run: str = "hostile", root: str = ROOT,
-                program: list[str] | None = None, kind: str = "indexed-job", image: str | None = None) -> str:
+                program: list[str] | None = None, kind: str = "indexed-job", image: str | None = None,
+                config: dict | None = None) -> str:
     """What `llmcluster launch --scheduler S --dry-run` prints, built in this process through the same validation
     (the job config's schema, build_spec, the scheduler's own checks)."""
     from llmcluster.config.load import validate
@@ -202,7 +203,7 @@ def launch_text(scheduler: str, *, job: dict | None = None, run: str = "hostile"
     from llmcluster.launch.scheduler import get
     from llmcluster.launch.spec import build_spec
 
-    cfg = validate({"run": {"name": run}, "job": job or {}}, JobConfig)
+    cfg = validate({"run": {"name": run}, "job": job or {}, **(config or {})}, JobConfig)
     args = SimpleNamespace(scheduler=scheduler, nodes=2 if scheduler != "local" else None, gpus_per_node=None,
                            procs_per_node=None, time=None, partition=None, max_requeues=None, max_restarts=None,
                            image=image if image is not None else ("img:1" if scheduler == "k8s" else None),
@@ -218,14 +219,15 @@ def benign_of(render: Callable[[str], str], benign: str = BENIGN) -> Callable[[]
 
 
 def script_entry(render: Callable[[str], str], check: Callable[[list[list[str]], str], None],
-                 differs: Callable[[str], bool], reader=None) -> Callable[[str], tuple]:
+                 differs: Callable[[str], bool], reader=None, benign: str = BENIGN) -> Callable[[str], tuple]:
     """An entry for a bash script: `render(value)` the script, `differs(line)` picks the lines of the benign
     render that carry the value, `check(words_of_those_lines, value)` asserts bash's words of them."""
-    benign_text = benign_of(render)
+    benign_text = benign_of(render, benign)
 
     def build(value: str):
         text, benign = render(value), benign_text()
         return text, lambda: check(check_script(text, benign, differs, reader), value)
+    build.benign = benign
     return build
 
 
@@ -267,6 +269,15 @@ def local_script(**kw) -> Callable[[str], str]:
 
 
 def slurm_script(**kw) -> Callable[[str], str]:
+    return lambda v: launch_text("slurm", **{k: f(v) for k, f in kw.items()})
+
+
+FT_ON = {"ft": {"enabled": True}, "parallel": {"dp_replicate": 2}}
+
+
+def slurm_ft_script(**kw) -> Callable[[str], str]:
+    """The sbatch script with ft (2 replica groups of 1 node: the Lighthouse step, a relaunch loop per group)."""
+    kw = {"config": lambda _: FT_ON, **kw}
     return lambda v: launch_text("slurm", **{k: f(v) for k, f in kw.items()})
 
 
@@ -368,6 +379,43 @@ def k8s_entries(form: str) -> dict[str, Callable]:
         f"launch k8s {form}: toleration value": yaml_entry(
             render(job=lambda v: {"k8s": {"tolerations": [{"key": "k", "operator": "Equal", "value": v}]}}),
             every(lambda d: [p["tolerations"][0]["value"] for p in pods(d)])),
+    }
+
+
+def k8s_ft_entries() -> dict[str, Callable]:
+    """The JobSet with ft (issue 37): the groups' pods and the Lighthouse's Deployment + Service."""
+    def render(**kw):
+        kw = {"config": lambda _: FT_ON, **kw}
+        return lambda v: launch_text("k8s", kind="jobset", **{k: f(v) for k, f in kw.items()})
+
+    def ranks(docs):
+        return [c for c in containers(docs) if c["name"] != "lighthouse"]
+
+    def env_is(name, want):
+        def check(docs, value):
+            got = [kubelet(e["value"]) for c in ranks(docs) for e in c["env"] if e["name"] == name]
+            assert len(got) == 2 and set(got) == {want(value)}, got
+        return check
+
+    def args_check(docs, value):
+        for c in ranks(docs):
+            argv = [kubelet(a) for a in c["command"] + c["args"]]
+            assert argv[argv.index("--no-python") + 1:] == ["prog", value, "--flag", value]
+
+    def names(docs, value):
+        assert {o["metadata"]["name"] for o in docs if o["kind"] != "ConfigMap"} == {value, f"{value}-lighthouse"}
+
+    return {
+        "launch k8s jobset ft: job.env value": yaml_entry(render(job=lambda v: {"env": {"X": v}}), env_is("X", str)),
+        "launch k8s jobset ft: program word": yaml_entry(render(program=lambda v: ["prog", v, "--flag", v]),
+                                                         args_check),
+        "launch k8s jobset ft: run name (groups, Lighthouse)": yaml_entry(render(run=lambda v: v), names),
+        "launch k8s jobset ft: job.image (groups, Lighthouse)": yaml_entry(
+            render(image=lambda v: v),
+            lambda d, v: len(containers(d)) == 3 and all(c["image"] == v for c in containers(d)) or pytest.fail("image")),
+        "launch k8s jobset ft: ft.lighthouse": yaml_entry(
+            render(config=lambda v: {**FT_ON, "ft": {"enabled": True, "lighthouse": v}}),
+            env_is("TORCHFT_LIGHTHOUSE", lambda v: f"http://{v}"), benign="lighthouse-host:29510"),
     }
 
 
@@ -646,8 +694,23 @@ RENDERERS: dict[str, Build] = {
         slurm_script(job=lambda v: {"secret_env": [f"S{v}"]}),
         lambda words, v: words == [["for", "v", "in", f"S{v};", "do"]] or pytest.fail(str(words)),
         lambda ln: ln.startswith("for v in"), reader=secret_names),
+    # launch --scheduler slurm with ft: job.sbatch's Lighthouse step and per-group steps
+    "launch slurm ft: program word (a group's step)": script_entry(
+        slurm_ft_script(program=lambda v: ["prog", v, "--flag", v]), program_words,
+        lambda ln: ln.lstrip().startswith("srun ")),
+    "launch slurm ft: storage root (exports, group steps, ranks dir)": script_entry(
+        slurm_ft_script(root=lambda v: f"{ROOT}/{v}"), check_root_export, lambda ln: ROOT in ln),
+    "launch slurm ft: job.image (the Lighthouse step and the groups')": script_entry(
+        slurm_ft_script(image=lambda v: f"img{v}"),
+        lambda words, v: [a for w in words for a in w if a.startswith("--container-image=")] == [
+            f"--container-image=img{v}"] * 2 or pytest.fail("image"), lambda ln: ln.lstrip().startswith("srun ")),
+    "launch slurm ft: ft.lighthouse": script_entry(
+        slurm_ft_script(config=lambda v: {**FT_ON, "ft": {"enabled": True, "lighthouse": v}}),
+        lambda words, v: export_of("TORCHFT_LIGHTHOUSE")(words, f"http://{v}"), exports("TORCHFT_LIGHTHOUSE"),
+        benign="lighthouse-host:29510"),
     # launch --scheduler k8s: the four forms (job.yaml)
     **{name: b for form in K8S_FORMS for name, b in k8s_entries(form).items()},
+    **k8s_ft_entries(),
     # monitor config: prometheus.yml, and --kubernetes's manifests
     "monitor config: --nodes host": yaml_entry(lambda v: prometheus(nodes=[v]), node_target_check),
     "monitor config: --slurm-nodelist": nodelist,

@@ -21,6 +21,7 @@ import subprocess
 from pathlib import Path
 
 from llmcluster.errors import EXIT_PREEMPTED, UserError
+from llmcluster.launch import slurm_ft
 from llmcluster.launch.scheduler import ACTIVE_STATES, Command, Scheduler
 from llmcluster.launch.spec import LaunchSpec
 from llmcluster.render import (Program, ShellVar, argv_element, comment_text, directive_path, directive_value,
@@ -78,18 +79,18 @@ def render(spec: LaunchSpec) -> str:
                  'environment" >&2; exit 2; }',
                  "done"]
 
-    srun = ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", f"--nodes={j.nodes}"]
+    srun = ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1"]
+    container = []
     if j.image:
         # pyxis splits this list on ',' and each item on ':': a path holding either would mount something else
         item = lambda p, what: list_item(p, what, ",:")  # noqa: E731
         mounts = [f"{item(spec.root, 'storage root')}:{item(spec.root, 'storage root')}"] + [
             f"{item(m.source, 'job.mounts.source')}:{item(m.path, 'job.mounts.path')}" + (":ro" if m.read_only else "")
             for m in j.mounts]
-        srun += [f"--container-image={j.image}", f"--container-mounts={','.join(mounts)}",
-                 f"--container-workdir={spec.root}"]
-    srun += spec.torchrun(spec.python, ShellVar("$head:$rdzv_port"), ShellVar("$SLURM_JOB_ID"),
-                          ShellVar("$ranks_dir"))
+        container = [f"--container-image={j.image}", f"--container-mounts={','.join(mounts)}",
+                     f"--container-workdir={spec.root}"]
     port_python = "python3" if j.image else spec.python   # the batch host's own interpreter
+    free_port = f"{shell_word(port_python)} -c {shell_word(FREE_PORT)}"
     body = [
         "",
         "# rendezvous on the first node at the address Slurm uses for it (NodeAddr: node names need not",
@@ -97,30 +98,43 @@ def render(spec: LaunchSpec) -> str:
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         'head=$(scontrol show node -o "$head_node" | tr " " "\\n" | sed -n "s/^NodeAddr=//p")',
         'head=${head:-$head_node}',
-        f'rdzv_port=$({shell_word(port_python)} -c {shell_word(FREE_PORT)} "$(( {j.rdzv_port} + SLURM_JOB_ID % 1000 ))")',
+    ]
+    if not spec.ft:
+        body.append(f'rdzv_port=$({free_port} "$(( {j.rdzv_port} + SLURM_JOB_ID % 1000 ))")')
+    body += [
         f'ranks_dir={shell_word(logs)}/ranks/"$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}"',
         'mkdir -p "$ranks_dir"',
         f'export {EXIT_DIR_ENV}="$ranks_dir"       # the ranks say why they stopped (storage/exit_reason.py)',
-        'echo "[llmcluster] job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0}:'
-        ' nodes $SLURM_JOB_NODELIST, rendezvous $head:$rdzv_port (node $head_node)"',
-        "",
-        "# the pre-time-limit signal: pass it on to every process of the step (torchrun and the ranks)",
-        "preempted=0",
-        "trap 'preempted=1; echo \"[llmcluster] SIGUSR2: checkpoint and stop\"; "
-        "kill -USR2 \"$srun_pid\" 2>/dev/null' USR2",
-        shell_join(srun) + " &",
-        "srun_pid=$!",
-        "# `wait` returns early (status > 128) when a trapped signal arrives: wait again until srun is gone",
-        "while :; do",
-        '  wait "$srun_pid"; rc=$?',
-        '  [ "$rc" -gt 128 ] && kill -0 "$srun_pid" 2>/dev/null && continue',
-        "  break",
-        "done",
-        'echo "[llmcluster] srun exited with $rc"',
+        'echo "[llmcluster] job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODELIST'
+        + ('"' if spec.ft else ', rendezvous $head:$rdzv_port (node $head_node)"'),
+    ]
+    if spec.ft:
+        body += slurm_ft.body(spec, srun, port_python, free_port, container)
+    else:
+        srun += [f"--nodes={j.nodes}", *container,
+                 *spec.torchrun(spec.python, ShellVar("$head:$rdzv_port"), ShellVar("$SLURM_JOB_ID"),
+                                ShellVar("$ranks_dir"))]
+        body += [
+            "",
+            "# the pre-time-limit signal: pass it on to every process of the step (torchrun and the ranks)",
+            "preempted=0",
+            "trap 'preempted=1; echo \"[llmcluster] SIGUSR2: checkpoint and stop\"; "
+            "kill -USR2 \"$srun_pid\" 2>/dev/null' USR2",
+            shell_join(srun) + " &",
+            "srun_pid=$!",
+            "# `wait` returns early (status > 128) when a trapped signal arrives: wait again until srun is gone",
+            "while :; do",
+            '  wait "$srun_pid"; rc=$?',
+            '  [ "$rc" -gt 128 ] && kill -0 "$srun_pid" 2>/dev/null && continue',
+            "  break",
+            "done",
+            'echo "[llmcluster] srun exited with $rc"',
+        ]
+    body += [
         "",
         f"# requeue a failed attempt (preempted: the trainer exits {EXIT_PREEMPTED}, torchrun turns it into 1;",
         "# a runtime failure torchrun's restarts did not cure) unless a rank said a restart would repeat it",
-        'fatal=$(cat "$ranks_dir"/exit-rank* 2>/dev/null | grep -m 1 "^fatal")',
+        'fatal=$(cat "$ranks_dir"/exit-rank* "$ranks_dir"/group-*/exit-rank* 2>/dev/null | grep -m 1 "^fatal")',
         'if [ "$rc" -ne 0 ] && [ "$preempted" = 0 ] && [ -n "$fatal" ]; then',
         '  echo "[llmcluster] not requeueing: $fatal"',
         'elif [ "$rc" -ne 0 ]; then',

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmcluster.config.job import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_FILES, JobSpec
+from llmcluster.config.schema import FtConfig
 from llmcluster.errors import UserError
 from llmcluster.render import line_text, show_value, yaml_text
 
@@ -20,6 +21,8 @@ SCHEDULERS = ("local", "slurm", "k8s")
 # SIGUSR1 belongs to NCCL) must be added, or the default action of SIGUSR2 kills the torchrun agent itself.
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
 LAUNCHES = "launches"   # logs/<run>/launches/<n>/: one immutable directory per launch
+LIGHTHOUSE = "torchft_lighthouse"      # torchft's console script (the `ft` extra): the groups' quorum
+LIGHTHOUSE_PORT = 29510                # the Lighthouse's port where the launcher starts one (Slurm: the first tried)
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,13 @@ class LaunchSpec:
     metrics_port: int | None = None  # the port of log.metrics_bind (rank r serves it + its local rank)
     host_paths: tuple[str, ...] = ()  # the cluster's scheduler.kubernetes.host_paths (never the job's own)
     cluster: str | None = None     # the cluster spec's name (recorded in job.json for the run's trackers)
+    ft: FtConfig | None = None     # the job's ft section when ft.enabled (per-step fault tolerance), else None
+    ft_groups: int = 0             # replica groups (parallel.dp_replicate) when ft.enabled: each its own world
+
+    @property
+    def group_nodes(self) -> int:
+        """Nodes per replica group (ft), or all of them: each group is a torchrun world of this many nodes."""
+        return self.job.nodes // self.ft_groups if self.ft_groups else self.job.nodes
 
     @property
     def logs(self) -> Path:
@@ -76,13 +86,14 @@ class LaunchSpec:
 
         c10d rendezvous at `endpoint` (also for one node: the static rendezvous cannot restart), and
         --max-restarts: when a rank dies its agent stops the local ranks, every agent re-rendezvouses
-        and the whole group restarts (the trainer resumes from the last complete checkpoint)."""
+        and the whole group restarts (the trainer resumes from the last complete checkpoint). With ft each
+        replica group is such a world of its own (group_nodes nodes)."""
         j = self.job
         argv = [python, "-m", "torch.distributed.run"]
         if endpoint == "standalone":
             argv += ["--standalone"]
         else:
-            argv += ["--nnodes", str(j.nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+            argv += ["--nnodes", str(self.group_nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                      "--rdzv-id", rdzv_id]
             if node_rank:      # not needed by c10d, but keeps rank 0 on pod 0 for readable logs
                 argv += ["--node-rank", node_rank]
@@ -97,6 +108,13 @@ class LaunchSpec:
         else:
             argv += self.command
         return argv
+
+
+def lighthouse_argv(program: str, ft: FtConfig, bind: str) -> list[str]:
+    """The Lighthouse a launcher starts for an ft run (Slurm: a step on the batch host; Kubernetes: a
+    Deployment): its quorum needs ft.min_replicas groups and waits ft.join_timeout_s for more."""
+    return [program, "--min_replicas", str(ft.min_replicas), "--join_timeout_ms", str(int(ft.join_timeout_s * 1000)),
+            "--bind", bind]
 
 
 def trainer_command(config_path: str, root: str) -> list[str]:
@@ -127,6 +145,18 @@ def apply_flags(job: JobSpec, args) -> JobSpec:
         return Wrapped.model_validate({"job": data}).job
     except ValidationError as err:
         raise UserError(explain(err, Wrapped)) from None
+
+
+def ft_groups(cfg, job: JobSpec) -> int:
+    """The replica groups of an ft run: parallel.dp_replicate, which must be set and split the nodes evenly
+    (each group is a torchrun world of whole nodes, restarted alone)."""
+    groups = cfg.parallel.dp_replicate
+    if groups == -1:
+        raise UserError("ft.enabled needs parallel.dp_replicate set to the number of replica groups (not -1)")
+    if job.nodes % groups:
+        raise UserError(f"ft.enabled: job.nodes ({job.nodes}) does not split evenly into parallel.dp_replicate "
+                        f"({groups}) replica groups")
+    return groups
 
 
 def next_launch_id(logs: Path) -> int:
@@ -170,6 +200,7 @@ def build_spec(cfg, args, root: Path, host_paths: list[str] | tuple[str, ...] = 
                       config_yaml=yaml_text([saved_config_dict(cfg)]),
                       overrides=list(args.overrides), launch_id=launch_id, storage=storage,
                       metrics_port=cfg.log.metrics[1] if cfg.log.metrics else None, host_paths=tuple(host_paths),
-                      cluster=cluster)
+                      cluster=cluster, ft=cfg.ft if cfg.ft.enabled else None,
+                      ft_groups=ft_groups(cfg, job) if cfg.ft.enabled and args.scheduler != "local" else 0)
     sched.check(spec)
     return spec

@@ -53,6 +53,8 @@ class TrainMetrics:
                                   "were non-finite or the loss spiked.", labels, registry=self.registry)
         self._straggler = gauge("straggler_rank", "Rank whose step time exceeds the median by the "
                                 "configured factor, or -1 when there is none.")
+        self._ft_groups = gauge("ft_groups", "ft: replica groups in the last quorum (torchft); fewer than the "
+                                "run's replica groups while one is down or healing.")
         self._rank_step_time = gauge("rank_step_time_seconds",
                                      "Step time of each rank (published by rank 0; label rank = that rank).")
 
@@ -112,6 +114,9 @@ class TrainMetrics:
 
     def straggler(self, rank: int | None) -> None:
         self._straggler.labels(**self._me).set(-1 if rank is None or rank < 0 else rank)
+
+    def ft_groups(self, live: int) -> None:
+        self._ft_groups.labels(**self._me).set(live)
 
     def close(self) -> None:
         if self._server is not None:

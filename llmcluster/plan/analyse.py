@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmcluster.plan.calibration import CalRow, pick_efficiency
-from llmcluster.plan.checkpoint import checkpoint
+from llmcluster.plan.checkpoint import checkpoint, ft_recovery
 from llmcluster.plan.comm import plan_links
 from llmcluster.plan.compute import StepTime, efficiency_for_mfu, flops_per_token, params, step_time
 from llmcluster.plan.cost import cost
@@ -32,6 +32,8 @@ def job_overrides(plan: PlanSpec) -> list[str]:
         out.append(f"parallel.pp_schedule={p.pp_schedule}")
         if p.pp_schedule == "interleaved_1F1B":
             out.append(f"parallel.pp_virtual_stages={p.virtual_stages}")
+    if plan.ft.enabled:
+        out += ["ft.enabled=true", f"ft.min_replicas={plan.ft.min_replicas}"]
     out.append(f"parallel.activation_checkpoint={p.activation_checkpoint}")
     if p.activation_checkpoint == "selective":
         out.append(f"parallel.ac_every={p.ac_every}")
@@ -48,7 +50,9 @@ def analyse(plan: PlanSpec, bench: list[CalRow] | None = None) -> dict[str, Any]
     eff, eff_source = efficiency(plan, bench)
     st = step_time(plan, eff)
     ck = run_checkpoint(plan, st)
-    goodput, badput = run_goodput(plan, ck)
+    groups = plan.dp_degrees[0]    # what ft would give, shown whenever the replicas could be groups of whole nodes
+    ft = ft_recovery(plan, ck, st.step_s) if plan.ft.enabled or (groups > 1 and c.nodes % groups == 0) else None
+    goodput, badput = run_goodput(plan, ck, ft)
     wall_s = run_wall_s(plan, st, goodput)
     gpu_hours = wall_s / 3600 * plan.world
     tree = fat_tree(c)
@@ -93,6 +97,11 @@ def analyse(plan: PlanSpec, bench: list[CalRow] | None = None) -> dict[str, Any]
         "checkpoint": {"size_bytes": ck.size_bytes, "weights_bytes": ck.weights_bytes, "write_s": ck.write_s,
                        "read_s": ck.read_s, "job_mtbf_s": ck.job_mtbf_s,
                        "optimal_interval_s": ck.optimal_interval_s},
+        # per-step fault tolerance: the goodput of the restart path and of per-group recovery, side by side
+        "ft": None if ft is None else {
+            "enabled": plan.ft.enabled, "groups": ft.groups, "min_replicas": plan.ft.min_replicas,
+            "heal_s": ft.heal_s, "failure_share": ft.share, "goodput_restart": ck.goodput, "goodput_ft": ft.goodput,
+            "badput_ft": ft.badput},
         "network": {"rails": tree.rails, "tiers": tree.tiers, "endpoints": tree.endpoints,
                     "switches": {"leaf": tree.leaf, "spine": tree.spine, "core": tree.core, "total": tree.total},
                     "cables": tree.cables, "transceivers": tree.transceivers,
@@ -119,10 +128,13 @@ def run_checkpoint(plan: PlanSpec, st: StepTime):
     return checkpoint(plan, params(plan.model), st.step_s, forward)
 
 
-def run_goodput(plan: PlanSpec, ck) -> tuple[float, dict[str, float]]:
-    """(goodput, badput by `jobs goodput`'s keys); a goodput given in the plan leaves its waste unexplained."""
+def run_goodput(plan: PlanSpec, ck, ft=None) -> tuple[float, dict[str, float]]:
+    """(goodput, badput by `jobs goodput`'s keys); a goodput given in the plan leaves its waste unexplained;
+    with ft.enabled, per-group recovery's (`ft`, from ft_recovery) instead of the restart path's."""
     if plan.training.goodput:
         return plan.training.goodput, {**dict.fromkeys(ck.badput, 0.0), "other": 1 - plan.training.goodput}
+    if plan.ft.enabled and ft is not None:
+        return ft.goodput, ft.badput
     return ck.goodput, ck.badput
 
 

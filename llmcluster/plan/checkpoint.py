@@ -3,6 +3,14 @@
 Young (1974) / Daly (2006): with C the time to write a checkpoint and M the job's mean time between
 failures (node MTBF / nodes), checkpointing every sqrt(2·C·M) minimises the expected waste
 C/τ (writing) + (τ/2 + R)/M (work lost since the last checkpoint, plus the restart R, per failure).
+
+With per-step fault tolerance (ft, torchft replica groups: G groups of N/G nodes) a failure stops one group,
+not the job: that group restarts (R less the checkpoint read) and heals from a live peer (H: its replica's
+state over its nodes' NICs) while the other G-1 keep committing steps, so the cluster loses a share f = 1/G of
+(R - read + H) per failure, nothing since the last checkpoint (no rollback), and every group the step in
+flight plus the quorum timeout it takes to notice. When the G-1 survivors are fewer than ft.min_replicas no
+step commits until the group is back: f = 1. Checkpoints are still written at the Young/Daly interval (a full
+stop, the Lighthouse's death, still restarts from one).
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from llmcluster.plan.comm import plan_links
 from llmcluster.plan.spec import PlanSpec
 
 # Bytes per parameter of a full training checkpoint: 16-bit weights + fp32 master, Adam m, v
@@ -39,6 +48,30 @@ def badput_model(write_s: float, read_s: float, restart_s: float, mtbf_s: float,
     return {"startup": max(0.0, restart_s - read_s) / mtbf_s, "checkpoint_restore": min(read_s, restart_s) / mtbf_s,
             "checkpoint_save": write_s / interval_s, "eval": eval_share, "lost_progress": interval_s / 2 / mtbf_s,
             "hang_or_straggler": straggler_share, "failure": failure_s / mtbf_s, "other": 0.0}
+
+
+@dataclass
+class FtRecovery:
+    groups: int
+    heal_s: float              # H: one group's replica state from a live peer
+    share: float               # f: the share of the cluster a failure stops (1/G, or 1 below min_replicas)
+    goodput: float
+    badput: dict[str, float]   # `jobs goodput`'s keys: startup and heal (checkpoint_restore) per failure x f
+
+
+def ft_recovery(plan: PlanSpec, ck: Checkpoint, step_s: float = 0.0) -> FtRecovery:
+    """The badput of ck with per-group recovery instead of the restart path (see the module's docstring)."""
+    c = plan.cluster
+    groups = plan.dp_degrees[0]
+    group_nodes = max(1, c.nodes // groups)
+    heal = ck.size_bytes / (group_nodes * plan_links(plan).node_nic_GBps * 1e9)
+    share = 1 / groups if groups - 1 >= plan.ft.min_replicas else 1.0
+    m, restart = ck.job_mtbf_s, c.restart_minutes * 60
+    badput = {**ck.badput, "startup": share * max(0.0, restart - ck.read_s) / m,
+              "checkpoint_restore": share * heal / m, "lost_progress": 0.0,
+              "failure": (step_s / 2 + plan.ft.quorum_timeout_s) / m}
+    return FtRecovery(groups=groups, heal_s=heal, share=share, goodput=max(0.0, 1 - sum(badput.values())),
+                      badput=badput)
 
 
 def eval_share(plan: PlanSpec, step_s: float, forward_s: float) -> float:

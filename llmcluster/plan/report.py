@@ -86,6 +86,14 @@ def render(r: dict[str, Any], console: Console | None = None) -> None:
         ("weights only (bf16)", f"{ck['weights_bytes'] / GB:,.1f} GB"),
         ("job MTBF", _dur(ck["job_mtbf_s"])),
         ("optimal interval (Young/Daly)", _dur(ck["optimal_interval_s"]))]))
+    if (ft := r.get("ft")) is not None:
+        con.print(_table(f"Fault tolerance ({ft['groups']} replica groups, torchft"
+                         f"{'' if ft['enabled'] else ': ft.enabled to use it'})", [
+            ("goodput, restart path (Young/Daly)", f"{ft['goodput_restart']:.2%}"),
+            ("goodput, per-group recovery (ft)", f"{ft['goodput_ft']:.2%}"),
+            ("a failure stops", f"{ft['failure_share']:.0%} of the cluster for its restart + heal"
+                                + ("" if ft["failure_share"] < 1 else " (fewer survivors than ft.min_replicas)")),
+            ("heal from a live peer", _dur(ft["heal_s"]))]))
     sw = ne["switches"]
     con.print(_table("Network (rail-optimised fat-tree)", [
         ("rails x endpoints", f"{ne['rails']} x {ne['endpoints'] // ne['rails']} ({ne['tiers']} tier)"),

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from llmcluster.config.cluster import ClusterSpec, Cost, Hardware, Reliability, Topology
 from llmcluster.config.gpus import GPUSpec, gpu_spec
-from llmcluster.config.schema import LogConfig, ModelConfig, ParallelKeys
+from llmcluster.config.schema import FtConfig, LogConfig, ModelConfig, ParallelKeys
 from llmcluster.errors import UserError
 
 
@@ -192,6 +192,9 @@ class PlanSpec(Section):
     training: TrainingSpec = TrainingSpec()
     eval: EvalSpec = EvalSpec()
     cost: Cost = Cost()             # the cluster spec's `cost:` (load_plan copies it here)
+    # per-step fault tolerance (torchft), the job config's own section: the dp_replicate replicas are the
+    # replica groups; the plan predicts goodput with and without it (plan/checkpoint.py ft_recovery)
+    ft: FtConfig = FtConfig()
 
     @model_validator(mode="after")
     def _mesh(self):
@@ -221,6 +224,14 @@ class PlanSpec(Section):
         if gb is not None and p.grad_accum is not None and gb != p.micro_batch * p.grad_accum * dp:
             raise ValueError(f"parallel.global_batch ({gb}) must equal micro_batch x grad_accum x dp "
                              f"({p.micro_batch} x {p.grad_accum} x {dp})")
+        if self.ft.enabled:
+            groups = self.dp_degrees[0]
+            if c.nodes % groups:   # as the launchers: each group is a torchrun world of whole nodes
+                raise ValueError(f"ft.enabled: the cluster's {c.nodes} nodes do not split evenly into "
+                                 f"{groups} replica groups (parallel.dp_replicate)")
+            if self.ft.min_replicas > groups:
+                raise ValueError(f"ft.min_replicas ({self.ft.min_replicas}) is more than the replica groups "
+                                 f"(parallel.dp_replicate = {groups})")
         if p.precision == "fp8" and c.spec.fp8_tflops is None:
             raise ValueError(f"parallel.precision fp8: {c.gpu} has no fp8 tensor cores")
         return self

@@ -23,7 +23,9 @@ FORMS = {"indexed-job": indexed_job, "volcano": volcano, "jobset": jobset, "pyto
 COMMON_KINDS = [("networking.k8s.io/v1", "NetworkPolicy", None), ("v1", "ConfigMap", None)]
 # the workload kinds of each form, deleted first on cancel
 WORKLOAD = {"indexed-job": [("batch/v1", "Job", None), ("v1", "Service", None)],
-            "volcano": [volcano.API], "jobset": [jobset.API], "pytorchjob": [pytorchjob.API],
+            "volcano": [volcano.API], "pytorchjob": [pytorchjob.API],
+            # with ft, the Lighthouse's Deployment and Service beside the JobSet
+            "jobset": [jobset.API, ("apps/v1", "Deployment", None), ("v1", "Service", None)],
             # `serve start` (serve/k8s.py): a vLLM Deployment behind a Service
             "deployment": [("apps/v1", "Deployment", None), ("v1", "Service", None), ("v1", "Secret", None)]}
 PLURALS = {m.API[1]: m.API[2] for m in (volcano, jobset, pytorchjob)}
@@ -83,6 +85,9 @@ class Kubernetes(Scheduler):
     def check(self, spec: LaunchSpec) -> None:
         if not spec.job.image:
             raise UserError("--scheduler k8s needs a container image: --image or job.image")
+        if spec.ft and spec.job.k8s.kind != "jobset":   # see k8s/ft.py: only a JobSet restarts one group alone
+            raise UserError(f"ft.enabled with --k8s-kind {spec.job.k8s.kind}: a failed replica group must restart "
+                            "alone, which only the JobSet form does here (--k8s-kind jobset)")
         check_names(spec)
         area_claims(spec)
         host_mounts(spec)

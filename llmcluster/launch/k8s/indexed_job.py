@@ -8,11 +8,15 @@ from llmcluster.launch.spec import LaunchSpec
 from llmcluster.render import K8sRef
 
 
-def job_spec(spec: LaunchSpec, rdzv: str, subdomain: str, backoff: int):
+def job_spec(spec: LaunchSpec, rdzv: str, subdomain: str, backoff: int, completions: int | None = None,
+             extra_env: dict[str, str] | None = None):
+    """`completions` pods (all the job's nodes, or an ft group's), each a torchrun agent of one world."""
     c = client()
-    tpl = pod_template(spec, rdzv, subdomain=subdomain, node_rank=K8sRef("$(JOB_COMPLETION_INDEX)"))
+    n = completions or spec.job.nodes
+    tpl = pod_template(spec, rdzv, subdomain=subdomain, node_rank=K8sRef("$(JOB_COMPLETION_INDEX)"),
+                       extra_env=extra_env)
     return c.V1JobSpec(
-        completion_mode="Indexed", completions=spec.job.nodes, parallelism=spec.job.nodes,
+        completion_mode="Indexed", completions=n, parallelism=n,
         backoff_limit=backoff, template=tpl,
         # an evicted / preempted pod does not count as a failure: it is simply run again
         pod_failure_policy=c.V1PodFailurePolicy(rules=[c.V1PodFailurePolicyRule(

@@ -1,9 +1,9 @@
 """JobSet: one replicated Indexed Job; JobSet creates the headless Service (<run>) and restarts the whole
-set on a failure, up to job.max_requeues times."""
+set on a failure, up to job.max_requeues times. With ft: one replicated Job per replica group (k8s/ft.py)."""
 
 from __future__ import annotations
 
-from llmcluster.launch.k8s import indexed_job
+from llmcluster.launch.k8s import ft, indexed_job
 from llmcluster.launch.k8s.pod import common, meta, to_dict
 from llmcluster.launch.spec import LaunchSpec
 
@@ -11,10 +11,14 @@ API = ("jobset.x-k8s.io/v1alpha2", "JobSet", "jobsets")
 
 
 def hostnames(spec: LaunchSpec) -> list[str]:
+    if spec.ft:
+        return ft.hostnames(spec)
     return [f"{spec.run}-node-0-{spec.job.nodes - 1}"]   # <jobset>-<replicatedJob>-<job>-<pod>
 
 
 def objects(spec: LaunchSpec) -> list[dict]:
+    if spec.ft:       # one replicated Job per replica group, restarted alone; the Lighthouse beside them
+        return ft.objects(spec)
     j = spec.job
     rdzv = f"{spec.run}-node-0-0.{spec.run}:{j.k8s.rdzv_port}"
     job_spec = to_dict(indexed_job.job_spec(spec, rdzv, spec.run, backoff=0))

@@ -105,15 +105,25 @@ def pod_security(uid: int):
                                   seccomp_profile=c.V1SeccompProfile(type="RuntimeDefault"))
 
 
+def tolerations(k) -> list | None:
+    """job.k8s.tolerations as the client's models (None: none)."""
+    c = client()
+    return [c.V1Toleration(key=t.get("key"), operator=t.get("operator"), value=t.get("value"),
+                           effect=t.get("effect"), toleration_seconds=t.get("tolerationSeconds"))
+            for t in k.tolerations] or None
+
+
 def pod_template(spec: LaunchSpec, rdzv_endpoint: str, container: str = "trainer",
-                 restart: str = "Never", subdomain: str | None = None, node_rank: str | None = None):
+                 restart: str = "Never", subdomain: str | None = None, node_rank: str | None = None,
+                 extra_env: dict[str, str] | None = None):
+    """The rank pod; `extra_env` adds variables of this pod's kind (an ft replica group's)."""
     c = client()
     j, k = spec.job, spec.job.k8s
     # the kubelet expands $(VAR) in command, args and env values: ours are K8sRefs, every other '$' is doubled
     log_dir = K8sRef(f"{k.storage_path}/logs/{spec.run}/ranks/$(POD_NAME)")   # both validated: no '$'
     argv = [k8s_text(a) for a in spec.torchrun("python", rdzv_endpoint, spec.run, log_dir, node_rank=node_rank)]
     env = {n: k8s_text(line_text(v, f"the environment value of {n}"))
-           for n, v in {**spec.rank_env(), **CACHE_ENV}.items()}
+           for n, v in {**spec.rank_env(), **CACHE_ENV, **(extra_env or {})}.items()}
     resources = {}
     if j.gpus_per_node:
         resources["nvidia.com/gpu"] = str(j.gpus_per_node)
@@ -167,9 +177,7 @@ def pod_template(spec: LaunchSpec, rdzv_endpoint: str, container: str = "trainer
         containers=[trainer], volumes=volumes, restart_policy=restart, subdomain=subdomain,
         service_account_name=k.service_account, automount_service_account_token=bool(k.service_account),
         node_selector=k.node_selector or None,
-        tolerations=[c.V1Toleration(key=t.get("key"), operator=t.get("operator"), value=t.get("value"),
-                                    effect=t.get("effect"), toleration_seconds=t.get("tolerationSeconds"))
-                     for t in k.tolerations] or None,
+        tolerations=tolerations(k),
         # the trainer checkpoints on SIGTERM: give it the same grace period Slurm gives
         termination_grace_period_seconds=j.signal_before_s,
         security_context=pod_security(k.run_as_user))

@@ -1,0 +1,135 @@
+"""Slurm with ft (per-step fault tolerance, issue 37): the batch script's body when ft.enabled.
+
+Inside one allocation the script runs
+  * the torchft Lighthouse (`torchft_lighthouse`) as a step of its own on the batch host (--overlap: it shares
+    that node with group 0), unless ft.lighthouse names one already running;
+  * one `srun` step per replica group on its own nodes (the allocation's nodes in order, `group_nodes` each),
+    each a torchrun world with its own rendezvous (the group's first node, a port of its own), started by a
+    shell function that relaunches the step when it dies, up to job.max_requeues times, with a line in the
+    job's log. The other groups' steps are never touched: they keep committing steps in a smaller quorum;
+  * it ends when every group has ended (their worst status is the script's) or when the Lighthouse dies (the
+    groups are stopped: without a quorum no step commits; the requeued job resumes from the last checkpoint).
+A group whose ranks wrote a `fatal` exit reason is not relaunched (a relaunch would repeat it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmcluster.launch.spec import LIGHTHOUSE, LIGHTHOUSE_PORT, LaunchSpec, lighthouse_argv
+from llmcluster.render import Program, ShellVar, shell_export, shell_join, shell_word
+from llmcluster.storage.exit_reason import EXIT_DIR_ENV
+
+RELAUNCH_PAUSE_S = 2                   # between a dead step and its relaunch: no hot loop on a broken node
+# exits 0 once something accepts connections at HOST PORT (the Lighthouse is up before the groups start)
+LISTENING = Program("import socket, sys\n"
+                    "socket.create_connection((sys.argv[1], int(sys.argv[2])), 1).close()\n")
+
+
+def lighthouse_program(spec: LaunchSpec) -> str:
+    """The Lighthouse executable: the console script beside the nodes' interpreter, or on PATH in a container."""
+    if spec.job.image or "/" not in spec.python:
+        return LIGHTHOUSE
+    return str(Path(spec.python).parent / LIGHTHOUSE)
+
+
+def body(spec: LaunchSpec, srun: list[str], port_python: str, free_port: str, container: list[str]) -> list[str]:
+    """The lines that start the Lighthouse and the groups and wait for them; they leave `rc` (0: every group
+    finished) and `preempted` set for the requeue logic after them. `srun` is the step's options without
+    --nodes; `free_port` the rendered command that prints the first free port from its argument on;
+    `container` the pyxis options (also for the Lighthouse step)."""
+    j, ft, n, k = spec.job, spec.ft, spec.ft_groups, spec.group_nodes
+    lines = [
+        "",
+        f"# ft: {n} replica group(s) of {k} node(s), each its own step and torchrun world, relaunched alone",
+        'mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        "node_addr() {   # a node's NodeAddr (node names need not resolve)",
+        '  local a; a=$(scontrol show node -o "$1" | tr " " "\\n" | sed -n "s/^NodeAddr=//p"); echo "${a:-$1}"',
+        "}",
+        shell_export("LLMCLUSTER_FT_GROUPS", n),
+        "lighthouse_pid=",
+    ]
+    if ft.lighthouse:
+        lines += ["# ft.lighthouse: a Lighthouse already running",
+                  shell_export("TORCHFT_LIGHTHOUSE", f"http://{ft.lighthouse}")]
+    else:
+        lh = ["srun", "--overlap", "--nodes=1", "--ntasks=1", ShellVar("--nodelist=$head_node"), *container,
+              *lighthouse_argv(lighthouse_program(spec), ft, ShellVar("$head:$lighthouse_port"))]
+        lines += [
+            "# the Lighthouse (the quorum of the groups) on the batch host, a step of its own",
+            f'lighthouse_port=$({free_port} '
+            f'"$(( {LIGHTHOUSE_PORT} + SLURM_JOB_ID % 1000 ))")',
+            shell_join(lh) + " &",
+            "lighthouse_pid=$!",
+            "for _ in $(seq 120); do",
+            f'  {shell_word(port_python)} -c {shell_word(LISTENING)} "$head" "$lighthouse_port" 2>/dev/null && break',
+            '  kill -0 "$lighthouse_pid" 2>/dev/null || break',
+            "  sleep 0.5",
+            "done",
+            'export TORCHFT_LIGHTHOUSE="http://$head:$lighthouse_port"',
+            'echo "[llmcluster] Lighthouse at $TORCHFT_LIGHTHOUSE (node $head_node)"',
+        ]
+    # --ntasks explicit: the step would inherit the allocation's SLURM_NTASKS (one task per node of the job)
+    group_srun = [*srun, f"--nodes={k}", f"--ntasks={k}", ShellVar("--nodelist=$gnodes"), *container,
+                  *spec.torchrun(spec.python, ShellVar("$ghead:$gport"), ShellVar("$SLURM_JOB_ID-group$g"),
+                                 ShellVar(f"${EXIT_DIR_ENV}"))]
+    lines += [
+        "",
+        "run_group() {   # group $1 on its nodes, rendezvous port $2; its step relaunched when it dies",
+        "  local g=$1 gport=$2 gnodes ghead rc=0 relaunches=0 stop=0 srun_pid= fatal",
+        f'  gnodes=$(IFS=,; echo "${{nodes[*]:$(( g * {k} )):{k}}}")',
+        f'  ghead=$(node_addr "${{nodes[$(( g * {k} ))]}}")',
+        "  trap 'stop=1; kill -USR2 \"$srun_pid\" 2>/dev/null' USR2",
+        "  trap 'stop=1; kill -TERM \"$srun_pid\" 2>/dev/null' TERM",
+        f'  export LLMCLUSTER_FT_GROUP="$g" {EXIT_DIR_ENV}="$ranks_dir/group-$g"',
+        f'  mkdir -p "${EXIT_DIR_ENV}"',
+        "  while :; do",
+        '    echo "[llmcluster] group $g: nodes $gnodes, rendezvous $ghead:$gport (relaunch $relaunches)"',
+        "    " + shell_join(group_srun) + " &",
+        "    srun_pid=$!",
+        '    while :; do wait "$srun_pid"; rc=$?; [ "$rc" -gt 128 ] && kill -0 "$srun_pid" 2>/dev/null && continue;'
+        " break; done",
+        '    [ "$rc" -eq 0 ] && { echo "[llmcluster] group $g finished"; return 0; }',
+        f'    fatal=$(cat "${EXIT_DIR_ENV}"/exit-rank* 2>/dev/null | grep -m 1 "^fatal")',
+        f'    if [ "$stop" = 1 ] || [ -n "$fatal" ] || [ "$relaunches" -ge {j.max_requeues} ]; then',
+        f'      echo "[llmcluster] group $g step exited with $rc: not relaunched'
+        f' (${{fatal:-$([ "$stop" = 1 ] && echo stopped || echo "{j.max_requeues} relaunch(es) used")}})"',
+        '      return "$rc"',
+        "    fi",
+        "    relaunches=$(( relaunches + 1 ))",
+        f'    echo "[llmcluster] group $g step exited with $rc: relaunching it ($relaunches of {j.max_requeues});'
+        ' the other groups keep running"',
+        f"    sleep {RELAUNCH_PAUSE_S}",
+        "  done",
+        "}",
+        "",
+        "# each group's rendezvous on its own port (probed on the batch host, from the job's first choice on)",
+        "group_pids=()",
+        f'gport=$(( {j.rdzv_port} + SLURM_JOB_ID % 1000 - 1 ))',
+        f"for g in $(seq 0 {n - 1}); do",
+        f'  gport=$({free_port} "$(( gport + 1 ))")',
+        '  run_group "$g" "$gport" &',
+        "  group_pids+=($!)",
+        "done",
+        "preempted=0",
+        "trap 'preempted=1; echo \"[llmcluster] SIGUSR2: checkpoint and stop\"; "
+        "kill -USR2 \"${group_pids[@]}\" 2>/dev/null' USR2",
+        "lighthouse_lost=0",
+        "while :; do      # until every group has ended, or the Lighthouse has",
+        "  live=0",
+        '  for p in "${group_pids[@]}"; do kill -0 "$p" 2>/dev/null && live=1; done',
+        '  [ "$live" = 0 ] && break',
+        '  if [ -n "$lighthouse_pid" ] && [ "$lighthouse_lost" = 0 ] && ! kill -0 "$lighthouse_pid" 2>/dev/null; then',
+        '    echo "[llmcluster] the Lighthouse exited: stopping every group (no quorum without it)"',
+        "    lighthouse_lost=1",
+        '    kill -TERM "${group_pids[@]}" 2>/dev/null',
+        "  fi",
+        "  sleep 1",
+        "done",
+        "rc=0",
+        'for p in "${group_pids[@]}"; do wait "$p"; r=$?; [ "$rc" -eq 0 ] && rc=$r; done',
+        '[ "$lighthouse_lost" = 1 ] && [ "$rc" -eq 0 ] && rc=1',
+        '[ -n "$lighthouse_pid" ] && { kill "$lighthouse_pid" 2>/dev/null; wait "$lighthouse_pid" 2>/dev/null; }',
+        'echo "[llmcluster] groups exited with $rc"',
+    ]
+    return lines

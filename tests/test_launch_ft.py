@@ -1,0 +1,137 @@
+"""launch with ft (issue 37) on Slurm and Kubernetes, offline: the sbatch script's Lighthouse and per-group steps
+(rendered, then run by bash with srun/scontrol stand-ins for the relaunch mechanics; the real Slurm run is in
+test_launch_slurm.py) and the Kubernetes objects."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_launch import dry, run_batch_script
+
+from conftest import assert_one_line_error
+
+FT = ("--set", "ft.enabled=true", "--set", "parallel.dp_replicate=2")
+
+FT_FAKES = {
+    # node names that resolve nowhere, every NodeAddr this machine's loopback (the stand-in Lighthouse binds it)
+    "scontrol": """#!/bin/bash
+case "$1 $2" in
+  "show hostnames") printf 'gpu-a\\ngpu-b\\ngpu-c\\ngpu-d\\n' ;;
+  "show node") echo "NodeName=$4 NodeAddr=127.0.0.1 State=ALLOCATED" ;;
+  "requeue "*) echo "requeue $2" >> "$FAKE_LOG" ;;
+esac
+""",
+    # the Lighthouse step listens on its --bind address until killed (or FAKE_LH_LIFE seconds);
+    # a group's step: group FAKE_FAIL_GROUP fails its first FAKE_FAILS runs (writing FAKE_REASON), others succeed
+    "srun": """#!/bin/bash
+all="$*"
+if [[ " $all " == *" --overlap "* ]]; then
+  bind=${all##*--bind }; bind=${bind%% *}
+  echo "lighthouse $*" >> "$FAKE_LOG"
+  exec python3 -c 'import socket, sys, time
+s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(); time.sleep(float(sys.argv[2]))' \
+    "${bind##*:}" "${FAKE_LH_LIFE:-600}"
+fi
+g=$LLMCLUSTER_FT_GROUP
+n=$(( $(cat "$FAKE_LOG.runs-$g" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$FAKE_LOG.runs-$g"
+nl=${all##*--nodelist=}; nl=${nl%% *}
+ep=${all##*--rdzv-endpoint }; ep=${ep%% *}
+echo "group $g run $n nodes $nl rdzv $ep lighthouse $TORCHFT_LIGHTHOUSE of $LLMCLUSTER_FT_GROUPS" >> "$FAKE_LOG"
+if [ "$g" = "${FAKE_FAIL_GROUP:-}" ] && [ "$n" -le "${FAKE_FAILS:-1}" ]; then
+  [ -n "${FAKE_REASON:-}" ] && echo "$FAKE_REASON" > "$LLMCLUSTER_EXIT_DIR/exit-rank0"
+  exit 1
+fi
+exec sleep "${FAKE_STEP_S:-0.2}"
+"""}
+
+
+def ft_script(tmp_path: Path, *flags: str) -> str:
+    p = dry(tmp_path / "s", "--nodes", "4", *FT, *flags)
+    assert p.returncode == 0, p.stderr
+    subprocess.run(["bash", "-n"], input=p.stdout, text=True, check=True)
+    return p.stdout
+
+
+def test_ft_sbatch_starts_the_lighthouse_and_one_step_per_group(tmp_path):
+    script = ft_script(tmp_path, "--set", "ft.min_replicas=1", "--set", "ft.join_timeout_s=5")
+    lines = script.splitlines()
+    (lh,) = [ln for ln in lines if ln.startswith("srun --overlap")]
+    assert "torchft_lighthouse --min_replicas 1 --join_timeout_ms 5000" in lh and '--bind "$head:$lighthouse_port"' in lh
+    (step,) = [ln.strip() for ln in lines if ln.strip().startswith("srun --kill-on-bad-exit=1")]
+    # a group is a 2-node torchrun world of its own with its own rendezvous
+    assert "--nodes=2 --ntasks=2" in step and '"--nodelist=$gnodes"' in step and "--nnodes 2" in step
+    assert '--rdzv-endpoint "$ghead:$gport"' in step and '--rdzv-id "$SLURM_JOB_ID-group$g"' in step
+    assert "export LLMCLUSTER_FT_GROUPS=2" in script and 'export TORCHFT_LIGHTHOUSE="http://$head:$lighthouse_port"' \
+        in script
+
+
+def test_ft_groups_split_the_nodes_and_run_beside_the_lighthouse(tmp_path):
+    script = ft_script(tmp_path)
+    out, log = run_batch_script(tmp_path, script, fakes=FT_FAKES)
+    assert "[llmcluster] groups exited with 0" in out, out
+    runs = sorted(ln for ln in log.splitlines() if ln.startswith("group "))
+    assert len(runs) == 2, log
+    port = re.search(r"Lighthouse at http://127\.0\.0\.1:(\d+)", out)[1]
+    g0, g1 = runs
+    assert g0.startswith("group 0 run 1 nodes gpu-a,gpu-b rdzv 127.0.0.1:") and g0.endswith(
+        f"lighthouse http://127.0.0.1:{port} of 2")
+    assert g1.startswith("group 1 run 1 nodes gpu-c,gpu-d rdzv 127.0.0.1:")
+    ports = {ln.split(" rdzv ")[1].split()[0] for ln in runs}
+    assert len(ports) == 2, "the groups share a rendezvous port"
+    assert "requeue" not in log
+
+
+def test_ft_a_dead_group_step_is_relaunched_alone_in_the_allocation(tmp_path):
+    script = ft_script(tmp_path)
+    out, log = run_batch_script(tmp_path, script, fakes=FT_FAKES, FAKE_FAIL_GROUP="1", FAKE_FAILS="2",
+                                FAKE_STEP_S="6")
+    runs = [ln.split(" nodes ")[0] for ln in log.splitlines() if ln.startswith("group ")]
+    assert sorted(runs) == ["group 0 run 1", "group 1 run 1", "group 1 run 2", "group 1 run 3"], log
+    assert "group 1 step exited with 1: relaunching it (1 of 3); the other groups keep running" in out
+    assert "group 1 step exited with 1: relaunching it (2 of 3)" in out
+    assert "group 0 finished" in out and "group 1 finished" in out and "groups exited with 0" in out
+    assert "requeue" not in log, "the allocation was given up"
+
+
+def test_ft_relaunches_are_bounded_then_the_job_requeues(tmp_path):
+    script = ft_script(tmp_path, "--max-requeues", "1")
+    out, log = run_batch_script(tmp_path, script, fakes=FT_FAKES, FAKE_FAIL_GROUP="0", FAKE_FAILS="9")
+    assert [ln.split(" nodes ")[0] for ln in log.splitlines() if ln.startswith("group 0")] == \
+        ["group 0 run 1", "group 0 run 2"]
+    assert "group 0 step exited with 1: not relaunched (1 relaunch(es) used)" in out
+    assert "groups exited with 1" in out and "requeue 7" in log
+
+
+def test_ft_a_fatal_group_is_not_relaunched_nor_requeued(tmp_path):
+    script = ft_script(tmp_path)
+    out, log = run_batch_script(tmp_path, script, fakes=FT_FAKES, FAKE_FAIL_GROUP="1",
+                                FAKE_REASON="fatal BadStepLimit: 5 non-finite steps")
+    assert "group 1 step exited with 1: not relaunched (fatal BadStepLimit" in out
+    assert len([ln for ln in log.splitlines() if ln.startswith("group 1")]) == 1
+    assert "not requeueing: fatal BadStepLimit" in out and "requeue 7" not in log
+
+
+def test_ft_the_lighthouse_dying_stops_every_group_and_requeues(tmp_path):
+    script = ft_script(tmp_path)
+    out, log = run_batch_script(tmp_path, script, fakes=FT_FAKES, FAKE_LH_LIFE="3", FAKE_STEP_S="30")
+    assert "the Lighthouse exited: stopping every group" in out, out
+    assert "not relaunched (stopped)" in out and "requeue 7" in log
+    assert len([ln for ln in log.splitlines() if ln.startswith("group ")]) == 2, "a stopped group was relaunched"
+
+
+def test_ft_with_a_running_lighthouse_starts_none(tmp_path):
+    script = ft_script(tmp_path, "--set", "ft.lighthouse=lh.example:29999")
+    assert "srun --overlap" not in script and "torchft_lighthouse" not in script
+    assert "export TORCHFT_LIGHTHOUSE=http://lh.example:29999" in script
+
+
+@pytest.mark.parametrize("flags,words", [
+    (("--nodes", "3", *FT), ("job.nodes (3)", "parallel.dp_replicate (2)")),
+    (("--nodes", "2", "--set", "ft.enabled=true", "--set", "parallel.dp_replicate=-1", "--set",
+      "parallel.dp_shard=1"), ("parallel.dp_replicate", "number of replica groups")),
+])
+def test_ft_layouts_slurm_cannot_split_are_refused(tmp_path, flags, words):
+    assert_one_line_error(dry(tmp_path / "s", *flags), *words)
