@@ -24,7 +24,7 @@ import torch
 
 def measure(tokens: int, vocab: int, dim: int, chunks: int, device: str) -> dict:
     """In this process: peak bytes of one forward + backward of the loss, above what was held before it."""
-    from llmcluster.model.llama import chunked_cross_entropy_sum
+    from llmcluster.model.loss import head_loss
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -33,7 +33,7 @@ def measure(tokens: int, vocab: int, dim: int, chunks: int, device: str) -> dict
     y = torch.randint(0, vocab, (1, tokens), device=device)
     # Warm up on 8 positions first: kernels, the autograd engine's threads and the allocator's first pools
     # are then not counted as the loss's memory.
-    chunked_cross_entropy_sum(head, h[:, :8].detach().requires_grad_(), y[:, :8], 1).backward()
+    head_loss(head, h[:, :8].detach().requires_grad_(), y[:, :8], 1).backward()
     head.weight.grad = None
     if device == "cuda":
         torch.cuda.synchronize()
@@ -41,7 +41,7 @@ def measure(tokens: int, vocab: int, dim: int, chunks: int, device: str) -> dict
         before = torch.cuda.memory_allocated()
     else:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    loss = chunked_cross_entropy_sum(head, h, y, chunks)
+    loss = head_loss(head, h, y, chunks)
     loss.backward()
     if device == "cuda":
         torch.cuda.synchronize()

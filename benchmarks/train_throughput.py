@@ -2,7 +2,8 @@
 
 Same shape (a job config's model section), same batch, precision, thread count, optimizer (AdamW) and
 loss; one process. Runs are interleaved (A B, B A, A B, ...) because timings on shared machines drift by
-±25% over minutes; each side reports the median of its timed steps after warm-up.
+±25% over minutes; each side reports the median of its timed steps after warm-up, and each ratio is the
+median of the per-round ratios, with their range.
 
     python benchmarks/train_throughput.py             # llm_tiny, 2 threads, bf16 where native else fp32
     python benchmarks/train_throughput.py --hf-compile  # also transformers compiled whole
@@ -120,11 +121,11 @@ def main() -> int:
     print(f"shape: {m.n_layers} layers, d {m.d_model}, {m.n_heads} heads ({m.kv_heads} kv), ffn {m.ffn_hidden}, "
           f"vocab {m.vocab_size} = {param_count(m) / 1e6:.1f}M params; batch {args.batch} × {args.seq_len}; "
           f"{precision}; {torch.get_num_threads()} threads; {device}; {args.rounds} interleaved rounds")
-    times: dict[str, list[float]] = {k: [] for k in sides}
+    times: dict[str, list[list[float]]] = {k: [] for k in sides}   # per side, per round: its timed steps
     names = list(sides)
     for r in range(args.rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
-            step = sides[name]
+            step, steps = sides[name], []
             for _ in range(args.warmup if r == 0 or args.warmup == 0 else 1):
                 step(x, y)
             for _ in range(args.steps):
@@ -132,16 +133,22 @@ def main() -> int:
                 t0 = time.perf_counter()
                 step(x, y)
                 sync()
-                times[name].append(time.perf_counter() - t0)
+                steps.append(time.perf_counter() - t0)
+            times[name].append(steps)
     tokens = args.batch * args.seq_len
-    tps = {k: tokens / statistics.median(v) for k, v in times.items()}
-    for k, v in tps.items():
-        spread = f"{tokens / max(times[k]):,.0f}-{tokens / min(times[k]):,.0f}"
-        print(f"{k:21s} {v:10,.0f} tokens/s  (median of {len(times[k])} steps; range {spread})")
-    for ours_side in (k for k in tps if k.startswith("llmcluster")):
-        for k in (k for k in tps if k.startswith("transformers")):
+    for k, rounds in times.items():
+        flat = [t for steps in rounds for t in steps]
+        print(f"{k:21s} {tokens / statistics.median(flat):10,.0f} tokens/s  (median of {len(flat)} steps; "
+              f"range {tokens / max(flat):,.0f}-{tokens / min(flat):,.0f})")
+    # A ratio per round (the two sides' medians minutes apart at most), then their median and range: the
+    # machine's drift between rounds cancels instead of landing on whichever side ran during a slow spell.
+    for ours_side in (k for k in times if k.startswith("llmcluster")):
+        for k in (k for k in times if k.startswith("transformers")):
+            per_round = sorted(statistics.median(t) / statistics.median(o)
+                               for o, t in zip(times[ours_side], times[k]))
             print(f"ratio {ours_side} / {k}{' (eager, plain loop)' if k == 'transformers' else ''}: "
-                  f"{tps[ours_side] / tps[k]:.2f}x")
+                  f"{statistics.median(per_round):.2f}x  (median of {len(per_round)} rounds; "
+                  f"range {per_round[0]:.2f}-{per_round[-1]:.2f})")
     return 0
 
 

@@ -44,14 +44,84 @@ def test_chunked_loss_matches_loss_in_one_piece(chunks):
     assert_grads_close(grads, ref_grads, 1e-5)
 
 
-def test_chunked_loss_under_autocast_recomputes_in_bf16():
-    """The slices' logits are recomputed in backward under the forward's autocast state (bf16 here)."""
+def test_chunked_loss_under_autocast_matches_bf16_in_one_piece():
+    """The slices' matmuls run in autocast's dtype (bf16 here), as the head in one piece does."""
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, 1000, (2, 32), generator=g), torch.randint(0, 1000, (2, 32), generator=g)
     ref, ref_grads = loss_and_grads(1, x, y, autocast=True)
     got, grads = loss_and_grads(4, x, y, autocast=True)
     assert abs(got - ref) / ref < 1e-5, (got, ref)
     assert_grads_close(grads, ref_grads, 1e-2)  # bf16 head matmuls: each slice's gradient rounds on its own
+
+
+def head_matmul_flops(chunks: int, x, y) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = build_model(CFG, seed=0)
+    with FlopCounterMode(display=False) as count:
+        model(x, y, chunks).backward()
+    return count.get_total_flops()
+
+
+def test_chunked_loss_does_not_recompute_the_head():
+    """Forward + backward count the matmuls of the loss in one piece, not one head matmul more per slice
+    (the checkpointed slices this replaced: 3 · 2·B·T·d·V more here)."""
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randint(0, 1000, (2, 48), generator=g), torch.randint(0, 1000, (2, 48), generator=g)
+    assert head_matmul_flops(3, x, y) == head_matmul_flops(1, x, y)
+
+
+class LargestLogits(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most elements of any tensor with a vocabulary-sized last dimension made while it is on, but the
+    head's weight (V×d) and its transpose."""
+
+    def __init__(self, vocab: int, dim: int = CFG.d_model):
+        super().__init__()
+        self.vocab, self.weight, self.most = vocab, vocab * dim, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab and t.numel() != self.weight:
+                self.most = max(self.most, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_chunked_loss_holds_one_slice_of_logits_at_a_time(autocast):
+    """No B·T·V tensor (logits, their fp32 copy, their gradient) exists in forward or backward: one slice's."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 1000, (2, 32), generator=g), torch.randint(0, 1000, (2, 32), generator=g)
+    model = build_model(CFG, seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), LargestLogits(1000) as seen:
+        model(x, y, 4).backward()
+    assert seen.most == 2 * 32 // 4 * 1000, seen.most
+    with LargestLogits(1000) as whole:   # the probe sees the loss in one piece
+        build_model(CFG, seed=0)(x, y, 1).backward()
+    assert whole.most == 2 * 32 * 1000
+
+
+def test_chunked_loss_scales_by_the_incoming_gradient_and_skips_a_frozen_head():
+    """The gradients are computed in forward, so backward must still honour what the caller did with the sum
+    (the trainer divides it by tokens and accumulation steps); a frozen head gets no gradient."""
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randint(0, 1000, (2, 24), generator=g), torch.randint(0, 1000, (2, 24), generator=g)
+    grads = {}
+    for chunks in (1, 3):
+        model = build_model(CFG, seed=0)
+        model.lm_head.weight.requires_grad_(False)
+        (model(x, y, chunks) / 7.5).backward()
+        assert model.lm_head.weight.grad is None
+        grads[chunks] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert_grads_close(grads[3], grads[1], 1e-5)
+
+
+def test_chunked_loss_without_gradients_is_the_plain_loss():
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randint(0, 1000, (2, 24), generator=g), torch.randint(0, 1000, (2, 24), generator=g)
+    model = build_model(CFG, seed=0)
+    with torch.no_grad():
+        assert abs(float(model(x, y, 5)) - float(model(x, y, 1))) < 1e-5 * float(model(x, y, 1))
 
 
 @pytest.mark.parametrize("extra, needles", [

@@ -15,6 +15,7 @@ from torch import nn
 
 from llmcluster.config.schema import ModelConfig
 from llmcluster.model.init import draw as seeded_draw
+from llmcluster.model.loss import cross_entropy_sum, head_loss  # noqa: F401 (re-exported)
 
 
 class RMSNorm(nn.Module):
@@ -24,10 +25,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like HF's LlamaRMSNorm (bf16 squares lose too much precision); the fused op gives
-        # the same numbers as x * rsqrt(mean(x²) + eps) written out, in one kernel instead of four.
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * h.to(x.dtype)
+        # In x's dtype: the fused op upcasts inside (variance, normalisation and weight in fp32, one rounding of
+        # the result), as HF's LlamaRMSNorm computes it but without an fp32 copy of x or a second rounding
+        # before the weight. On fp32 it gives the bits of weight * rms_norm(x) written apart (parity tests).
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -155,6 +156,7 @@ class Llama(nn.Module):
                                 scaling=cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.compile_loss = False   # the head's loss compiled (train/parallelize.py: apply_compile sets it)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None, fill=None) -> None:
@@ -202,14 +204,15 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, loss_chunks: int = 1,
                 cache: "KVCache | None" = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab); with `targets` (B, T) instead the fp32 cross-entropy summed
-        over the targets that are not -100 (the trainer divides), in `loss_chunks` slices of the sequence.
+        over the targets that are not -100 (the trainer divides), in `loss_chunks` slices of the B·T positions
+        (model/loss.py).
         The loss is computed inside forward so that the head's weights are used where FSDP gathered them.
         With a `cache` (generation), `tokens` follow the ones it holds (positions, masks and attention
         continue from there) and are added to it."""
         if cache is not None:
             return self._forward_cached(tokens, cache)
         T = tokens.shape[1]
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        cos, sin = self._rope(0, T)
         mask = None if self.cfg.doc_mask_id is None else document_mask(tokens, self.cfg.doc_mask_id)
         h = self.embed_tokens(tokens)
         for block in self.layers.values():
@@ -217,12 +220,21 @@ class Llama(nn.Module):
         h = self.norm(h)
         if targets is None:
             return self.lm_head(h)
-        return chunked_cross_entropy_sum(self.lm_head, h, targets, loss_chunks)
+        return head_loss(self.lm_head, h, targets, loss_chunks, compiled=self.compile_loss)
+
+    def _rope(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of positions [start, end) in the compute dtype (autocast's, else the weights'), as HF's
+        LlamaRotaryEmbedding hands them out: the angles are fp32 in the tables, only the T×D slice is rounded,
+        once per forward, and RoPE then runs in q's and k's own dtype instead of promoting them to fp32."""
+        kind = self.rope_cos.device.type
+        dtype = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
+                 else self.embed_tokens.weight.dtype)
+        return self.rope_cos[start:end].to(dtype), self.rope_sin[start:end].to(dtype)
 
     def _forward_cached(self, tokens: torch.Tensor, cache: "KVCache") -> torch.Tensor:
         start, T = cache.pos, tokens.shape[1]
         end = cache.append_tokens(tokens)
-        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+        cos, sin = self._rope(start, end)
         # The rows of these tokens in the mask the whole sequence would get: one new token sees every key
         # (no mask); a first chunk is plain causal; a later chunk needs its offset causal rows.
         mask = None
@@ -235,32 +247,6 @@ class Llama(nn.Module):
             h = block(h, cos, sin, mask=mask, cache=cache.layer(i))
         cache.pos = end
         return self.lm_head(self.norm(h))
-
-
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Σ cross-entropy over the targets that are not -100 (chat data's untrained positions), in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-
-
-def chunked_cross_entropy_sum(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
-    """`cross_entropy_sum(head(h), targets)` that never holds the whole B·T·V logits in fp32.
-
-    In one piece the logits, their fp32 copy, the log-softmax kept for backward and its gradient are each
-    B·T·V (a 128k vocabulary at B·T = 8192: 4 GB per fp32 copy). In slices of the sequence, each slice's
-    logits are recomputed in backward (activation checkpointing) instead of kept: at most one slice's are
-    alive at a time, for one more head matmul per slice.
-    """
-    if chunks <= 1:
-        return cross_entropy_sum(head(h), targets)
-    from torch.utils.checkpoint import checkpoint
-
-    def piece(h_c: torch.Tensor, y_c: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(head(h_c), y_c)
-
-    total = h.new_zeros((), dtype=torch.float32)
-    for h_c, y_c in zip(h.chunk(chunks, dim=1), targets.chunk(chunks, dim=1)):
-        total = total + checkpoint(piece, h_c, y_c, use_reentrant=False)
-    return total
 
 
 class KVCache:

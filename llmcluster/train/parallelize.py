@@ -149,13 +149,15 @@ def compile_available(device: torch.device) -> str | None:
 
 
 def apply_compile(model: nn.Module, device: torch.device) -> bool:
-    """Compile each block separately: the repeated structure compiles once and is reused."""
+    """Compile each block separately (the repeated structure compiles once and is reused) and the head's loss
+    (model/loss.py: in one piece with its backward, or each slice's loss and gradients)."""
     reason = compile_available(device)
     if reason:
         warnings.warn(f"train.compile=true ignored: {reason}; running eager", stacklevel=2)
         return False
     for name, block in list(model.layers.items()):
         model.layers[name] = torch.compile(block, fullgraph=True)
+    model.compile_loss = True
     return True
 
 
