@@ -259,3 +259,21 @@ def vllm_server(tmp_path_factory):
                           lora_dir=root / "models" / VLLM_LORA, root=root, name=VLLM_JOB, python=python,
                           start=p, startup_s=took, key=key, headers={"Authorization": f"Bearer {key}"})
     run_cli("jobs", "cancel", VLLM_JOB, "--root", root)
+
+
+SLOW_LIST = Path(__file__).with_name("slow_tests.txt")
+
+
+@pytest.hookimpl(tryfirst=True)   # before -k/-m deselect, so the list is checked against everything collected
+def pytest_collection_modifyitems(config, items):
+    """tests/slow_tests.txt: the measured-slow tests `make test-fast` leaves out, marked `slow` here."""
+    listed = {ln.strip() for ln in SLOW_LIST.read_text().splitlines() if ln.strip() and not ln.startswith("#")}
+    ids = {item.nodeid for item in items}
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
+    if not any("::" in a for a in config.args):   # whole files collected: a listed id they lack is stale
+        files = {i.split("::")[0] for i in ids}
+        stale = sorted(i for i in listed - ids if i.split("::")[0] in files)
+        if stale:
+            raise pytest.UsageError(f"tests/slow_tests.txt names tests that do not exist: {stale[:3]}")

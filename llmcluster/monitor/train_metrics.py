@@ -57,9 +57,6 @@ class TrainMetrics:
                                 "run's replica groups while one is down or healing.")
         self._rank_step_time = gauge("rank_step_time_seconds",
                                      "Step time of each rank (published by rank 0; label rank = that rank).")
-
-        self._ft_groups = gauge("ft_groups", "Replica groups in the last quorum (ft.enabled: per-step fault "
-                                "tolerance); absent without ft.")
         me = {"run": self.run, "rank": str(self.rank)}
         now = time.time()
         self._start_ts.labels(**me).set(now)
@@ -114,9 +111,6 @@ class TrainMetrics:
 
     def straggler(self, rank: int | None) -> None:
         self._straggler.labels(**self._me).set(-1 if rank is None or rank < 0 else rank)
-
-    def ft_groups(self, live: int) -> None:
-        self._ft_groups.labels(**self._me).set(live)
 
     def close(self) -> None:
         if self._server is not None:
