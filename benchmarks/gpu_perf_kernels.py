@@ -88,7 +88,7 @@ def step_sdpa(rig, fig: dict, put) -> str:
 
 
 def step_loss(rig, fig: dict, put) -> str:
-    from llmcluster.model.llama import chunked_cross_entropy_sum, cross_entropy_sum
+    from llmcluster.model.loss import head_loss
     from llmcluster.train.parallelize import compile_available
 
     cfg = rig.config(2)
@@ -98,12 +98,14 @@ def step_loss(rig, fig: dict, put) -> str:
     head = torch.nn.Linear(m.d_model, m.vocab_size, bias=False, device=rig.device, dtype=torch.bfloat16)
     h = torch.randn(B, T, m.d_model, device=rig.device, dtype=torch.bfloat16, requires_grad=True)
     y = torch.randint(0, m.vocab_size, (B, T), device=rig.device)
-    plain = lambda h_, y_: cross_entropy_sum(head(h_), y_)  # noqa: E731
-    variants = {"eager": plain, f"chunked_{chunks}": lambda h_, y_: chunked_cross_entropy_sum(head, h_, y_, chunks)}
+    # the model's own loss paths (model/loss.py): whole, sliced (gradients per slice, no recompute), compiled
+    variants = {"eager": lambda h_, y_: head_loss(head, h_, y_),
+                f"chunked_{chunks}": lambda h_, y_: head_loss(head, h_, y_, chunks)}
     if why := compile_available(rig.device):
         fig["compiled"] = f"skipped: {why}"
     else:
-        variants["compiled"] = torch.compile(plain)
+        variants["compiled"] = lambda h_, y_: head_loss(head, h_, y_, compiled=True)
+        variants[f"compiled_chunked_{chunks}"] = lambda h_, y_: head_loss(head, h_, y_, chunks, compiled=True)
     fig["shape"] = {"tokens": B * T, "d_model": m.d_model, "vocab": m.vocab_size, "loss_chunks": chunks}
     fig["variants"], ref = {}, None
     for name, fn in variants.items():
