@@ -44,8 +44,12 @@ sysdeps:
 demo: venv
 	bash scripts/demo.sh
 
+# The suite runs on TEST_WORKERS pytest-xdist workers (one per core; TEST_WORKERS=0 runs it in one process): most
+# tests wait on a process start, a server or a scheduler, and one process kept one of two cores busy (93%).
+# Tests that share the real Slurm or the session's vLLM server stay on one worker (tests/conftest.py xdist_group).
+TEST_WORKERS ?= 2
 test: venv sysdeps checkov vllm lmeval
-	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The distributed training tests (DDP, FSDP, HSDP, TP, resume, resharding, meta init, export, every preset's layer
 # shape) on the oldest torch
@@ -64,7 +68,7 @@ test-compat:
 
 # <= 3 minutes on a quiet 2-core machine (issue 33): its slowest tests are printed to keep it so.
 test-fast: venv checkov
-	$(PY) -m pytest -q --durations=10 -m "not slow and not slurm and not prometheus and not vllm and not lmeval" $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=10 -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not slurm and not prometheus and not vllm and not lmeval" $(PYTEST_ARGS)
 
 bench: venv
 	$(PY) benchmarks/train_throughput.py

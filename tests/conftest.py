@@ -264,6 +264,18 @@ def vllm_server(tmp_path_factory):
 SLOW_LIST = Path(__file__).with_name("slow_tests.txt")
 
 
+def xdist_group(item) -> str | None:
+    """`make test` runs the suite on pytest-xdist workers (`--dist loadgroup`): the tests that share one thing
+    the machine has once run on one worker, one after the other. The real Slurm cluster (its nodes and its
+    controller, which provision's apply restarts) and the session's vLLM server (a session fixture is made once
+    per worker: grouped, one server starts, not one per worker)."""
+    if item.get_closest_marker("slurm"):
+        return "slurm"
+    if "vllm_server" in getattr(item, "fixturenames", ()):
+        return "vllm"
+    return None
+
+
 @pytest.hookimpl(tryfirst=True)   # before -k/-m deselect, so the list is checked against everything collected
 def pytest_collection_modifyitems(config, items):
     """tests/slow_tests.txt: the measured-slow tests `make test-fast` leaves out, marked `slow` here."""
@@ -272,6 +284,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in listed:
             item.add_marker(pytest.mark.slow)
+        group = xdist_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
     if not any("::" in a for a in config.args):   # whole files collected: a listed id they lack is stale
         files = {i.split("::")[0] for i in ids}
         stale = sorted(i for i in listed - ids if i.split("::")[0] in files)
