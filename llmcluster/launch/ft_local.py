@@ -101,13 +101,17 @@ def _ours(pid: int) -> bool:
 
 
 class Supervisor:
-    def __init__(self, cfg, root: Path, argv: list[str], procs: int):
+    def __init__(self, cfg, root: Path, argv: list[str], procs: int, base: dict | None = None,
+                 env: dict[str, str] | None = None):
+        """`base`: the launch record `llmcluster launch` made (launch id, artifact, code version...), kept in every
+        job.json this writes; `env`: the launcher's rank environment, given to every group."""
         if procs < 1:
             raise UserError(f"--procs-per-node must be at least 1, got {procs}")
         groups = cfg.parallel.dp_replicate
         if groups < 2:
             raise UserError(f"ft.enabled needs parallel.dp_replicate >= 2 replica groups (got {groups})")
         self.cfg, self.argv, self.groups = cfg, argv, groups
+        self.base, self.env = base or {}, env or {}
         self.logs = root / "logs" / cfg.run.name
         self.exe = lighthouse_command()
         self.lighthouse = None
@@ -132,7 +136,7 @@ class Supervisor:
                                                preexec_fn=_die_with_parent)
 
     def _start_group(self, g: int) -> None:
-        env = {"RUST_LOG": "warn", **os.environ, GROUP_ENV: str(g), GROUPS_ENV: str(self.groups), LIGHTHOUSE_ENV: f"http://{self.address}"}
+        env = {"RUST_LOG": "warn", **os.environ, **self.env, GROUP_ENV: str(g), GROUPS_ENV: str(self.groups), LIGHTHOUSE_ENV: f"http://{self.address}"}
         if g == 0:   # the writer's lines on the terminal, as a run without ft; the others' in their files
             self.procs[g] = subprocess.Popen([sys.executable, "-m", "llmcluster", *self.argv], env=env,
                                              start_new_session=True, preexec_fn=_die_with_parent)
@@ -179,7 +183,7 @@ class Supervisor:
         groups = [{"group": g, "pid": p.pid if p else None, "pids": self.trees[g], "restarts": self.restarts[g],
                    "state": "COMPLETED" if self.done[g] else ("RUNNING" if p and p.poll() is None else "DOWN")}
                   for g, p in enumerate(self.procs)]
-        rec = {"run": self.cfg.run.name, "scheduler": "local", "kind": "train", "job_id": f"local-{os.getpid()}",
+        rec = {**self.base, "run": self.cfg.run.name, "scheduler": "local", "kind": "train", "job_id": f"local-{os.getpid()}",
                "pid": os.getpid(), "state": state, "procs_per_node": int(self.argv_procs()),
                "ft": {"lighthouse": self.address, "lighthouse_pid": self.lighthouse.pid if self.lighthouse else None,
                       "groups": groups}}

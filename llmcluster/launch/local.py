@@ -49,6 +49,10 @@ class Local(Scheduler):
                             "(use --scheduler slurm or k8s)")
 
     def argv(self, spec: LaunchSpec) -> list[str]:
+        if spec.ft and not spec.generic:
+            # ft: the supervisor `train --procs-per-node P` is (launch/ft_local.py): the Lighthouse and one
+            # torchrun world per replica group, each restarted alone
+            return [spec.python, *spec.command, "--procs-per-node", str(spec.job.procs)]
         # --standalone: a c10d store on a free local port, so --max-restarts works (static can't)
         return spec.torchrun(spec.python, "standalone", "", str(spec.logs / "ranks"))
 
@@ -68,6 +72,8 @@ class Local(Scheduler):
         """Run to completion in the foreground."""
         if missing := missing_secrets(spec):
             raise UserError(f"job.secret_env: {', '.join(missing)} not set in this environment")
+        if spec.ft and not spec.generic:
+            return self._supervise_ft(spec, record)
         (spec.logs / "ranks").mkdir(parents=True, exist_ok=True)
         proc = subprocess.Popen(self.argv(spec), env={**os.environ, **spec.rank_env()}, start_new_session=True)
         write_record({**record, "job_id": f"local-{proc.pid}", "pid": proc.pid, "state": "RUNNING"})
@@ -81,6 +87,16 @@ class Local(Scheduler):
                       "state": "COMPLETED" if rc == 0 else "FAILED", "exit_code": rc})
         print(f"[llmcluster] run {spec.run} exited with {rc}; logs in {spec.logs}", file=sys.stderr)
         return rc
+
+    def _supervise_ft(self, spec: LaunchSpec, record: dict) -> int:
+        """In this process, as `train --procs-per-node` does: the supervisor keeps job.json (every group's pids and
+        state, on top of this launch's record) and handles Ctrl-C / SIGTERM (every group checkpoints)."""
+        from llmcluster.config.load import load_job_config
+        from llmcluster.launch.ft_local import Supervisor
+
+        cfg = load_job_config(str(spec.config_path), [])
+        group_argv = self.argv(spec)[3:]     # after `python -m llmcluster`
+        return Supervisor(cfg, spec.root, group_argv, spec.job.procs, base=record, env=spec.rank_env()).run()
 
     def _alive(self, logs: Path, rec: dict) -> int | None:
         """The launcher's pid if it is alive AND is this run's torchrun (a serving job's: its vLLM server, on
@@ -103,8 +119,8 @@ class Local(Scheduler):
         if rec.get("kind") == "serve":
             port = str(rec.get("port")).encode()
             ours = SERVER_MODULE in cmd and any(a == b"--port" and b == port for a, b in zip(cmd, cmd[1:]))
-        elif rec.get("ft"):   # ft's supervisor (launch/ft_local.py): `python -m llmcluster train ...`
-            ours = b"llmcluster" in cmd and b"train" in cmd
+        elif rec.get("ft"):   # ft's supervisor (launch/ft_local.py): `python -m llmcluster train|launch ...`
+            ours = b"llmcluster" in cmd and (b"train" in cmd or b"launch" in cmd)
         else:
             ours = b"torch.distributed.run" in cmd and str(logs / "ranks").encode() in cmd
         return pid if ours and pid > 1 else None
