@@ -233,13 +233,39 @@ def test_goodput_counts_the_ft_records_without_letting_them_split_the_steps():
     ft = [{"t": 1.0, "attempt": 1, "event": "ft_quorum", "step": 0, "groups": 2},
           {"t": 3.5, "attempt": 1, "event": "ft_group_failed", "step": 3, "group": 1, "pids": [9], "exit_code": -9},
           {"t": 4.2, "attempt": 1, "event": "ft_quorum", "step": 4, "groups": 1},
-          {"t": 7.5, "attempt": 1, "event": "ft_heal", "step": 7, "group": 1, "peer": 0, "bytes": 2e6, "seconds": 0.5},
+          {"t": 7.5, "attempt": 1, "event": "ft_heal", "step": 7, "group": 1, "peer": 0, "bytes": None, "seconds": 0.5,
+           "side": "receiver"},
+          {"t": 7.5, "attempt": 1, "event": "ft_heal", "step": 7, "group": 1, "peer": 0, "bytes": 2e6, "seconds": 0.1,
+           "side": "sender"},
+          {"t": 8.5, "attempt": 1, "event": "ft_heal", "step": 8, "group": 0, "peer": 1, "bytes": 1e6, "seconds": 0.25,
+           "side": "sender"},   # a heal whose receiver did not write: the sender's own time
           {"t": 7.5, "attempt": 1, "event": "ft_quorum", "step": 7, "groups": 2}]
     plain, with_ft = goodput(base), goodput(sorted(base + ft, key=lambda e: e["t"]))
     assert plain["ft"] is None and with_ft["productive_s"] == plain["productive_s"]
     assert with_ft["badput_s"] == plain["badput_s"]
-    assert with_ft["ft"] == {"groups": 2, "group_failures": 1, "heals": 1, "heal_s": 0.5, "heal_bytes": 2e6,
+    assert with_ft["ft"] == {"groups": 2, "group_failures": 1, "heals": 2, "heal_s": 0.75, "heal_bytes": 3e6,
                              "steps_fewer_groups": 3, "lighthouse_lost": 0}
+
+
+def test_the_heal_sender_records_its_own_time_of_the_send():
+    """The sender's line carries the bytes and its own time of the send, not its quorum wait (the receiver's heal
+    over again)."""
+    from types import SimpleNamespace
+
+    from llmcluster.train import ft
+
+    emitted = []
+    trainer = SimpleNamespace(step=7, log=lambda _m: None, metrics=SimpleNamespace(ft_groups=lambda _n: None),
+                              events=SimpleNamespace(emit=lambda kind, step, **kw: emitted.append((kind, step, kw))))
+    ids = ["llmcluster_group_0:a", "llmcluster_group_1:b"]
+    sender = SimpleNamespace(t=trainer, group=0, groups=2, quorum_ids=None, sent_bytes=2048)
+    ft.Replica._note_quorum(sender, SimpleNamespace(replica_ids=ids, heal=False, recover_dst_replica_ranks=[1]), 7, 4.0, 0.2)
+    receiver = SimpleNamespace(t=trainer, group=1, groups=2, quorum_ids=None, sent_bytes=0)
+    ft.Replica._note_quorum(receiver, SimpleNamespace(replica_ids=ids, heal=True, recover_src_replica_rank=0,
+                                                      recover_dst_replica_ranks=[]), 3, 0.5)
+    heals = {kw["side"]: kw for kind, _s, kw in emitted if kind == "ft_heal"}
+    assert heals["sender"]["seconds"] == 0.2 and heals["sender"]["bytes"] == 2048 and heals["sender"]["group"] == 1
+    assert heals["receiver"]["seconds"] == 0.5 and heals["receiver"]["peer"] == 0
 
 
 def test_jobs_status_shows_each_group_and_its_pids(tmp_path, capsys):

@@ -88,11 +88,19 @@ def ft_summary(events: list[dict]) -> dict | None:
     last = max(e["step"] for e in events)
     # a quorum recorded at step s serves the steps after s, up to the next one
     fewer = sum(max(0, nxt - s) for (s, g), (nxt, _g) in zip(quorums, quorums[1:] + [(last, 0)]) if g < full)
-    heals = [e for e in ft if e["event"] == "ft_heal"]
     number = (int, float)
+    # One heal may write two lines (the receiver's: the whole heal; the sender's: the bytes and its own time of the
+    # send): counted once, with the receiver's seconds where both were written.
+    heals: dict[tuple, dict] = {}
+    for e in (e for e in ft if e["event"] == "ft_heal"):
+        h = heals.setdefault((e["step"], e.get("group")), {"seconds": {}, "bytes": 0})
+        if isinstance(e.get("seconds"), number):
+            h["seconds"][e.get("side")] = e["seconds"]
+        if isinstance(e.get("bytes"), number):
+            h["bytes"] += e["bytes"]
+    heal_s = sum(s.get("receiver", max(s.values(), default=0)) for s in (h["seconds"] for h in heals.values()))
     return {"groups": full, "group_failures": sum(e["event"] == "ft_group_failed" for e in ft),
-            "heals": len(heals), "heal_s": sum(e.get("seconds") for e in heals if isinstance(e.get("seconds"), number)),
-            "heal_bytes": sum(e.get("bytes") for e in heals if isinstance(e.get("bytes"), number)),
+            "heals": len(heals), "heal_s": heal_s, "heal_bytes": sum(h["bytes"] for h in heals.values()),
             "steps_fewer_groups": fewer,
             "lighthouse_lost": sum(e["event"] == "ft_lighthouse_lost" for e in ft)}
 

@@ -136,11 +136,13 @@ class Replica:
         self.before = None        # the data position at the start of the step: put back on a retry
         self.quorum_ids: list[str] | None = None
         self.sent_bytes = 0
+        self.send_t0 = None
         self.heal_from = None
 
     # -- the state a healing peer copies -----------------------------------------------------------
     def _state(self) -> dict:
         t = self.t
+        self.send_t0 = time.perf_counter()   # the sender's own time of the send starts here (start_step)
         state = {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(), "step": t.step,
                  "train": t.train_state()}
         self.sent_bytes = _tensor_bytes(state)
@@ -173,14 +175,17 @@ class Replica:
         t = self.t
         t0 = time.perf_counter()
         step_before = t.step
+        self.send_t0 = None
         self.manager.start_quorum()
         q = self.tap.last
-        heal_s = time.perf_counter() - t0
+        now = time.perf_counter()
+        heal_s = now - t0
+        send_s = now - self.send_t0 if self.send_t0 is not None else 0.0
         if q is not None:
-            self._note_quorum(q, step_before, heal_s)
+            self._note_quorum(q, step_before, heal_s, send_s)
         self.before = t.sampler.state_dict()
 
-    def _note_quorum(self, q, step_before: int, heal_s: float) -> None:
+    def _note_quorum(self, q, step_before: int, heal_s: float, send_s: float = 0.0) -> None:
         t = self.t
         names = [r.split(":")[0] for r in q.replica_ids]   # llmcluster_group_<g>:<uuid>, in replica-rank order
         ids = sorted(set(names))
@@ -193,9 +198,12 @@ class Replica:
                   f"in {heal_s:.2f} s")
             t.events.emit("ft_heal", t.step, group=self.group, peer=peer, seconds=round(heal_s, 3),
                           bytes=None, side="receiver")
-        for r in q.recover_dst_replica_ranks:   # the sender knows the bytes; the receiver its time (its own line)
+        # The sender knows the bytes; its seconds are its own time of the send (building the state and staging it
+        # on the CPU: torchft's transport then lets the receiver pull it), not its quorum wait, which is the
+        # receiver's heal over again. The receiver's line (when it writes) holds the whole heal.
+        for r in q.recover_dst_replica_ranks:
             t.events.emit("ft_heal", t.step, group=group_of(r), peer=self.group, bytes=self.sent_bytes,
-                          seconds=round(heal_s, 3), side="sender")
+                          seconds=round(send_s, 3), side="sender")
         if sorted(q.replica_ids) != self.quorum_ids:   # with the uuids: a group replaced by its restart is news
             self.quorum_ids = sorted(q.replica_ids)
             t.log(f"ft: step {t.step + 1}: quorum of {len(ids)} of {self.groups} groups ({', '.join(ids)})")
