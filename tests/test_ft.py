@@ -23,9 +23,9 @@ FT = ("ft.enabled=true", "parallel.dp_replicate=2", "ft.join_timeout_s=2", "ft.q
 DIGEST = re.compile(r"ft: group (\d) finished at step (\d+), weights sha256 ([0-9a-f]{16})")
 
 
-def _cmd(root: Path, run: str, *items: str) -> list[str]:
+def _cmd(root: Path, run: str, *items: str, procs: int = 1) -> list[str]:
     return [sys.executable, "-m", "llmcluster", "train", "-c", "llm_tiny", "--root", str(root), "--procs-per-node",
-            "1", *overrides(f"run.name={run}", *FT, *items)]
+            str(procs), *overrides(f"run.name={run}", *FT, *items)]
 
 
 def _events(root: Path, run: str) -> list[dict]:
@@ -87,18 +87,22 @@ def test_ft_outside_a_replica_group_is_refused(tiny_root, capsys):
     assert_one_line_error(proc, "not started as a replica group", "--procs-per-node")
 
 
-@pytest.mark.slow   # real processes: 20-90 s on a loaded 2-core machine
-def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_root):
-    """2 groups x 1 rank; group 1 SIGKILLed twice. Group 0 (the writer) is never restarted and commits steps
-    while group 1 is down; group 1 heals from it; both finish with bitwise identical weights; the loss curve
+@pytest.mark.slow   # real processes: 20-90 s (1 rank a group), 60-200 s (2) on a loaded 2-core machine
+@pytest.mark.parametrize("procs", [1, 2], ids=["2x1", "2x2"])
+def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_root, procs):
+    """2 groups x `procs` ranks (2 x 2: FSDP inside each group, rank r of a group healing from rank r of its peer);
+    group 1 SIGKILLed twice. Group 0 (the writer) is never restarted and commits steps while group 1 is down; group
+    1 heals from it; both finish with bitwise identical weights (2 x 2: rank 0's shard); 2 x 1: the loss curve
     stays within 0.25 nats (10-step means) of the same run without kills (steps committed with one group see
     half the batch).
     Steps 1-95 are slowed to 0.5 s (a test hook) so that the run outlasts two restarts on a loaded machine."""
-    run, steps = "ft-kill", 100
+    run, steps = f"ft-kill-{procs}", 100
     items = ("ft.min_replicas=1", f"train.steps={steps}", "checkpoint.interval_steps=20", "log.interval=1")
+    if procs > 1:   # four ranks and two launchers on two cores: collectives wait longer for a descheduled peer
+        items += (f"parallel.dp_shard={procs}", "dist.timeout_s=60")
     env = cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP="0:0.5:1-95",
                   LLMCLUSTER_TEST_FT_RESTART_DELAY_S="6")   # group 1 stays down 6 s at least, however fast its restart
-    proc = subprocess.Popen(_cmd(tiny_root, run, *items), cwd=REPO, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_cmd(tiny_root, run, *items, procs=procs), cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
     def quorum(groups: int, after: int):
@@ -134,6 +138,8 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_
     assert len(heals) == 2 and all(e["peer"] == 0 and e["bytes"] > 0 for e in heals), heals
     digests = _digests(tiny_root, run, out)
     assert digests[0] == digests[1] and digests[0][0] == steps, digests
+    if procs > 1:   # the loss curve against a run without kills: once, at 2 x 1
+        return
 
     ref = "ft-kill-ref"
     ref_proc = subprocess.run(_cmd(tiny_root, ref, *items[1:], "ft.min_replicas=2"), cwd=REPO, env=cli_env(),
