@@ -156,6 +156,38 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_
     assert max(gaps) < 0.25, gaps
 
 
+@pytest.mark.slow   # real processes: 40-90 s on a loaded 2-core machine
+def test_a_straggling_group_leaves_the_quorum_and_comes_back_when_it_recovers(tiny_root):
+    """2 groups x 1 rank; group 1 reports a compute time of 1 s for steps 1-40 (a test hook: group 0's is
+    milliseconds), with ft.straggler_steps=3: it leaves the quorum after 3 slow committed steps (one line in the
+    log, an ft_straggler event from the writer), group 0 keeps committing alone, the supervisor starts group 1 again
+    after ft.straggler_backoff_s (not counted as a failure), it heals, and once it is no slower it stays: both
+    finish with identical weights. Steps 1-95 are slowed to 0.5 s so the run outlasts the restarts."""
+    run, steps = "ft-straggler", 100
+    items = ("ft.min_replicas=1", f"train.steps={steps}", "ft.straggler_steps=3", "ft.straggler_backoff_s=2",
+             "checkpoint.interval_steps=50", "log.interval=1")
+    env = cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP="0:0.5:1-95",
+                  LLMCLUSTER_TEST_FT_SLOW_GROUP="1:1.0:1-40")
+    proc = subprocess.run(_cmd(tiny_root, run, *items), cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = _events(tiny_root, run)
+    drops = [e for e in events if e["event"] == "ft_straggler"]
+    assert drops and all(e["group"] == 1 and e["steps"] == 3 and e["busy_s"] == 1.0 and e["step"] <= 43
+                         for e in drops), drops
+    assert "ft: group 1 leaves the quorum after step" in proc.stdout
+    back = [e for e in events if e["event"] == "ft_quorum" and e["groups"] == 2 and e["step"] > drops[-1]["step"]]
+    assert back, "group 1 never came back into the quorum"
+    alone = [e for e in events if e["event"] == "ft_quorum" and e["groups"] == 1 and e["step"] >= drops[0]["step"]]
+    assert alone, "group 0 did not commit steps alone after the drop"
+    assert not any(e["event"] == "ft_group_failed" for e in events)
+    job = _job(tiny_root, run)
+    g0, g1 = job["ft"]["groups"]
+    assert g0["restarts"] == g0["dropped"] == 0 and g1["restarts"] == 0 and g1["dropped"] == len(drops)
+    digests = _digests(tiny_root, run, proc.stdout)
+    assert digests[0] == digests[1] and digests[0][0] == steps, digests
+
+
 @pytest.mark.slow   # real processes: 20-90 s on a loaded 2-core machine
 def test_a_run_without_failures_resumes_bitwise_after_a_full_stop(tiny_root):
     """Stopped at step 6 (train.stop_at, a checkpoint) and started again: both groups resume from the writer's
@@ -245,12 +277,14 @@ def test_goodput_counts_the_ft_records_without_letting_them_split_the_steps():
            "side": "sender"},
           {"t": 8.5, "attempt": 1, "event": "ft_heal", "step": 8, "group": 0, "peer": 1, "bytes": 1e6, "seconds": 0.25,
            "side": "sender"},   # a heal whose receiver did not write: the sender's own time
-          {"t": 7.5, "attempt": 1, "event": "ft_quorum", "step": 7, "groups": 2}]
+          {"t": 7.5, "attempt": 1, "event": "ft_quorum", "step": 7, "groups": 2},
+          {"t": 9.2, "attempt": 1, "event": "ft_straggler", "step": 9, "group": 1, "busy_s": 1.0, "median_s": 0.1,
+           "steps": 3}]
     plain, with_ft = goodput(base), goodput(sorted(base + ft, key=lambda e: e["t"]))
     assert plain["ft"] is None and with_ft["productive_s"] == plain["productive_s"]
     assert with_ft["badput_s"] == plain["badput_s"]
     assert with_ft["ft"] == {"groups": 2, "group_failures": 1, "heals": 2, "heal_s": 0.75, "heal_bytes": 3e6,
-                             "steps_fewer_groups": 3, "lighthouse_lost": 0}
+                             "steps_fewer_groups": 3, "lighthouse_lost": 0, "stragglers_dropped": 1}
 
 
 def test_the_heal_sender_records_its_own_time_of_the_send():

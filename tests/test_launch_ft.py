@@ -114,6 +114,17 @@ def test_ft_a_fatal_group_is_not_relaunched_nor_requeued(tmp_path):
     assert "not requeueing: fatal BadStepLimit" in out and "requeue 7" not in log
 
 
+def test_ft_a_group_dropped_as_a_straggler_comes_back_after_the_backoff_without_using_a_relaunch(tmp_path):
+    script = ft_script(tmp_path, "--max-requeues", "1", "--set", "ft.straggler_steps=5",
+                       "--set", "ft.straggler_backoff_s=1")
+    out, log = run_batch_script(tmp_path, script, fakes=FT_FAKES, FAKE_FAIL_GROUP="1", FAKE_FAILS="2",
+                                FAKE_REASON="dropped", FAKE_STEP_S="4")
+    assert out.count("group 1 left the quorum as a straggler: relaunching it in 1 s (ft.straggler_backoff_s)") == 2
+    assert [ln.split(" nodes ")[0] for ln in log.splitlines() if ln.startswith("group 1")] == \
+        ["group 1 run 1", "group 1 run 2", "group 1 run 3"], log
+    assert "relaunching it (" not in out and "groups exited with 0" in out and "requeue" not in log
+
+
 def test_ft_the_lighthouse_dying_stops_every_group_and_requeues(tmp_path):
     script = ft_script(tmp_path)
     out, log = run_batch_script(tmp_path, script, fakes=FT_FAKES, FAKE_LH_LIFE="3", FAKE_STEP_S="30")

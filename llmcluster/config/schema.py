@@ -340,6 +340,11 @@ class FtConfig(Section):
     quorum_timeout_s: float = Field(60.0, gt=0)  # a quorum not formed in this long fails the step
     join_timeout_s: float = Field(60.0, gt=0)    # how long the Lighthouse waits for more groups before a quorum
     lighthouse: str | None = None               # HOST:PORT of a running Lighthouse; None: the launcher starts one
+    # A group whose compute time is over the other groups' median x log.straggler_factor for this many committed
+    # steps in a row leaves the quorum instead of pacing every step (0: never); its launcher starts it again after
+    # straggler_backoff_s and it heals from a peer. The writer group is never dropped (no hand-over yet).
+    straggler_steps: int = Field(0, ge=0)
+    straggler_backoff_s: float = Field(60.0, ge=0)
 
     @field_validator("lighthouse")
     @classmethod

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from llmcluster.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE, UserError
+from llmcluster.errors import EXIT_FAILURE, EXIT_FT_DROPPED, EXIT_PREEMPTED, EXIT_USAGE, UserError
 from llmcluster.render import argv_element
 from llmcluster.testing import test_hook
 from llmcluster.storage.events import EVENTS, read_events
@@ -118,6 +118,7 @@ class Supervisor:
         self.address = cfg.ft.lighthouse or f"127.0.0.1:{_free_port()}"
         self.procs: list[subprocess.Popen | None] = [None] * groups
         self.restarts = [0] * groups
+        self.dropped = [0] * groups   # times each group left the quorum as a straggler (not failures)
         self.done = [False] * groups
         self.trees: list[list[int]] = [[] for _ in range(groups)]   # each group's launcher and ranks, as last seen
         self.seen = 0.0
@@ -181,8 +182,7 @@ class Supervisor:
     def _record(self, state: str, code: int | None = None) -> None:
         self._look(force=True)
         groups = [{"group": g, "pid": p.pid if p else None, "pids": self.trees[g], "restarts": self.restarts[g],
-                   "state": "COMPLETED" if self.done[g] else ("RUNNING" if p and p.poll() is None else "DOWN")}
-                  for g, p in enumerate(self.procs)]
+                   "dropped": self.dropped[g], "state": self._state(g, p)} for g, p in enumerate(self.procs)]
         rec = {**self.base, "run": self.cfg.run.name, "scheduler": "local", "kind": "train", "job_id": f"local-{os.getpid()}",
                "pid": os.getpid(), "state": state, "procs_per_node": int(self.argv_procs()),
                "ft": {"lighthouse": self.address, "lighthouse_pid": self.lighthouse.pid if self.lighthouse else None,
@@ -190,6 +190,13 @@ class Supervisor:
         if code is not None:
             rec["exit_code"] = code
         write_record(self.logs, rec)
+
+    def _state(self, g: int, p) -> str:
+        if self.done[g]:
+            return "COMPLETED"
+        if p is not None and p.poll() is None:
+            return "RUNNING"
+        return "DROPPED" if p is not None and p.returncode == EXIT_FT_DROPPED else "DOWN"
 
     def argv_procs(self) -> str:
         for flag in ("--procs-per-node", "--nproc-per-node"):
@@ -246,6 +253,12 @@ class Supervisor:
                 elif rc == EXIT_USAGE:   # bad input: every group would say the same
                     self._stop("")
                     return EXIT_USAGE
+                elif rc == EXIT_FT_DROPPED:   # a straggler the others left behind: not a failure, back later
+                    self.dropped[g] += 1
+                    backoff = self.cfg.ft.straggler_backoff_s
+                    print(f"[llmcluster] replica group {g} left the quorum as a straggler; starting it again in "
+                          f"{backoff:g} s (ft.straggler_backoff_s)", file=sys.stderr, flush=True)
+                    self.restart_at[g] = time.monotonic() + backoff
                 else:
                     self._group_failed(g, p, rc)
                     if self.restarts[g] > MAX_RESTARTS:

@@ -18,10 +18,11 @@ interval between two consecutive lines:
   - anything else (shutdown after the last checkpoint, an unknown event): `other`.
 So productive_s + sum(badput_s) == wall_s exactly. No torch here: the head node runs this.
 
-An ft run (per-step fault tolerance, train/ft.py) also records ft_quorum, ft_heal, ft_group_failed and
-ft_lighthouse_lost: they split no interval (a group's failure costs the writer's steps only what it delays
+An ft run (per-step fault tolerance, train/ft.py) also records ft_quorum, ft_heal, ft_group_failed, ft_straggler
+and ft_lighthouse_lost: they split no interval (a group's failure costs the writer's steps only what it delays
 them: a slow step, `hang_or_straggler`), and `ft` sums them: the groups' failures, the heals (count, bytes,
-seconds of the heal step's quorum as recorded) and the steps committed with fewer groups than the most seen.
+seconds of the heal step's quorum as recorded), the groups dropped as stragglers and the steps committed with fewer
+groups than the most seen.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def ft_summary(events: list[dict]) -> dict | None:
     heal_s = sum(s.get("receiver", max(s.values(), default=0)) for s in (h["seconds"] for h in heals.values()))
     return {"groups": full, "group_failures": sum(e["event"] == "ft_group_failed" for e in ft),
             "heals": len(heals), "heal_s": heal_s, "heal_bytes": sum(h["bytes"] for h in heals.values()),
-            "steps_fewer_groups": fewer,
+            "steps_fewer_groups": fewer, "stragglers_dropped": sum(e["event"] == "ft_straggler" for e in ft),
             "lighthouse_lost": sum(e["event"] == "ft_lighthouse_lost" for e in ft)}
 
 
@@ -235,7 +236,8 @@ def render(result: dict, plan: dict | None = None, width: int = 60, label: str =
     bar = "".join(BAR[k] * round(width * v / wall if wall > 0 else 0) for k, v in rows)
     lines.append(f"  [{bar[:width]:<{width}}]  " + ", ".join(f"{c} {k}" for k, c in BAR.items()))
     if ft := result.get("ft"):
-        lines.append(f"  ft: {ft['groups']} groups, {ft['group_failures']} group failure(s), {ft['heals']} heal(s) "
+        lines.append(f"  ft: {ft['groups']} groups, {ft['group_failures']} group failure(s), "
+                     f"{ft.get('stragglers_dropped', 0)} dropped as straggler(s), {ft['heals']} heal(s) "
                      f"({ft['heal_bytes'] / 1e6:.1f} MB, {ft['heal_s']:.2f} s), {ft['steps_fewer_groups']} step(s) "
                      "committed with fewer groups")
     return "\n".join(lines)

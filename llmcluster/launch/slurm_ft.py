@@ -9,7 +9,9 @@ Inside one allocation the script runs
     job's log. The other groups' steps are never touched: they keep committing steps in a smaller quorum;
   * it ends when every group has ended (their worst status is the script's) or when the Lighthouse dies (the
     groups are stopped: without a quorum no step commits; the requeued job resumes from the last checkpoint).
-A group whose ranks wrote a `fatal` exit reason is not relaunched (a relaunch would repeat it).
+A group whose ranks wrote a `fatal` exit reason is not relaunched (a relaunch would repeat it); one whose ranks
+wrote `dropped` (it left the quorum as a straggler, ft.straggler_steps) is relaunched after ft.straggler_backoff_s,
+not counted against job.max_requeues.
 """
 
 from __future__ import annotations
@@ -84,12 +86,19 @@ def body(spec: LaunchSpec, srun: list[str], port_python: str, free_port: str, co
         f'  export LLMCLUSTER_FT_GROUP="$g" {EXIT_DIR_ENV}="$ranks_dir/group-$g"',
         f'  mkdir -p "${EXIT_DIR_ENV}"',
         "  while :; do",
+        f'    rm -f "${EXIT_DIR_ENV}"/exit-rank*   # this launch\'s reasons only (a rank killed outright writes none)',
         '    echo "[llmcluster] group $g: nodes $gnodes, rendezvous $ghead:$gport (relaunch $relaunches)"',
         "    " + shell_join(group_srun) + " &",
         "    srun_pid=$!",
         '    while :; do wait "$srun_pid"; rc=$?; [ "$rc" -gt 128 ] && kill -0 "$srun_pid" 2>/dev/null && continue;'
         " break; done",
         '    [ "$rc" -eq 0 ] && { echo "[llmcluster] group $g finished"; return 0; }',
+        # a straggler the other groups left behind (ft.straggler_steps): back after the backoff, not a failure
+        f'    if [ "$stop" = 0 ] && grep -qs "^dropped" "${EXIT_DIR_ENV}"/exit-rank*; then',
+        f'      echo "[llmcluster] group $g left the quorum as a straggler: relaunching it in'
+        f' {ft.straggler_backoff_s:g} s (ft.straggler_backoff_s)"',
+        f"      sleep {ft.straggler_backoff_s:g}; continue",
+        "    fi",
         f'    fatal=$(cat "${EXIT_DIR_ENV}"/exit-rank* 2>/dev/null | grep -m 1 "^fatal")',
         f'    if [ "$stop" = 1 ] || [ -n "$fatal" ] || [ "$relaunches" -ge {j.max_requeues} ]; then',
         f'      echo "[llmcluster] group $g step exited with $rc: not relaunched'

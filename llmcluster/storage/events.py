@@ -8,7 +8,8 @@ already in the file) and the training step reached. Lifecycle lines are fsynced 
 interval); heartbeats are only flushed, which a killed process does not lose.
 
 An ft run (per-step fault tolerance, docs/fault-tolerance.md) adds, from its writer group: ft_quorum (`groups`,
-`replica_ids`) when the quorum changes, ft_heal (`group` healed, `peer`, `bytes`, `seconds`, `side`); and from
+`replica_ids`) when the quorum changes, ft_heal (`group` healed, `peer`, `bytes`, `seconds`, `side`), ft_straggler
+(`group` that left the quorum, its `busy_s`, the others' `median_s`, `steps` slow in a row); and from
 the supervisor (launch/ft_local.py, one appended line each): ft_group_failed (`group`, `pids`, `exit_code`),
 ft_lighthouse_lost. ft_writer is reserved for the writer's hand-over.
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 EXIT_DIR_ENV = "LLMCLUSTER_EXIT_DIR"
-REASONS = ("completed", "preempted", "failed", "fatal")
+REASONS = ("completed", "preempted", "failed", "fatal", "dropped")   # dropped: an ft group left as a straggler
 
 
 def write(reason: str, detail: str = "") -> None:

@@ -12,6 +12,10 @@ whose mesh is dp_shard x 1 x 1. Across groups, a step is:
                  (the data position is put back, the lr schedule does not step): no sample of the group's
                  shard is skipped or trained twice.
 
+Stragglers (ft.straggler_steps > 0): the all-reduce also carries each group's compute time; a group slower than
+the others' median x log.straggler_factor for that many committed steps in a row leaves the quorum (its ranks exit
+76, `dropped`) and its launcher starts it again after ft.straggler_backoff_s: it heals like any returning group.
+
 Data: each group reads its own shard of the global batch (dp_rank = group x dp_shard + rank in the group); a step
 committed with fewer groups trains on those groups' shards only (fewer samples; the missing shards are not
 replayed). The writer of checkpoints, events and metrics is group 0 (the lock holder, checkpoint/ownership.py);
@@ -21,12 +25,15 @@ the other groups write nothing but their own log lines.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from datetime import timedelta
 
 from llmcluster.errors import UserError
 from llmcluster.launch.ft_local import GROUP_ENV, GROUPS_ENV, NOT_INSTALLED
+from llmcluster.testing import test_hook
 WRITER_GROUP = 0
+SLOW_GROUP_ENV = "LLMCLUSTER_TEST_FT_SLOW_GROUP"
 
 
 def require_torchft() -> None:
@@ -138,13 +145,19 @@ class Replica:
         self.sent_bytes = 0
         self.send_t0 = None
         self.heal_from = None
+        # Stragglers (ft.straggler_steps): every group's compute time this step (None until averaged), the committed
+        # steps in a row each group was slow (the same on every rank of every group: a healed group copies them),
+        # and, once this group is dropped, the line that says why.
+        self.busy: list[float] | None = None
+        self.slow_steps = [0] * self.groups
+        self.leaving: str | None = None
 
     # -- the state a healing peer copies -----------------------------------------------------------
     def _state(self) -> dict:
         t = self.t
         self.send_t0 = time.perf_counter()   # the sender's own time of the send starts here (start_step)
         state = {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(), "step": t.step,
-                 "train": t.train_state()}
+                 "train": t.train_state(), "slow_steps": list(self.slow_steps)}
         self.sent_bytes = _tensor_bytes(state)
         return state
 
@@ -160,6 +173,7 @@ class Replica:
             t.scaler.load_state_dict(s["scaler"])
         t.bad_total = int(s.get("bad_steps", 0))
         t.spikes.load_state_dict(s.get("loss_window"))
+        self.slow_steps = [int(n) for n in state.get("slow_steps", self.slow_steps)]
 
     def _reposition(self, sampler_state: dict) -> None:
         """The prefetch thread has run ahead: a new one from `sampler_state` (the underlying sampler is kept)."""
@@ -210,25 +224,78 @@ class Replica:
             t.events.emit("ft_quorum", t.step, groups=len(ids), replica_ids=ids)
             t.metrics.ft_groups(len(ids))
 
-    def average(self, model, loss):
-        """Gradients and the loss, averaged over the groups in the quorum (one flat all-reduce)."""
+    def average(self, model, loss, busy_s):
+        """Gradients and the loss, averaged over the groups in the quorum (one flat all-reduce). With
+        ft.straggler_steps, the same all-reduce carries every group's compute time (`busy_s()`, this rank's; read
+        only then: on CUDA it waits for the forward's end event) in a slot of its own."""
         import torch
 
         grads = [getattr(p.grad, "_local_tensor", p.grad) for p in model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.detach().float().reshape(1)])
+        slots = torch.zeros(self.groups if self.t.cfg.ft.straggler_steps else 0, device=loss.device)
+        if slots.numel():
+            slots[self.group] = self._slow_hook(self.t.step + 1) or busy_s()
+        flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.detach().float().reshape(1), slots])
         self.manager.allreduce(flat).wait()
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
-        return flat[-1].to(loss.dtype)
+        if slots.numel():   # averaged over the k groups in the quorum: x k gives each group's own (0: absent)
+            busy = flat[offset + 1:] * self.manager.num_participants()
+            if self.t.env.distributed:   # a group is as slow as its slowest rank; every rank the same vector
+                import torch.distributed as dist
+
+                dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+            self.busy = busy.tolist()
+        return flat[offset].to(loss.dtype)
 
     def should_commit(self) -> bool:
         self.committed = self.manager.should_commit()
         if not self.committed:   # its batch again (the lr schedule does not step), or saved as not drawn on a stop
             self._reposition(self.before)
             self.t.log(f"ft: step {self.t.step + 1} not committed (a group failed during it): retried")
+        elif self.busy is not None:
+            self._judge_stragglers(self.busy)
+        self.busy = None
         return self.committed
+
+    def _slow_hook(self, step: int) -> float | None:
+        """Test hook (LLMCLUSTER_TESTING=1): LLMCLUSTER_TEST_FT_SLOW_GROUP=group:seconds[:steps], the compute time a
+        group reports (its ranks are all rank 0..P-1 of their own world, so LLMCLUSTER_INJECT_BUSY cannot single
+        one group out)."""
+        from llmcluster.train.health import per_rank
+
+        for seconds, steps in per_rank(test_hook(SLOW_GROUP_ENV), self.group):
+            if steps is None or step in steps:
+                return seconds
+        return None
+
+    def _judge_stragglers(self, busy: list[float]) -> None:
+        """After a committed step: count each group's slow steps; the slowest group over ft.straggler_steps in a
+        row leaves the quorum (never the writer, never below ft.min_replicas). Every rank of every group sees the
+        same all-reduced times and counts, so all take the same decision; the dropped group leaves after this
+        step (`leaving`), the writer records it (ft_straggler)."""
+        t, ft = self.t, self.t.cfg.ft
+        factor = t.cfg.log.straggler_factor
+        present = [g for g, b in enumerate(busy) if b > 0]
+        for g in range(self.groups):
+            others = [busy[h] for h in present if h != g]
+            slow = g in present and bool(others) and busy[g] > factor * statistics.median(others)
+            self.slow_steps[g] = self.slow_steps[g] + 1 if slow else 0
+        out = [g for g in present if g != WRITER_GROUP and self.slow_steps[g] >= ft.straggler_steps]
+        if not out or len(present) - 1 < ft.min_replicas:
+            return
+        g = max(out, key=lambda h: busy[h])
+        median = statistics.median(busy[h] for h in present if h != g)
+        step, n = t.step + 1, self.slow_steps[g]
+        line = (f"ft: group {g} leaves the quorum after step {step}: its compute time {busy[g]:.3f} s is over the "
+                f"others' median {median:.3f} s x {factor} (log.straggler_factor) for {n} steps in a row "
+                f"(ft.straggler_steps); it is started again in {ft.straggler_backoff_s:g} s and heals from a peer")
+        t.log(line)
+        t.events.emit("ft_straggler", step, group=g, busy_s=round(busy[g], 4), median_s=round(median, 4), steps=n)
+        self.slow_steps[g] = 0
+        if g == self.group:
+            self.leaving = line
 
     def shutdown(self, reason: str | None) -> None:
         if reason == "completed":   # the replicas' agreement, checkable from their logs (the tests compare them)

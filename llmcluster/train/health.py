@@ -140,8 +140,8 @@ class FaultInjector:
     def __init__(self, rank: int, environ=os.environ):
         self.nan_steps = _steps(test_hook("LLMCLUSTER_INJECT_NAN_AT_STEP", environ))
         self.spike_steps = _steps(test_hook("LLMCLUSTER_INJECT_SPIKE_AT_STEP", environ))
-        self.sleeps = _per_rank(test_hook("LLMCLUSTER_INJECT_SLEEP", environ), rank)
-        self.busy = _per_rank(test_hook("LLMCLUSTER_INJECT_BUSY", environ), rank)
+        self.sleeps = per_rank(test_hook("LLMCLUSTER_INJECT_SLEEP", environ), rank)
+        self.busy = per_rank(test_hook("LLMCLUSTER_INJECT_BUSY", environ), rank)
 
     def loss_factor(self, step: int) -> float | None:
         """What to multiply this step's loss by, or None to leave it alone (bitwise)."""
@@ -200,7 +200,7 @@ class BusyTimer:
         return self._begin.elapsed_time(self._end) / 1e3      # ms -> s
 
 
-def _per_rank(spec: str, rank: int) -> list[tuple[float, set[int] | None]]:
+def per_rank(spec: str, rank: int) -> list[tuple[float, set[int] | None]]:
     """'rank:seconds[:steps],...' -> [(seconds, steps or None for every step)] of this rank."""
     out = []
     for item in filter(None, spec.split(",")):

@@ -19,12 +19,13 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from llmcluster.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE, UserError
+from llmcluster.errors import EXIT_FAILURE, EXIT_FT_DROPPED, EXIT_PREEMPTED, EXIT_USAGE, UserError
 from llmcluster.storage import exit_reason
 
 LAUNCHED_ENV = "TORCHELASTIC_RUN_ID"      # set for every rank a torch launcher starts
 # An exit-reason word (storage/exit_reason.py) -> the exit code the ranks left with.
-REASON_CODES = {"completed": 0, "preempted": EXIT_PREEMPTED, "fatal": EXIT_USAGE, "failed": EXIT_FAILURE}
+REASON_CODES = {"completed": 0, "preempted": EXIT_PREEMPTED, "fatal": EXIT_USAGE, "failed": EXIT_FAILURE,
+                "dropped": EXIT_FT_DROPPED}
 
 
 def under_launcher() -> bool:
@@ -86,7 +87,7 @@ def _last_line(log_dir: Path, rank: int) -> str:
 
 
 def _code_from_reasons(reasons: Path, nprocs: int) -> int:
-    """What the ranks said as they left (their exit-rank<r> files), the worst of it: 2, 1, 75, else 0."""
+    """What the ranks said as they left (their exit-rank<r> files), the worst of it: 2, 1, 75, 76, else 0."""
     words = []
     for r in range(nprocs):
         try:
@@ -94,7 +95,7 @@ def _code_from_reasons(reasons: Path, nprocs: int) -> int:
         except (OSError, IndexError):
             words.append("failed")   # killed outright after the agent's grace period: nothing written
     codes = {REASON_CODES.get(w, EXIT_FAILURE) for w in words}
-    for code in (EXIT_USAGE, EXIT_FAILURE, EXIT_PREEMPTED):   # the worst first
+    for code in (EXIT_USAGE, EXIT_FAILURE, EXIT_PREEMPTED, EXIT_FT_DROPPED):   # the worst first
         if code in codes:
             return code
     return 0

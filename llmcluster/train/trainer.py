@@ -27,7 +27,7 @@ from llmcluster.config.load import load_job_config, saved_config_dict
 from llmcluster.config.schema import JobConfig
 from llmcluster.data.dataset import META, data_sources, open_training_data
 from llmcluster.data.prefetch import Prefetcher
-from llmcluster.errors import EXIT_PREEMPTED, UserError
+from llmcluster.errors import EXIT_FT_DROPPED, EXIT_PREEMPTED, UserError
 from llmcluster.model import flops_per_token, param_count
 from llmcluster.model.llama import cross_entropy_sum
 from llmcluster.paths import resolve_storage_root
@@ -258,8 +258,8 @@ class Trainer:
         if self.sample_log:
             self.sample_log.write(self.step + 1, sample_ids)
         loss = self._mean_over_ranks(loss_sum / accum)
-        if self.ft:   # across the replica groups in the quorum
-            loss = self.ft.average(model, loss)
+        if self.ft:   # across the replica groups in the quorum (with each group's compute time: stragglers)
+            loss = self.ft.average(model, loss, lambda: self.inject.busy_time(self.step + 1, self.busy_timer.seconds()))
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         norm = clip_grad_norm(model.parameters(), max_norm, self.pipe.pp_group if self.pipe else None)
@@ -344,6 +344,8 @@ class Trainer:
                 raise self.ckpt.lost_error()
             if stop > 0:
                 return self._preempted(saved)
+            if self.ft and self.ft.leaving:   # dropped as a straggler (ft.py): the launcher starts it again later
+                return EXIT_FT_DROPPED
         self.log(f"run {cfg.run.name}: finished step {self.step}; checkpoints in "
                  f"{self.storage.run_checkpoints(cfg.run.name)}")
         return 0
@@ -481,7 +483,7 @@ def train_cli(args) -> int:
         trainer = Trainer(cfg, root, resume=args.resume)
         code = trainer.fit()
         ok = True
-        reason = "preempted" if code == EXIT_PREEMPTED else "completed"
+        reason = {EXIT_PREEMPTED: "preempted", EXIT_FT_DROPPED: "dropped"}.get(code, "completed")
         exit_reason.write(reason)
         return code
     except CollectiveFailure as e:   # a peer died: a restart (or a requeue onto other nodes) may cure it
