@@ -314,11 +314,11 @@ def test_jobs_status_shows_each_group_and_its_pids(tmp_path, capsys):
     rec = {"run": "r", "scheduler": "local", "kind": "train", "job_id": "local-1", "pid": 1, "state": "FAILED",
            "exit_code": 75, "ft": {"lighthouse": "127.0.0.1:1", "groups": [
                {"group": 0, "pid": 11, "pids": [11, 12], "restarts": 0, "state": "DOWN"},
-               {"group": 1, "pid": 21, "pids": [21, "x"], "restarts": 2, "state": "DOWN"}, "junk"]}}
+               {"group": 1, "pid": 21, "pids": [21, "x"], "restarts": 2, "state": "DROPPED", "dropped": 1}, "junk"]}}
     (logs / "job.json").write_text(json.dumps(rec))
     proc = cli_inprocess(capsys, "jobs", "status", "r", "--root", str(tmp_path / "storage"))
     assert proc.returncode == 0, proc.stderr
-    assert "group0=DOWN(pids 11,12, restarts 0)" in proc.stdout and "group1=DOWN(pids 21, restarts 2)" in proc.stdout
+    assert "group0=DOWN(pids 11,12, restarts 0)" in proc.stdout and "group1=DROPPED(pids 21, restarts 2, dropped 1)" in proc.stdout
 
 
 @pytest.mark.slow   # real processes

@@ -51,13 +51,16 @@ def list_jobs(root: Path, query: bool = True) -> int:
 
 
 def ft_groups(ft: dict) -> dict:
-    """group<i>=STATE(pids …, restarts r) from a supervisor's record (job.json is user-writable: shapes checked)."""
+    """group<i>=STATE(pids …, restarts r[, dropped d]) from a supervisor's record (job.json is user-writable: shapes
+    checked)."""
     out = {}
     for g in ft.get("groups") if isinstance(ft.get("groups"), list) else []:
         if isinstance(g, dict) and isinstance(g.get("group"), int):
             pids = [p for p in g.get("pids") or [] if isinstance(p, int)] if isinstance(g.get("pids"), list) else []
+            dropped = g.get("dropped")   # times it left the quorum as a straggler (ft.straggler_steps)
             out[f"group{g['group']}"] = (f"{g.get('state') if isinstance(g.get('state'), str) else '?'}"
-                                         f"(pids {','.join(map(str, pids)) or '-'}, restarts {g.get('restarts')})")
+                                         f"(pids {','.join(map(str, pids)) or '-'}, restarts {g.get('restarts')}"
+                                         + (f", dropped {dropped}" if isinstance(dropped, int) and dropped else "") + ")")
     return out
 
 
