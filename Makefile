@@ -44,10 +44,14 @@ sysdeps:
 demo: venv
 	bash scripts/demo.sh
 
-# The suite runs on TEST_WORKERS pytest-xdist workers (one per core; TEST_WORKERS=0 runs it in one process): most
-# tests wait on a process start, a server or a scheduler, and one process kept one of two cores busy (93%).
-# Tests that share the real Slurm or the session's vLLM server stay on one worker (tests/conftest.py xdist_group).
-TEST_WORKERS ?= 2
+# The suite can run on TEST_WORKERS pytest-xdist workers: most tests wait on a process start, a server or a
+# scheduler, and one process kept one of two cores busy (93%). Tests that share the real Slurm or the session's
+# vLLM server stay on one worker (tests/conftest.py xdist_group). `make test` stays in one process by default
+# (TEST_WORKERS=0): on 2 workers the whole suite took 2095 s instead of ~2600 s, but the README walk failed once
+# (its serving job missing from `monitor config`, not yet understood) and is not trusted there yet; test-fast
+# (no README walk, no Slurm, no engines) runs on 2.
+TEST_WORKERS ?= 0
+TEST_FAST_WORKERS ?= 2
 test: venv sysdeps checkov vllm lmeval
 	$(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
@@ -68,7 +72,7 @@ test-compat:
 
 # <= 3 minutes on a quiet 2-core machine (issue 33): its slowest tests are printed to keep it so.
 test-fast: venv checkov
-	$(PY) -m pytest -q --durations=10 -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not slurm and not prometheus and not vllm and not lmeval" $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=10 -n $(TEST_FAST_WORKERS) --dist loadgroup -m "not slow and not slurm and not prometheus and not vllm and not lmeval" $(PYTEST_ARGS)
 
 bench: venv
 	$(PY) benchmarks/train_throughput.py
