@@ -342,10 +342,8 @@ class Trainer:
             stop = D.all_reduce_max(2.0 if self.ckpt.heartbeat() else 1.0 if self.preempt.set else 0.0, self.env)
             if stop >= 2:
                 raise self.ckpt.lost_error()
-            if stop > 0:
-                return self._preempted(saved)
-            if self.ft and self.ft.leaving:   # dropped as a straggler (ft.py): the launcher starts it again later
-                return EXIT_FT_DROPPED
+            if stop > 0 or (self.ft and self.ft.leaving):   # ft: dropped as a straggler (ft.py), started again later
+                return self._preempted(saved) if stop > 0 else EXIT_FT_DROPPED
         self.log(f"run {cfg.run.name}: finished step {self.step}; checkpoints in "
                  f"{self.storage.run_checkpoints(cfg.run.name)}")
         return 0
