@@ -106,7 +106,10 @@ def test_two_nodes_train_and_requeue_gives_the_same_loss(root):
     token = secrets.token_hex(16)
     straight = launch(root, "straight", "--set", f"train.steps={STEPS}", "--set", "checkpoint.interval_steps=4",
                       "--set", f"job.env.SITE_RUN_LABEL={token}")
-    killed = launch(root, "killed", "--set", f"train.steps={STEPS}", "--set", "checkpoint.interval_steps=4")
+    # rank 0 sleeps 0.5 s before steps 6-8 (a test hook) so the kill sent once step 5 is seen lands before the
+    # step-8 checkpoint even on a loaded machine (CI once saw the kill land after step 9)
+    killed = launch(root, "killed", "--set", f"train.steps={STEPS}", "--set", "checkpoint.interval_steps=4",
+                    "--set", "job.env.LLMCLUSTER_TESTING=1", "--set", "job.env.LLMCLUSTER_INJECT_SLEEP=0:0.5:6-8")
     # only the signal's checkpoint exists; rank 0 sleeps 1 s a step (a test hook) so that the signal sent after
     # step 3 lands before step 12: unslowed, a tiny step takes ~10 ms and the run could finish first (it did)
     interrupted = launch(root, "interrupted", "--set", f"train.steps={STEPS}",
@@ -118,6 +121,8 @@ def test_two_nodes_train_and_requeue_gives_the_same_loss(root):
     ranks = workers(root, "killed")
     assert len(ranks) == 2, ranks
     os.kill(ranks[1], signal.SIGKILL)
+    last_before_kill = max(int(p.parent.name.split("_")[1])
+                           for p in (root / "checkpoints" / "killed").glob("step_*/COMPLETE.json"))
     # while it runs, a second launch of the run is refused (it would race it for the checkpoints)
     again = run_cli("launch", "--scheduler", "slurm", "--nodes", "2", "--root", root, *TINY,
                     "--set", "run.name=killed")
@@ -130,13 +135,15 @@ def test_two_nodes_train_and_requeue_gives_the_same_loss(root):
     assert wait_for(interrupted, ("COMPLETED",), timeout=300) == "COMPLETED"
 
     # the killed run: restarted by torchrun inside the same Slurm attempt, resumed
-    # from step 4, and every step's loss is the uninterrupted run's
+    # from its last checkpoint, and every step's loss is the uninterrupted run's
     log = (root / "logs" / "killed" / f"slurm-{killed}.out").read_text()
     assert "requeueing" not in log and "attempt 1" not in log, log[-3000:]
     # the dead rank's agent counts a restart (attempt_1); the other counts one too if its rank failed
     # first, or restarts on the membership change without counting (reusing its attempt_0 directory)
     assert len(list((root / "logs" / "killed" / "ranks").glob(f"{killed}-0/*/attempt_1/0"))) in (1, 2)
-    assert re.search(r"resumed from \S+/step_4 \(step 4\)", log), log[-3000:]
+    # resumed from the last checkpoint complete when the rank died: step 4 unless the kill came late
+    resumed = re.search(r"resumed from \S+/step_(\d+) \(step (\d+)\)", log)
+    assert resumed and resumed[1] == resumed[2] and int(resumed[1]) == last_before_kill, log[-3000:]
     assert sorted(losses(root, "killed")) == list(range(1, STEPS + 1))
     assert losses(root, "killed") == pytest.approx(losses(root, "straight"), rel=1e-5)
 
