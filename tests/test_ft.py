@@ -3,6 +3,7 @@ process of its own, the supervisor of `train --procs-per-node` restarting a dead
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -51,6 +52,19 @@ def _wait(pred, proc, what: str, timeout: float = 120) -> None:
         assert proc.poll() is None, f"the run ended before {what}: {proc.communicate()}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def _supervised(root: Path, run: str, items: tuple, env: dict, procs: int = 1):
+    """The supervisor of `train --procs-per-node` in a session of its own, killed with everything under it if the
+    test fails before it ends."""
+    proc = subprocess.Popen(_cmd(root, run, *items, procs=procs), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _step(root: Path, run: str) -> int:
@@ -102,13 +116,11 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_
         items += (f"parallel.dp_shard={procs}", "dist.timeout_s=60")
     env = cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP="0:0.5:1-95",
                   LLMCLUSTER_TEST_FT_RESTART_DELAY_S="6")   # group 1 stays down 6 s at least, however fast its restart
-    proc = subprocess.Popen(_cmd(tiny_root, run, *items, procs=procs), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
 
     def quorum(groups: int, after: int):
         return lambda: any(e["event"] == "ft_quorum" and e["groups"] == groups and e["step"] >= after
                            for e in _events(tiny_root, run))
-    try:
+    with _supervised(tiny_root, run, items, env, procs) as proc:
         _wait(quorum(2, 0), proc, "both groups in a quorum")
         pid0 = _job(tiny_root, run)["ft"]["groups"][0]["pid"]
         for _ in range(2):
@@ -124,9 +136,6 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_
             _wait(lambda: _step(tiny_root, run) >= alone + 2, proc, "steps committed by group 0 alone")
             _wait(quorum(2, alone), proc, "group 1 back in the quorum")
         out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
     job = _job(tiny_root, run)
     assert job["ft"]["groups"][0]["pid"] == pid0 and job["ft"]["groups"][0]["restarts"] == 0
@@ -157,33 +166,83 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_
 
 
 @pytest.mark.slow   # real processes: 40-90 s on a loaded 2-core machine
+def test_the_writer_group_killed_hands_its_role_to_its_peer(tiny_root):
+    """2 groups x 1 rank; group 0, the writer, SIGKILLed after the step-20 checkpoint. Group 1 is never restarted,
+    takes the writer's role over at its next committed step (an ft_writer line; the dead writer's lock taken at
+    once: its pid is gone), goes on writing events, metrics and checkpoints; group 0 comes back as a reader (the
+    lock names a live peer of its run), heals, and never writes again: one writer at a time. Both finish with
+    identical weights."""
+    run, steps = "ft-writer", 100
+    items = ("ft.min_replicas=1", f"train.steps={steps}", "checkpoint.interval_steps=20", "log.interval=1")
+    env = cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP="0:0.5:1-95",
+                  LLMCLUSTER_TEST_FT_RESTART_DELAY_S="6")
+    ckpt = tiny_root / "checkpoints" / run
+    with _supervised(tiny_root, run, items, env) as proc:
+        _wait(lambda: (ckpt / "step_20" / "COMPLETE.json").is_file(), proc, "the step-20 checkpoint", 240)
+        _wait(lambda: _step(tiny_root, run) >= 22, proc, "step 22")
+        before = _job(tiny_root, run)["ft"]["groups"][0]["pid"]
+        for pid in _job(tiny_root, run)["ft"]["groups"][0]["pids"]:   # the writer's node dies
+            os.kill(pid, signal.SIGKILL)
+        taken = lambda: [e for e in _events(tiny_root, run) if e["event"] == "ft_writer"]   # noqa: E731
+        _wait(taken, proc, "group 1 taking the writer's role over")
+        _wait(lambda: _job(tiny_root, run)["ft"]["groups"][0]["pid"] != before, proc, "group 0's restart")
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    job = _job(tiny_root, run)
+    assert job["ft"]["groups"][0]["restarts"] == 1 and job["ft"]["groups"][1]["restarts"] == 0
+    events = _events(tiny_root, run)
+    writers = [e for e in events if e["event"] == "ft_writer"]
+    assert [(e["group"], e["previous"]) for e in writers] == [(1, 0)], writers
+    took = writers[0]["step"]
+    # group 1 wrote from there: a step line for every step after it, checkpoints after it, the final one
+    assert {e["step"] for e in events if e["event"] == "step"} >= set(range(took, steps + 1))
+    assert any(e["event"] == "checkpointed" and e["ckpt"] > took for e in events)
+    assert (ckpt / f"step_{steps}" / "COMPLETE.json").is_file()
+    assert {r["step"] for r in read_metrics(tiny_root, run) if "loss" in r} >= set(range(took, steps + 1))
+    log1 = (tiny_root / "logs" / run / "ft" / "group1.log").read_text()
+    assert "ft: group 1 takes the writer's role over" in log1 and "ft: group 1 holds the owner lock" in log1
+    assert "ft: group 0 starts as a reader: group 1 of this run writes" in out
+    # one writer at a time: the restarted group 0 never wrote (no attempt_start or ft_writer of its own)
+    assert len([e for e in events if e["event"] == "attempt_start"]) == 1
+    heals = [e for e in events if e["event"] == "ft_heal" and e["group"] == 0 and e["step"] > took]
+    assert heals and heals[0]["peer"] == 1, heals
+    digests = _digests(tiny_root, run, out)
+    assert digests[0] == digests[1] and digests[0][0] == steps, digests
+
+
+@pytest.mark.slow   # real processes: 40-90 s on a loaded 2-core machine
 def test_a_straggling_group_leaves_the_quorum_and_comes_back_when_it_recovers(tiny_root):
-    """2 groups x 1 rank; group 1 reports a compute time of 1 s for steps 1-40 (a test hook: group 0's is
-    milliseconds), with ft.straggler_steps=3: it leaves the quorum after 3 slow committed steps (one line in the
-    log, an ft_straggler event from the writer), group 0 keeps committing alone, the supervisor starts group 1 again
-    after ft.straggler_backoff_s (not counted as a failure), it heals, and once it is no slower it stays: both
-    finish with identical weights. Steps 1-95 are slowed to 0.5 s so the run outlasts the restarts."""
+    """2 groups x 1 rank; group 0, the writer, reports a compute time of 1 s for steps 1-40 (a test hook: group 1's
+    is milliseconds), with ft.straggler_steps=3: it leaves the quorum after 3 slow committed steps (one line in the
+    log, an ft_straggler event), group 1 takes the writer's role over and keeps committing alone, the supervisor
+    starts group 0 again after ft.straggler_backoff_s (not counted as a failure), it heals and reads, and once it is
+    no slower it stays: both finish with identical weights. Steps 1-95 are slowed to 0.5 s so the run outlasts the
+    restarts."""
     run, steps = "ft-straggler", 100
-    items = ("ft.min_replicas=1", f"train.steps={steps}", "ft.straggler_steps=3", "ft.straggler_backoff_s=2",
+    items = ("ft.min_replicas=1", f"train.steps={steps}", "ft.straggler_steps=3", "ft.straggler_backoff_s=8",
              "checkpoint.interval_steps=50", "log.interval=1")
     env = cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP="0:0.5:1-95",
-                  LLMCLUSTER_TEST_FT_SLOW_GROUP="1:1.0:1-40")
+                  LLMCLUSTER_TEST_FT_SLOW_GROUP="0:1.0:1-40")
     proc = subprocess.run(_cmd(tiny_root, run, *items), cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = _events(tiny_root, run)
     drops = [e for e in events if e["event"] == "ft_straggler"]
-    assert drops and all(e["group"] == 1 and e["steps"] == 3 and e["busy_s"] == 1.0 and e["step"] <= 43
+    assert drops and all(e["group"] == 0 and e["steps"] == 3 and e["busy_s"] == 1.0 and e["step"] <= 43
                          for e in drops), drops
-    assert "ft: group 1 leaves the quorum after step" in proc.stdout
+    assert "ft: group 0 leaves the quorum after step" in proc.stdout
+    # the role passed once per drop: to group 1, and never back while group 1 lives
+    writers = [(e["group"], e["previous"]) for e in events if e["event"] == "ft_writer"]
+    assert writers == [(1, 0)], writers
     back = [e for e in events if e["event"] == "ft_quorum" and e["groups"] == 2 and e["step"] > drops[-1]["step"]]
-    assert back, "group 1 never came back into the quorum"
+    assert back, "group 0 never came back into the quorum"
     alone = [e for e in events if e["event"] == "ft_quorum" and e["groups"] == 1 and e["step"] >= drops[0]["step"]]
-    assert alone, "group 0 did not commit steps alone after the drop"
-    assert not any(e["event"] == "ft_group_failed" for e in events)
+    assert alone, "group 1 did not commit steps alone after the drop"
+    assert not any(e["event"] in ("ft_group_failed", "exit") and e.get("reason") != "completed" for e in events)
     job = _job(tiny_root, run)
     g0, g1 = job["ft"]["groups"]
-    assert g0["restarts"] == g0["dropped"] == 0 and g1["restarts"] == 0 and g1["dropped"] == len(drops)
+    assert g0["restarts"] == g1["restarts"] == g1["dropped"] == 0 and g0["dropped"] == len(drops)
+    assert (tiny_root / "checkpoints" / run / f"step_{steps}" / "COMPLETE.json").is_file()
     digests = _digests(tiny_root, run, proc.stdout)
     assert digests[0] == digests[1] and digests[0][0] == steps, digests
 

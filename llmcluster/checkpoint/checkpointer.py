@@ -146,17 +146,18 @@ class Checkpointer:
         self.attempt = self.lock.attempt        # rank 0's, once claim() has run
 
     # -- ownership ---------------------------------------------------------------------------------
-    def claim(self) -> None:
+    def claim(self, wait: bool = True) -> bool:
         """Collective: rank 0 takes the run's owner lock (or every rank refuses with its one line), then
         removes what dead attempts left behind (their .tmp-* directories) under it. Judging a holder that
         flock cannot vouch for takes up to checkpoint.lock_stale_s: rank 0 reports every CLAIM_POLL_S (at most
-        a quarter of dist.timeout_s), so the other ranks' wait in the broadcast never reaches dist.timeout_s."""
+        a quarter of dist.timeout_s), so the other ranks' wait in the broadcast never reaches dist.timeout_s.
+        `wait=False` (an ft group taking over mid-run): one look; False while the judgment needs more time."""
         done = False
         while not done:
             error, done = None, True
             if self.rank == 0:
                 try:
-                    done = self.lock.acquire(for_s=self.claim_poll_s)
+                    done = self.lock.acquire(for_s=self.claim_poll_s if wait else 0.0)
                     for d in sorted(self.dir.glob(f"{TMP_PREFIX}*")) if done else []:
                         if d.is_dir():
                             shutil.rmtree(d, ignore_errors=True)
@@ -168,6 +169,9 @@ class Checkpointer:
             error, done, self.attempt = _broadcast_obj((error, done, self.lock.attempt))
             if error:
                 raise UserError(error)
+            if not wait:
+                return done
+        return True
 
     def heartbeat(self) -> bool:
         """At a step boundary (rank 0; no collective): refresh the lock. True if it is no longer ours: the

@@ -109,6 +109,7 @@ class RunLock:
         self.attempt = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{secrets.token_hex(3)}"
         self.fd: int | None = None
         self.hang_s = hang_s
+        self.extra: dict = {}   # more of the holder's identity in its record (an ft run: its group, its Lighthouse)
         self.every_s = min(HEARTBEAT_EVERY_S, stale_s / 4)   # several beats within any judge's limit
         self.last_check = 0.0
         self._progress: float | None = None  # monotonic time of the last step boundary; None: not armed
@@ -144,7 +145,7 @@ class RunLock:
         if fcntl is not None:
             self._flock(fd)
         info = {"run": self.run, "job": job_id(), "host": socket.gethostname(), "pid": os.getpid(),
-                "start": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "attempt": self.attempt}
+                "start": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "attempt": self.attempt, **self.extra}
         os.write(fd, json.dumps(info).encode())
         os.fsync(fd)
         self.fd, self.last_check, self._watch = fd, time.monotonic(), None

@@ -337,6 +337,7 @@ class MetricsProcessor:
         self.console = None
         self.prom = None
         self.status = "FAILED"
+        self.muted = False   # an ft group that handed the writer's role over
         if log.metrics is not None:    # HOST:PORT; rank r serves PORT + its local rank (0: rank 0, any)
             host, port = log.metrics
             serve = port + local_rank if port else (0 if is_main else None)
@@ -357,6 +358,21 @@ class MetricsProcessor:
         if log.mlflow is not None:
             self.sinks.append(MlflowSink(log.mlflow, root, cfg.run.name))
 
+    def take_over(self, cfg, log_dir: Path, step: int) -> None:
+        """An ft group becomes the run's writer: it appends metrics.jsonl and shows the progress from here.
+        W&B, MLflow and TensorBoard stay with the process that started them (docs/fault-tolerance.md)."""
+        if self.is_main:
+            return
+        self.is_main, self.muted = True, False
+        if self.console is None:   # never the writer before
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self.console = ConsoleSink(cfg.train.steps, step, cfg.log.progress)
+            self.sinks += [JsonlSink(log_dir), self.console]
+
+    def hand_over(self) -> None:
+        """Another group writes from now on: only this rank's Prometheus endpoint goes on."""
+        self.is_main, self.muted = False, True
+
     def due(self, step: int) -> bool:
         return step % self.interval == 0
 
@@ -366,7 +382,8 @@ class MetricsProcessor:
 
     def write(self, record: dict) -> None:
         for s in self.sinks:
-            s.write(record)
+            if not self.muted or s is self.prom:
+                s.write(record)
 
     def message(self, text: str) -> None:
         self.console.message(text) if self.console else print(text, flush=True)

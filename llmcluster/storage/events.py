@@ -11,7 +11,7 @@ An ft run (per-step fault tolerance, docs/fault-tolerance.md) adds, from its wri
 `replica_ids`) when the quorum changes, ft_heal (`group` healed, `peer`, `bytes`, `seconds`, `side`), ft_straggler
 (`group` that left the quorum, its `busy_s`, the others' `median_s`, `steps` slow in a row); and from
 the supervisor (launch/ft_local.py, one appended line each): ft_group_failed (`group`, `pids`, `exit_code`),
-ft_lighthouse_lost. ft_writer is reserved for the writer's hand-over.
+ft_lighthouse_lost; and ft_writer (`group`, `previous`) from a group that takes the writer's role over.
 
 No torch here: the head node reads these files.
 """
@@ -73,6 +73,7 @@ class EventLog:
         self.attempt = 0
         self.step = 0
         self.trained = self.noted = False   # a step heartbeat written / a no-op start said
+        self.log_dir = log_dir
         if not enabled:
             return
         self.path = log_dir / EVENTS
@@ -82,6 +83,25 @@ class EventLog:
         if not self.created and _cut(self.path):
             self.file.write("\n")   # a line cut by a crash must not swallow this attempt's first line
         self.emit("attempt_start", t=process_start_time(), pid=os.getpid())
+
+    def take_over(self, step: int, **fields) -> None:
+        """An ft group becomes the run's writer mid-attempt (its writer died): the file is opened again and the
+        attempt goes on (no attempt_start: a hand-over is not a start); one ft_writer line says so."""
+        if self.file is not None:
+            return
+        self.path = self.log_dir / EVENTS
+        self.attempt = max((r["attempt"] for r in read_events(self.path, warn=None)), default=1)
+        self.created = False
+        self.file = open(self.path, "a")
+        if _cut(self.path):
+            self.file.write("\n")
+        self.emit("ft_writer", step, **fields)
+
+    def hand_over(self) -> None:
+        """The other side: this group stops writing (no exit line: the attempt goes on in another group)."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
     def emit(self, event: str, step: int | None = None, sync: bool = True, t: float | None = None,
              **fields) -> None:

@@ -18,8 +18,9 @@ the others' median x log.straggler_factor for that many committed steps in a row
 
 Data: each group reads its own shard of the global batch (dp_rank = group x dp_shard + rank in the group); a step
 committed with fewer groups trains on those groups' shards only (fewer samples; the missing shards are not
-replayed). The writer of checkpoints, events and metrics is group 0 (the lock holder, checkpoint/ownership.py);
-the other groups write nothing but their own log lines.
+replayed). One group writes checkpoints, events and metrics (group 0 from the start, the run's lock holder); the
+others write nothing but their own log lines; when the writer dies, another group takes the role over
+(train/ft_writer.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from datetime import timedelta
 from llmcluster.errors import UserError
 from llmcluster.launch.ft_local import GROUP_ENV, GROUPS_ENV, NOT_INSTALLED
 from llmcluster.testing import test_hook
-WRITER_GROUP = 0
+from llmcluster.train import ft_writer
+from llmcluster.train.ft_writer import FIRST_WRITER
 SLOW_GROUP_ENV = "LLMCLUSTER_TEST_FT_SLOW_GROUP"
 
 
@@ -80,7 +82,8 @@ def data_shard(cfg, dp_rank: int, dp_size: int) -> tuple[int, int]:
 
 
 def is_writer(cfg) -> bool:
-    return not cfg.ft.enabled or group()[0] == WRITER_GROUP
+    """Before the lock is claimed: group 0 expects to write (ft_writer.checkpointer decides)."""
+    return not cfg.ft.enabled or group()[0] == FIRST_WRITER
 
 
 def port_slot(cfg, local_rank: int, local_world: int) -> int:
@@ -151,6 +154,11 @@ class Replica:
         self.busy: list[float] | None = None
         self.slow_steps = [0] * self.groups
         self.leaving: str | None = None
+        # The writer's role (ft_writer.py): the groups in this step's quorum, and every group's entry after the
+        # step's all-reduce.
+        self.role = ft_writer.WriterRole(trainer, self.group, self.groups)
+        self.present = [self.group]
+        self.writers: list[float] | None = None
 
     # -- the state a healing peer copies -----------------------------------------------------------
     def _state(self) -> dict:
@@ -206,6 +214,7 @@ class Replica:
 
         def group_of(rank: int) -> int:
             return int(names[rank].rsplit("_", 1)[1])
+        self.present = sorted({group_of(r) for r in range(len(names))})
         if q.heal:
             peer = group_of(q.recover_src_replica_rank)
             t.log(f"ft: group {self.group} healed from replica {peer} at step {t.step} (was at {step_before}) "
@@ -227,21 +236,26 @@ class Replica:
     def average(self, model, loss, busy_s):
         """Gradients and the loss, averaged over the groups in the quorum (one flat all-reduce). With
         ft.straggler_steps, the same all-reduce carries every group's compute time (`busy_s()`, this rank's; read
-        only then: on CUDA it waits for the forward's end event) in a slot of its own."""
+        only then: on CUDA it waits for the forward's end event) in a slot of its own, and every group's writer
+        entry (ft_writer.py)."""
         import torch
 
         grads = [getattr(p.grad, "_local_tensor", p.grad) for p in model.parameters() if p.grad is not None]
         slots = torch.zeros(self.groups if self.t.cfg.ft.straggler_steps else 0, device=loss.device)
         if slots.numel():
             slots[self.group] = self._slow_hook(self.t.step + 1) or busy_s()
-        flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.detach().float().reshape(1), slots])
+        writers = torch.zeros(self.groups, device=loss.device)
+        writers[self.group] = self.role.entry()
+        flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.detach().float().reshape(1), slots, writers])
         self.manager.allreduce(flat).wait()
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
-        if slots.numel():   # averaged over the k groups in the quorum: x k gives each group's own (0: absent)
-            busy = flat[offset + 1:] * self.manager.num_participants()
+        k = self.manager.num_participants()   # averaged over the k groups in the quorum: x k gives each group's own
+        self.writers = [round(w) for w in (flat[offset + 1 + slots.numel():] * k).tolist()]
+        if slots.numel():   # (0: absent)
+            busy = flat[offset + 1:offset + 1 + slots.numel()] * k
             if self.t.env.distributed:   # a group is as slow as its slowest rank; every rank the same vector
                 import torch.distributed as dist
 
@@ -254,9 +268,13 @@ class Replica:
         if not self.committed:   # its batch again (the lr schedule does not step), or saved as not drawn on a stop
             self._reposition(self.before)
             self.t.log(f"ft: step {self.t.step + 1} not committed (a group failed during it): retried")
-        elif self.busy is not None:
-            self._judge_stragglers(self.busy)
-        self.busy = None
+        else:
+            if self.role.after_commit(self.writers, self.present) and self.quorum_ids:   # the quorum it writes with
+                ids = sorted({r.split(":")[0] for r in self.quorum_ids})
+                self.t.events.emit("ft_quorum", self.t.step, groups=len(ids), replica_ids=ids)
+            if self.busy is not None:
+                self._judge_stragglers(self.busy)
+        self.busy = self.writers = None
         return self.committed
 
     def _slow_hook(self, step: int) -> float | None:
@@ -272,9 +290,9 @@ class Replica:
 
     def _judge_stragglers(self, busy: list[float]) -> None:
         """After a committed step: count each group's slow steps; the slowest group over ft.straggler_steps in a
-        row leaves the quorum (never the writer, never below ft.min_replicas). Every rank of every group sees the
-        same all-reduced times and counts, so all take the same decision; the dropped group leaves after this
-        step (`leaving`), the writer records it (ft_straggler)."""
+        row leaves the quorum (never below ft.min_replicas; a writer's role passes to a peer, ft_writer.py). Every
+        rank of every group sees the same all-reduced times and counts, so all take the same decision; the dropped
+        group leaves after this step (`leaving`), the writer records it (ft_straggler)."""
         t, ft = self.t, self.t.cfg.ft
         factor = t.cfg.log.straggler_factor
         present = [g for g, b in enumerate(busy) if b > 0]
@@ -282,7 +300,7 @@ class Replica:
             others = [busy[h] for h in present if h != g]
             slow = g in present and bool(others) and busy[g] > factor * statistics.median(others)
             self.slow_steps[g] = self.slow_steps[g] + 1 if slow else 0
-        out = [g for g in present if g != WRITER_GROUP and self.slow_steps[g] >= ft.straggler_steps]
+        out = [g for g in present if self.slow_steps[g] >= ft.straggler_steps]   # the writer too: its role passes
         if not out or len(present) - 1 < ft.min_replicas:
             return
         g = max(out, key=lambda h: busy[h])
@@ -300,6 +318,8 @@ class Replica:
     def shutdown(self, reason: str | None) -> None:
         if reason == "completed":   # the replicas' agreement, checkable from their logs (the tests compare them)
             self.t.log(f"ft: group {self.group} finished at step {self.t.step}, weights sha256 {self.digest()}")
+        elif reason == "dropped" and self.role.mine:   # a peer takes the role over: the attempt goes on there
+            self.t.events.hand_over()                   # (no exit line), and close() releases the lock for it
         self.manager.shutdown(wait=False)
 
     def digest(self) -> str:
@@ -314,11 +334,6 @@ class Replica:
 
 
 def checkpointer(cfg, ckpt):
-    """A group other than the writer reads checkpoints (a full stop resumes every group from the same one) and
-    writes none: no lock, no save, no pruning."""
-    if is_writer(cfg):
-        return ckpt
-    ckpt.claim = ckpt.prepare_start = ckpt.close = lambda *a, **k: None
-    ckpt.save = ckpt.wait_pending = ckpt.poll = lambda *a, **k: None
-    ckpt.heartbeat = lambda: False
-    return ckpt
+    """A group's checkpointer: every group reads checkpoints (a full stop resumes every group from the same one);
+    one writes them (ft_writer.py)."""
+    return ft_writer.checkpointer(group()[0], ckpt) if cfg.ft.enabled else ckpt

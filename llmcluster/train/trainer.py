@@ -92,7 +92,7 @@ class Trainer:
         self.ckpt = ft.checkpointer(cfg, Checkpointer(self.storage, cfg.run.name, env.rank, env.world_size,
                                  cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, log=self.log,
                                  lock_stale_s=cfg.checkpoint.lock_stale_s, dist_timeout_s=cfg.dist.timeout_s))
-        self.ckpt.claim()
+        env.writer = self.ckpt.claim()   # ft: False in a group that reads (train/ft_writer.py)
         self.events = EventLog(self.storage.run_logs(cfg.run.name), env.is_main)
         try:
             self._build(resume)
