@@ -7,9 +7,10 @@ loses one replica to SIGKILL at each step of `--kills`:
   - ft: `train --procs-per-node 1` with ft.enabled and parallel.dp_replicate=2: the killed group is restarted
     alone by the supervisor and heals from its peer, which never stops.
 Both are read by `jobs goodput` (launch/goodput.py) from the run's events.jsonl; the ft run's figure is the
-writer group's (it never stops), with the steps committed with fewer groups beside it. Every step is padded to
-STEP_PAD_S (a test hook). Prints one JSON line.
-    python benchmarks/ft_goodput.py [--steps 120] [--kills 20,70] [--interval 20]
+writer's (group 0's; with `--victim-group 0` the writer itself is killed and its role passes to group 1,
+train/ft_writer.py), with the steps committed with fewer groups beside it. Every step is padded to STEP_PAD_S
+(a test hook). Prints one JSON line.
+    python benchmarks/ft_goodput.py [--steps 120] [--kills 20,70] [--interval 20] [--victim-group 1]
 """
 
 from __future__ import annotations
@@ -91,10 +92,10 @@ def ranks(proc) -> list[int]:
     return [p for p in _tree(proc.pid) if p != proc.pid][-1:]
 
 
-def group1(root: Path, run: str):
+def group_pids(root: Path, run: str, group: int):
     def victim(_proc) -> list[int]:
         rec = json.loads((root / "logs" / run / "job.json").read_text())
-        return rec["ft"]["groups"][1]["pids"]
+        return rec["ft"]["groups"][group]["pids"]
     return victim
 
 
@@ -103,6 +104,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--kills", default="20,70")
     ap.add_argument("--interval", type=int, default=20)
+    ap.add_argument("--victim-group", type=int, choices=(0, 1), default=1,
+                    help="the ft group killed (0: the writer, whose role passes)")
     a = ap.parse_args()
     kills = [int(k) for k in a.kills.split(",")]
     with tempfile.TemporaryDirectory(prefix="ft-goodput-") as tmp:
@@ -116,7 +119,7 @@ def main() -> None:
         subprocess.run(cli("data", "prepare", "--root", str(root), "--name", "b", "--source", str(src),
                            "--tokenizer", "byte"), env=env, check=True, capture_output=True)
         common = (f"train.steps={a.steps}", f"checkpoint.interval_steps={a.interval}", "log.interval=1")
-        out = {"steps": a.steps, "kills_at": kills, "checkpoint_every": a.interval}
+        out = {"steps": a.steps, "kills_at": kills, "checkpoint_every": a.interval, "victim_group": a.victim_group}
         base = cli("train", "-c", "llm_tiny", "--root", str(root))
         wall = chaos(root, "restart", base + ["--procs-per-node", "2"] + sets("run.name=restart", *common),
                      kills, ranks, restart=True)
@@ -126,7 +129,8 @@ def main() -> None:
                           "startup_s": round(g["badput_s"]["startup"], 1)}
         ft = sets("run.name=ft", *common, "ft.enabled=true", "parallel.dp_replicate=2", "ft.min_replicas=1",
                   "ft.join_timeout_s=2")
-        wall = chaos(root, "ft", base + ["--procs-per-node", "1"] + ft, kills, group1(root, "ft"), restart=False)
+        wall = chaos(root, "ft", base + ["--procs-per-node", "1"] + ft, kills,
+                     group_pids(root, "ft", a.victim_group), restart=False)
         g = run_goodput(root, "ft")
         out["ft"] = {"wall_s": round(wall, 1), "goodput": round(g["goodput"], 3), "attempts": g["attempts"],
                      "recomputed_steps": g["recomputed_steps"], "startup_s": round(g["badput_s"]["startup"], 1),

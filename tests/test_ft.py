@@ -201,7 +201,7 @@ def test_the_writer_group_killed_hands_its_role_to_its_peer(tiny_root):
     assert {r["step"] for r in read_metrics(tiny_root, run) if "loss" in r} >= set(range(took, steps + 1))
     log1 = (tiny_root / "logs" / run / "ft" / "group1.log").read_text()
     assert "ft: group 1 takes the writer's role over" in log1 and "ft: group 1 holds the owner lock" in log1
-    assert "ft: group 0 starts as a reader: group 1 of this run writes" in out
+    assert "ft: group 0 started again while the others train: it joins as a reader" in out
     # one writer at a time: the restarted group 0 never wrote (no attempt_start or ft_writer of its own)
     assert len([e for e in events if e["event"] == "attempt_start"]) == 1
     heals = [e for e in events if e["event"] == "ft_heal" and e["group"] == 0 and e["step"] > took]
@@ -298,6 +298,39 @@ def test_the_lighthouse_killed_stops_the_run_and_it_resumes_from_its_checkpoint(
     assert resumed and resumed[1] == resumed[2] and int(resumed[1]) >= 5, again.stdout
     digests = _digests(tiny_root, run, again.stdout)
     assert digests[0] == digests[1] and digests[0][0] == 30
+
+
+def test_group_0_started_by_hand_beside_a_live_writer_peer_reads_and_another_run_is_refused(tmp_path, monkeypatch):
+    """A group 0 started again without the launcher's rejoin flag (a JobSet recreating its Job) while group 1 of the
+    same run holds the lock (here: a lock held by this process, its record naming group 1 and the run's
+    Lighthouse) starts as a reader, its checkpointer muted; the same lock under another Lighthouse (another run
+    or a second launch) is refused as before; with the rejoin flag, it reads without looking."""
+    from llmcluster.checkpoint.checkpointer import Checkpointer
+    from llmcluster.checkpoint.ownership import RunLock
+    from llmcluster.errors import UserError
+    from llmcluster.launch.ft_local import LIGHTHOUSE_ENV, REJOIN_ENV
+    from llmcluster.storage.layout import Storage
+    from llmcluster.train import ft_writer
+
+    storage = Storage(tmp_path)
+    held = RunLock(storage.run_checkpoints("r"), "r", 60.0, print)
+    held.extra = {"ft_group": 1, "lighthouse": "http://head:29510"}
+    assert held.acquire()
+    try:
+        monkeypatch.delenv(REJOIN_ENV, raising=False)
+
+        def group0(lighthouse: str):
+            monkeypatch.setenv(LIGHTHOUSE_ENV, lighthouse)
+            return ft_writer.checkpointer(0, Checkpointer(storage, "r", 0, 1, log=lambda _m: None))
+        ckpt = group0("http://head:29510")
+        assert ckpt.claim() is False
+        assert ckpt.save(1, None, None, {}) is None and ckpt.heartbeat() is False   # muted: writes nothing
+        with pytest.raises(UserError, match="already has a writer"):
+            group0("http://elsewhere:29510").claim()
+        monkeypatch.setenv(REJOIN_ENV, "1")
+        assert group0("http://elsewhere:29510").claim() is False
+    finally:
+        held.release()
 
 
 def test_the_live_group_count_is_a_gauge_and_groups_on_one_host_get_their_own_ports(monkeypatch):

@@ -30,6 +30,9 @@ from llmcluster.storage.events import EVENTS, read_events
 from llmcluster.storage.job_record import write_record
 
 GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV = "LLMCLUSTER_FT_GROUP", "LLMCLUSTER_FT_GROUPS", "TORCHFT_LIGHTHOUSE"
+# "1" for a group started again while the others train: it joins as a reader (train/ft_writer.py), never
+# re-taking the writer's lock its dead predecessor left (a live peer takes the role over instead).
+REJOIN_ENV = "LLMCLUSTER_FT_REJOIN"
 NOT_INSTALLED = "ft.enabled: true needs torchft, which is not installed here: pip install 'llmcluster[ft]'"
 # Test hook (acts only with LLMCLUSTER_TESTING=1): seconds before a dead group is started again, so that a test can
 # see the others commit steps without it however fast a restart is on the machine.
@@ -137,7 +140,8 @@ class Supervisor:
                                                preexec_fn=_die_with_parent)
 
     def _start_group(self, g: int) -> None:
-        env = {"RUST_LOG": "warn", **os.environ, **self.env, GROUP_ENV: str(g), GROUPS_ENV: str(self.groups), LIGHTHOUSE_ENV: f"http://{self.address}"}
+        env = {"RUST_LOG": "warn", **os.environ, **self.env, GROUP_ENV: str(g), GROUPS_ENV: str(self.groups),
+               LIGHTHOUSE_ENV: f"http://{self.address}", REJOIN_ENV: "1" if self.procs[g] is not None else "0"}
         if g == 0:   # the writer's lines on the terminal, as a run without ft; the others' in their files
             self.procs[g] = subprocess.Popen([sys.executable, "-m", "llmcluster", *self.argv], env=env,
                                              start_new_session=True, preexec_fn=_die_with_parent)

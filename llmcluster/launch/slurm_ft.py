@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmcluster.launch.ft_local import REJOIN_ENV
 from llmcluster.launch.spec import LIGHTHOUSE, LIGHTHOUSE_PORT, LaunchSpec, lighthouse_argv
 from llmcluster.render import Program, ShellVar, shell_export, shell_join, shell_word
 from llmcluster.storage.exit_reason import EXIT_DIR_ENV
@@ -78,7 +79,7 @@ def body(spec: LaunchSpec, srun: list[str], port_python: str, free_port: str, co
     lines += [
         "",
         "run_group() {   # group $1 on its nodes, rendezvous port $2; its step relaunched when it dies",
-        "  local g=$1 gport=$2 gnodes ghead rc=0 relaunches=0 stop=0 srun_pid= fatal",
+        "  local g=$1 gport=$2 gnodes ghead rc=0 relaunches=0 stop=0 srun_pid= fatal rejoin=0",
         f'  gnodes=$(IFS=,; echo "${{nodes[*]:$(( g * {k} )):{k}}}")',
         f'  ghead=$(node_addr "${{nodes[$(( g * {k} ))]}}")',
         "  trap 'stop=1; kill -USR2 \"$srun_pid\" 2>/dev/null' USR2",
@@ -88,8 +89,9 @@ def body(spec: LaunchSpec, srun: list[str], port_python: str, free_port: str, co
         "  while :; do",
         f'    rm -f "${EXIT_DIR_ENV}"/exit-rank*   # this launch\'s reasons only (a rank killed outright writes none)',
         '    echo "[llmcluster] group $g: nodes $gnodes, rendezvous $ghead:$gport (relaunch $relaunches)"',
+        f"    export {REJOIN_ENV}=$rejoin   # a relaunched group joins as a reader (train/ft_writer.py)",
         "    " + shell_join(group_srun) + " &",
-        "    srun_pid=$!",
+        "    srun_pid=$! rejoin=1",
         '    while :; do wait "$srun_pid"; rc=$?; [ "$rc" -gt 128 ] && kill -0 "$srun_pid" 2>/dev/null && continue;'
         " break; done",
         '    [ "$rc" -eq 0 ] && { echo "[llmcluster] group $g finished"; return 0; }',

@@ -1,9 +1,11 @@
 """Which replica group writes the run's checkpoints, events and metrics, and how the role passes (issue 37).
 
 One group writes at a time; the others write nothing but their own log lines:
-- group 0 takes the run's owner lock (checkpoint/ownership.py) as it starts, and writes. The lock's record names
-  the group and the run's Lighthouse, so a group started again while a peer holds the role (taken over while
-  it was down) finds its own run's writer there and starts as a reader (then heals) instead of being refused.
+- group 0 takes the run's owner lock (checkpoint/ownership.py) as it starts, and writes. A group its launcher
+  starts again while the others train (REJOIN_ENV: the local supervisor, the Slurm script) starts as a reader
+  and heals, whichever group it is; and the lock's record names the group and the run's Lighthouse, so a group 0
+  started again otherwise (a JobSet recreating its Job) that finds a live peer of its run holding the lock also
+  starts as a reader instead of being refused.
 - every step's cross-group all-reduce carries, per group, 0 (reads), 1 (writes) or 2 (writes and holds the
   lock): after a committed step every rank of every group in the quorum has the same vector and takes the same
   decision:
@@ -26,7 +28,7 @@ from __future__ import annotations
 import os
 
 from llmcluster.errors import UserError
-from llmcluster.launch.ft_local import LIGHTHOUSE_ENV
+from llmcluster.launch.ft_local import LIGHTHOUSE_ENV, REJOIN_ENV
 from llmcluster.storage.layout import read_owner
 
 READS, WRITES, HOLDS = 0.0, 1.0, 2.0
@@ -61,7 +63,9 @@ def checkpointer(group: int, ckpt):
     claim = ckpt.take_lock = ckpt.claim   # take_lock(False): a take-over's look at the lock, once a step
 
     def first_claim(wait: bool = True) -> bool:
-        if group != FIRST_WRITER:
+        if group != FIRST_WRITER or os.environ.get(REJOIN_ENV) == "1":   # a reader; a rejoining one too
+            if os.environ.get(REJOIN_ENV) == "1" and ckpt.rank == 0:
+                print(f"ft: group {group} started again while the others train: it joins as a reader", flush=True)
             _mute(ckpt)
             return False
         try:
