@@ -76,25 +76,26 @@ class EventLog:
         self.log_dir = log_dir
         if not enabled:
             return
-        self.path = log_dir / EVENTS
-        self.attempt = 1 + max((r["attempt"] for r in read_events(self.path, warn=None)), default=0)
+        self.attempt = 1 + self._open()
+        self.emit("attempt_start", t=process_start_time(), pid=os.getpid())
+
+    def _open(self) -> int:
+        """Open the file for appending; the last attempt number in it (0: none)."""
+        self.path = self.log_dir / EVENTS
+        last = max((r["attempt"] for r in read_events(self.path, warn=None)), default=0)
         self.created = not self.path.exists()    # ours to remove again if the run is refused (discard)
         self.file = open(self.path, "a")
         if not self.created and _cut(self.path):
             self.file.write("\n")   # a line cut by a crash must not swallow this attempt's first line
-        self.emit("attempt_start", t=process_start_time(), pid=os.getpid())
+        return last
 
     def take_over(self, step: int, **fields) -> None:
         """An ft group becomes the run's writer mid-attempt (its writer died): the file is opened again and the
         attempt goes on (no attempt_start: a hand-over is not a start); one ft_writer line says so."""
         if self.file is not None:
             return
-        self.path = self.log_dir / EVENTS
-        self.attempt = max((r["attempt"] for r in read_events(self.path, warn=None)), default=1)
-        self.created = False
-        self.file = open(self.path, "a")
-        if _cut(self.path):
-            self.file.write("\n")
+        self.attempt = max(self._open(), 1)
+        self.created = False   # the run's file, never removed by this writer
         self.emit("ft_writer", step, **fields)
 
     def hand_over(self) -> None:

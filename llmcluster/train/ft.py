@@ -158,7 +158,7 @@ class Replica:
         # step's all-reduce.
         self.role = ft_writer.WriterRole(trainer, self.group, self.groups)
         self.present = [self.group]
-        self.writers: list[float] | None = None
+        self.writers = None
 
     # -- the state a healing peer copies -----------------------------------------------------------
     def _state(self) -> dict:
@@ -253,7 +253,7 @@ class Replica:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
         k = self.manager.num_participants()   # averaged over the k groups in the quorum: x k gives each group's own
-        self.writers = [round(w) for w in (flat[offset + 1 + slots.numel():] * k).tolist()]
+        self.writers = flat[offset + 1 + slots.numel():] * k   # read in should_commit, after the loss's own sync
         if slots.numel():   # (0: absent)
             busy = flat[offset + 1:offset + 1 + slots.numel()] * k
             if self.t.env.distributed:   # a group is as slow as its slowest rank; every rank the same vector
@@ -269,7 +269,8 @@ class Replica:
             self._reposition(self.before)
             self.t.log(f"ft: step {self.t.step + 1} not committed (a group failed during it): retried")
         else:
-            if self.role.after_commit(self.writers, self.present) and self.quorum_ids:   # the quorum it writes with
+            writers = [round(w) for w in self.writers.tolist()]
+            if self.role.after_commit(writers, self.present) and self.quorum_ids:   # the quorum it writes with
                 ids = sorted({r.split(":")[0] for r in self.quorum_ids})
                 self.t.events.emit("ft_quorum", self.t.step, groups=len(ids), replica_ids=ids)
             if self.busy is not None:
