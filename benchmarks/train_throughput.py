@@ -13,12 +13,21 @@ Sides: ours eager and ours compiled (per block, as the trainer compiles), each t
 both ratios are printed (issue 36's CPU target: ours compiled >= 1.3x). bf16 is only fast on CPUs with
 avx512_bf16/AMX (or on GPU); `--precision auto` (the default) takes bf16 there and fp32 elsewhere and says
 which. A figure for a note, not a test gate: 2 shared cores drift.
+
+Each side also prints its minor page faults per step. glibc's malloc hands buffers of 32 MiB and more (the B·T·V
+logits at this shape: 2048 x 4096 fp32) straight from mmap and returns them at free, so a side that
+materialises them faults every page in again at every step; on one fp32 AVX2 machine that was most of the gap
+between the sides (docs/compat.md, "CPU training throughput"). To compare the models without it, run with
+glibc's caching turned up, e.g. `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000` (or jemalloc /
+tcmalloc preloaded, as torch.backends.xeon.run_cpu does).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import resource
 import statistics
 import sys
 import time
@@ -122,6 +131,7 @@ def main() -> int:
           f"vocab {m.vocab_size} = {param_count(m) / 1e6:.1f}M params; batch {args.batch} × {args.seq_len}; "
           f"{precision}; {torch.get_num_threads()} threads; {device}; {args.rounds} interleaved rounds")
     times: dict[str, list[list[float]]] = {k: [] for k in sides}   # per side, per round: its timed steps
+    faults = {k: 0 for k in sides}   # minor page faults over its timed steps
     names = list(sides)
     for r in range(args.rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
@@ -130,16 +140,21 @@ def main() -> int:
                 step(x, y)
             for _ in range(args.steps):
                 sync()
-                t0 = time.perf_counter()
+                f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
                 step(x, y)
                 sync()
                 steps.append(time.perf_counter() - t0)
+                faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
             times[name].append(steps)
     tokens = args.batch * args.seq_len
     for k, rounds in times.items():
         flat = [t for steps in rounds for t in steps]
         print(f"{k:21s} {tokens / statistics.median(flat):10,.0f} tokens/s  (median of {len(flat)} steps; "
-              f"range {tokens / max(flat):,.0f}-{tokens / min(flat):,.0f})")
+              f"range {tokens / max(flat):,.0f}-{tokens / min(flat):,.0f}; "
+              f"{faults[k] / len(flat):,.0f} page faults a step)")
+    tuned = [v for v in ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD")
+             if os.environ.get(v)]
+    print(f"allocator: {'tuned by ' + ', '.join(tuned) if tuned else 'glibc defaults (see the docstring)'}")
     # A ratio per round (the two sides' medians minutes apart at most), then their median and range: the
     # machine's drift between rounds cancels instead of landing on whichever side ran during a slow spell.
     for ours_side in (k for k in times if k.startswith("llmcluster")):
