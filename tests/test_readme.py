@@ -212,7 +212,12 @@ def dry_run(text: str) -> tuple[int, str]:
 
 
 def run_document(doc: str, clone: Path) -> list[tuple[str, str, float]]:
-    env = cli_env(PYTHONPATH=str(clone), PATH=f"{venv_bin(clone)}:{cli_env()['PATH']}")
+    # A newcomer's machine has no Slurm. The suite's own (tests/slurm_cluster.py) may be up beside this test on
+    # another worker, and `cluster init` would then write its nodes and the shared root /storage into
+    # ./cluster.yaml, where the README's later `monitor config` looks for the serving job the README started
+    # under ./storage. SLURM_CONF=/dev/null: every Slurm command here fails at once (a missing file would make
+    # them retry for 60 s), as on a machine without one.
+    env = cli_env(PYTHONPATH=str(clone), PATH=f"{venv_bin(clone)}:{cli_env()['PATH']}", SLURM_CONF="/dev/null")
     timings, failures = [], []
     if doc == "README.md":
         timings.append(("make demo (scripts/demo.sh --set train.steps=%d)" % DEMO_STEPS, "run", make_demo(clone, env)))
