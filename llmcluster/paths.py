@@ -30,7 +30,8 @@ MONITORING_DIR = asset_dir("monitoring")
 
 
 def resolve_storage_root(cli_root: str | None = None, config_root: str | None = None) -> Path:
-    """--root, else $LLMCLUSTER_STORAGE, else the config's run.storage, else ./storage."""
+    """--root, else $LLMCLUSTER_STORAGE, else config_root, else ./storage. Commands call
+    config/cluster_load.storage_root, which passes the job config's run.storage or the cluster spec's storage.root."""
     for candidate in (cli_root, os.environ.get(STORAGE_ENV), config_root, DEFAULT_STORAGE):
         if candidate:
             return Path(candidate).expanduser().resolve()

@@ -23,6 +23,33 @@ def test_root_from_env_then_config(tmp_path: Path):
     assert (tmp_path / "from_cfg" / "logs").is_dir()
 
 
+def test_every_command_finds_the_root_a_cluster_spec_names(tmp_path: Path):
+    """A ./cluster.yaml (what `cluster init` writes; /storage on a Slurm head node) names the root: `storage init`,
+    `launch` and `jobs` all use it. Before, launch wrote the job under the cluster's root while `jobs status` looked
+    in ./storage: "no launched job named 'hello'"."""
+    from conftest import cli_env
+    shared = tmp_path / "shared"
+    (tmp_path / "cluster.yaml").write_text(f"name: t\nstorage:\n  root: {shared}\n")
+    run_cli("storage", "init", cwd=tmp_path, check=True)
+    assert (shared / "logs").is_dir() and not (tmp_path / "storage").exists()
+    run_cli("launch", "--scheduler", "local", "--set", "run.name=hello", "--", "bash", "-c", "echo hi",
+            cwd=tmp_path, check=True)
+    assert (shared / "logs" / "hello" / "job.json").is_file()
+    status = run_cli("jobs", "status", "hello", cwd=tmp_path, check=True)
+    assert "hello" in status.stdout
+    # $LLMCLUSTER_STORAGE and --root still win over the spec, and a job config's run.storage too
+    other = tmp_path / "other"
+    run_cli("storage", "init", cwd=tmp_path, env=cli_env(LLMCLUSTER_STORAGE=str(other)), check=True)
+    assert (other / "logs").is_dir()
+    assert run_cli("jobs", "status", "hello", "--root", other, cwd=tmp_path).returncode == 2
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"run:\n  storage: {tmp_path / 'from_cfg'}\n")
+    run_cli("storage", "init", "--config", cfg, cwd=tmp_path, check=True)
+    assert (tmp_path / "from_cfg" / "logs").is_dir()
+    from llmcluster.config.cluster_load import storage_root
+    assert storage_root("x", "y") == Path("x").resolve() and storage_root(None, str(other)) == other
+
+
 def test_status_lists_runs_and_latest_complete(tmp_path: Path):
     import json
     root = tmp_path / "s"

@@ -22,7 +22,8 @@ def add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 def add_root_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", metavar="DIR",
-                   help="storage root (default: $LLMCLUSTER_STORAGE, else the config's run.storage, else ./storage)")
+                   help="storage root (default: $LLMCLUSTER_STORAGE, else the config's run.storage, else the "
+                        "cluster spec's storage.root, else ./storage)")
 
 
 def add_procs_arg(p: argparse.ArgumentParser) -> None:

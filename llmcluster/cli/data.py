@@ -49,9 +49,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from llmcluster.paths import resolve_storage_root
+    from llmcluster.config.cluster_load import storage_root
 
-    root = resolve_storage_root(args.root)
+    root = storage_root(args.root)
     if args.data_cmd == "verify":
         from llmcluster.data.dataset import verify_cli
 

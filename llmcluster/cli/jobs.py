@@ -35,14 +35,15 @@ def register(sub) -> None:
 def goodput(args) -> int:
     from llmcluster.storage import records
     from llmcluster.launch import goodput as gp
-    from llmcluster.paths import check_output_path, resolve_storage_root
+    from llmcluster.config.cluster_load import storage_root
+    from llmcluster.paths import check_output_path
     from llmcluster.storage.layout import check_run_name
 
     run = check_run_name(args.job)
     # output paths before any work: a missing folder, a folder, someone else's file -> one line, exit 2
     textfile = check_output_path(args.textfile, "--textfile") if args.textfile else None
     plot_dir = check_output_path(args.plot, "--plot", inside=(gp.PLOT,)) if args.plot else None
-    result = gp.run_goodput(resolve_storage_root(args.root), run)
+    result = gp.run_goodput(storage_root(args.root), run)
     plan = None
     if args.plan:
         from llmcluster.plan.analyse import analyse
@@ -72,10 +73,10 @@ def goodput(args) -> int:
 
 def run(args) -> int:
     from llmcluster.launch import jobs
-    from llmcluster.paths import resolve_storage_root
+    from llmcluster.config.cluster_load import storage_root
     from llmcluster.storage.layout import check_run_name
 
-    root = resolve_storage_root(args.root)
+    root = storage_root(args.root)
     if args.jobs_cmd == "list":
         return jobs.list_jobs(root)
     run_name = check_run_name(args.job)

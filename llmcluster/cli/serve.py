@@ -54,10 +54,10 @@ def _job_args(p, func) -> None:
 
 def _job_and_root(args):
     from llmcluster.config.load import load_job_config
-    from llmcluster.paths import resolve_storage_root
+    from llmcluster.config.cluster_load import storage_root
 
     cfg = load_job_config(args.config, args.overrides)
-    return cfg, resolve_storage_root(args.root, cfg.run.storage)
+    return cfg, storage_root(args.root, cfg.run.storage, getattr(args, "cluster", None))
 
 
 def run_start(args) -> int:

@@ -19,14 +19,14 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from llmcluster.paths import resolve_storage_root
+    from llmcluster.config.cluster_load import storage_root
     from llmcluster.storage import status
 
     config_root = None
     if args.config:
         from llmcluster.config.load import load_job_config
         config_root = load_job_config(args.config).run.storage
-    root = resolve_storage_root(args.root, config_root)
+    root = storage_root(args.root, config_root)
     if args.storage_cmd == "init":
         return status.init(root)
     return status.status(root, as_json=args.json)

@@ -12,7 +12,7 @@ from typing import Any
 from llmcluster.config.cluster import ClusterSpec, old_format_key
 from llmcluster.config.load import apply_overrides, read_yaml, validate
 from llmcluster.errors import UserError
-from llmcluster.paths import locate_shipped
+from llmcluster.paths import STORAGE_ENV, locate_shipped, resolve_storage_root
 
 CLUSTER_ENV = "LLMCLUSTER_CLUSTER"
 LOCAL_FILE = "cluster.yaml"
@@ -95,6 +95,16 @@ def load_cluster(ref: str | None = None, overrides: list[str] | None = None, *,
 
     spec = cluster_from_data(copy.deepcopy(data), source, overrides)
     return ResolvedCluster(spec=spec, source=source, how=how, data=data, overrides=list(overrides or []))
+
+
+def storage_root(cli_root: str | None = None, config_root: str | None = None, cluster: str | None = None) -> Path:
+    """The storage root every command reads and writes: --root, else $LLMCLUSTER_STORAGE, else the job config's
+    run.storage, else the cluster spec's storage.root (--cluster, $LLMCLUSTER_CLUSTER, ./cluster.yaml), else
+    ./storage. One order for all, so `jobs`, `export` or `eval` find what `launch` or `train` wrote under the
+    cluster's /storage (they looked in ./storage while launch wrote to the cluster's root)."""
+    if cli_root or os.environ.get(STORAGE_ENV) or config_root:
+        return resolve_storage_root(cli_root, config_root)
+    return resolve_storage_root(None, load_cluster(cluster).spec.storage.root)
 
 
 def origins(resolved: ResolvedCluster) -> list[tuple[str, Any, str]]:

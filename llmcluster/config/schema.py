@@ -34,7 +34,7 @@ class Section(BaseModel):
 
 class RunConfig(Section):
     name: str = "llm-tiny"
-    storage: str | None = None  # None: $LLMCLUSTER_STORAGE, else ./storage
+    storage: str | None = None  # None: $LLMCLUSTER_STORAGE, else the cluster spec's storage.root
     seed: int = 1337
 
     _check_name = field_validator("name")(classmethod(lambda cls, v: check_run_name(v)))

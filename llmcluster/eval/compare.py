@@ -105,11 +105,12 @@ def plot(recs: list[dict], out_dir: Path) -> Path:
 
 def compare_cli(root: str | None, specs: list[str], as_json: bool = False, plot_dir: str | None = None) -> int:
     from llmcluster.console import console
-    from llmcluster.paths import check_output_path, resolve_storage_root
+    from llmcluster.config.cluster_load import storage_root
+    from llmcluster.paths import check_output_path
 
     # before any work (issue 34 item 5): the one output-path check every --plot and --textfile goes through
     out_dir = check_output_path(plot_dir, "--plot", inside=("eval_compare.png",)) if plot_dir else None
-    recs = rows(resolve_storage_root(root), specs)
+    recs = rows(storage_root(root), specs)
     written = plot(recs, out_dir) if out_dir else None
     if as_json:
         print(json.dumps({"rows": recs, "plot": str(written) if written else None}, indent=1, allow_nan=False))

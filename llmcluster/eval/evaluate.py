@@ -191,10 +191,10 @@ def summary_lines(record: dict) -> list[str]:
 
 
 def eval_cli(root: str | None, **kw) -> int:
-    from llmcluster.paths import resolve_storage_root
+    from llmcluster.config.cluster_load import storage_root
 
     as_json = kw.pop("as_json", False)
-    record = evaluate(resolve_storage_root(root), **kw)
+    record = evaluate(storage_root(root), **kw)
     if as_json:
         print(json.dumps(record, indent=1))
     else:

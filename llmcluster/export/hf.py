@@ -23,7 +23,7 @@ from llmcluster.config.hf import model_fields_from_hf  # noqa: F401  (train.hf_i
 from llmcluster.config.schema import JobConfig, ModelConfig
 from llmcluster.data.tokenizer import EOT, HF_TOKENIZER_FILES
 from llmcluster.errors import UserError
-from llmcluster.paths import resolve_storage_root
+from llmcluster.config.cluster_load import storage_root
 from llmcluster.storage.layout import AREAS, DATASET_KINDS, Storage
 
 
@@ -370,7 +370,7 @@ def export_cli(run: str, root: str | None = None, step: int | None = None, out: 
     from llmcluster.storage.layout import check_run_name
 
     check_run_name(run)
-    dest = export(resolve_storage_root(root), run, step, Path(out) if out else None)
+    dest = export(storage_root(root), run, step, Path(out) if out else None)
     size = sum(f.stat().st_size for f in dest.iterdir())
     print(f"exported {run} to {dest} ({size / 1e6:.1f} MB, Hugging Face Llama format)")
     return 0

@@ -300,9 +300,9 @@ def supervise(args) -> int | None:
     if args.procs_per_node is None or in_group():
         return None
     from llmcluster.config.load import load_job_config
-    from llmcluster.paths import resolve_storage_root
+    from llmcluster.config.cluster_load import storage_root
 
     cfg = load_job_config(args.config, args.overrides)
     if not cfg.ft.enabled:
         return None
-    return Supervisor(cfg, resolve_storage_root(args.root, cfg.run.storage), args.argv, args.procs_per_node).run()
+    return Supervisor(cfg, storage_root(args.root, cfg.run.storage), args.argv, args.procs_per_node).run()

@@ -85,10 +85,10 @@ def resolve_model(ref: str, root: str | None = None, config_root: str | None = N
     if path.is_dir():
         return from_directory(path)
     if "/" not in ref and ref not in (".", ".."):
-        from llmcluster.paths import resolve_storage_root
+        from llmcluster.config.cluster_load import storage_root
         from llmcluster.storage.layout import Storage, check_run_name
 
-        export = Storage(resolve_storage_root(root, config_root)).model_dir(check_run_name(ref))
+        export = Storage(storage_root(root, config_root)).model_dir(check_run_name(ref))
         if export.is_dir():
             return from_directory(export)
         if preset_path(ref) is not None:

@@ -117,14 +117,14 @@ def resolve_target(ref: str, root: str | None, config_root: str | None) -> Targe
     """An export directory or a run's export under <storage>/models/ (not a preset: there are no weights). An
     export of a LoRA run (train.init_from + train.lora) holds merged weights and adapter/: the base is served
     with the adapter (the base's own name for the base, the run's for the adapter)."""
-    from llmcluster.paths import resolve_storage_root
+    from llmcluster.config.cluster_load import storage_root
     from llmcluster.storage.layout import Storage, check_run_name
 
     path = Path(ref).expanduser()
     if not path.is_dir():
         if "/" in ref or ref in (".", ".."):
             raise UserError(f"--model {ref}: no such directory")
-        path = Storage(resolve_storage_root(root, config_root)).model_dir(check_run_name(ref))
+        path = Storage(storage_root(root, config_root)).model_dir(check_run_name(ref))
         if not path.is_dir():
             raise UserError(f"--model {ref}: not a model directory, nor an exported run ({path} does not exist: "
                             f"`llmcluster export --run {ref}`)")

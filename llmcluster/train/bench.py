@@ -30,7 +30,7 @@ from llmcluster.errors import UserError
 from llmcluster.model import flops_per_token
 from llmcluster.model.flops import param_count
 from llmcluster.model.llama import cross_entropy_sum
-from llmcluster.paths import resolve_storage_root
+from llmcluster.config.cluster_load import storage_root
 from llmcluster.storage.layout import Storage
 from llmcluster.distributed import process_groups as D
 from llmcluster.train.metrics import device_peak_flops, peak_note
@@ -186,7 +186,7 @@ def report(r: dict) -> str:
 
 def bench_cli(args) -> int:
     cfg = load_job_config(args.config, args.overrides)
-    root = resolve_storage_root(args.root, cfg.run.storage)
+    root = storage_root(args.root, cfg.run.storage)
     try:
         run_bench(cfg, root, args.steps, args.warmup)
         return 0

@@ -30,7 +30,7 @@ from llmcluster.data.prefetch import Prefetcher
 from llmcluster.errors import EXIT_FT_DROPPED, EXIT_PREEMPTED, UserError
 from llmcluster.model import flops_per_token, param_count
 from llmcluster.model.llama import cross_entropy_sum
-from llmcluster.paths import resolve_storage_root
+from llmcluster.config.cluster_load import storage_root
 from llmcluster.storage.layout import Storage, sha256_file
 from llmcluster.distributed import process_groups as D
 from llmcluster.train.batch import resume_batch
@@ -473,7 +473,7 @@ class Trainer:
 
 def train_cli(args) -> int:
     cfg = load_job_config(args.config, args.overrides)
-    root = resolve_storage_root(args.root, cfg.run.storage)
+    root = storage_root(args.root, cfg.run.storage)
     trainer = None
     ok = False
     reason, detail = "failed", ""
