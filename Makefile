@@ -47,9 +47,11 @@ demo: venv
 # The suite can run on TEST_WORKERS pytest-xdist workers: most tests wait on a process start, a server or a
 # scheduler, and one process kept one of two cores busy (93%). Tests that share the real Slurm or the session's
 # vLLM server stay on one worker (tests/conftest.py xdist_group). `make test` stays in one process by default
-# (TEST_WORKERS=0): on 2 workers the whole suite took 2095 s instead of ~2600 s, but the README walk failed once
-# (its serving job missing from `monitor config`, not yet understood) and is not trusted there yet; test-fast
-# (no README walk, no Slurm, no engines) runs on 2.
+# (TEST_WORKERS=0) until a whole 2-worker run has passed with the groups working: the two 2-worker runs so far
+# (2095 s and 2218 s of pytest instead of ~3230 s) failed on causes since found and fixed: the README walk's
+# `cluster init` saw the suite's Slurm of the other worker (tests/test_readme.py), and pytest 9.2 had silently
+# broken `--dist loadgroup`, so the Slurm tests ran on both workers and cancelled each other's jobs (pyproject pins
+# pytest < 9.2; tests/test_xdist_groups.py). test-fast (no Slurm, no engines) runs on 2.
 TEST_WORKERS ?= 0
 TEST_FAST_WORKERS ?= 2
 test: venv sysdeps checkov vllm lmeval
