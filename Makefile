@@ -44,15 +44,12 @@ sysdeps:
 demo: venv
 	bash scripts/demo.sh
 
-# The suite can run on TEST_WORKERS pytest-xdist workers: most tests wait on a process start, a server or a
+# The suite runs on TEST_WORKERS pytest-xdist workers: most tests wait on a process start, a server or a
 # scheduler, and one process kept one of two cores busy (93%). Tests that share the real Slurm or the session's
-# vLLM server stay on one worker (tests/conftest.py xdist_group). `make test` stays in one process by default
-# (TEST_WORKERS=0) until a whole 2-worker run has passed with the groups working: the two 2-worker runs so far
-# (2095 s and 2218 s of pytest instead of ~3230 s) failed on causes since found and fixed: the README walk's
-# `cluster init` saw the suite's Slurm of the other worker (tests/test_readme.py), and pytest 9.2 had silently
-# broken `--dist loadgroup`, so the Slurm tests ran on both workers and cancelled each other's jobs (pyproject pins
-# pytest < 9.2; tests/test_xdist_groups.py). test-fast (no Slurm, no engines) runs on 2.
-TEST_WORKERS ?= 0
+# vLLM server stay on one worker (tests/conftest.py xdist_group; pytest < 9.2 in pyproject: 9.2 silently broke
+# `--dist loadgroup`, tests/test_xdist_groups.py). On a quiet 2-core machine (2026-12-05, a fresh clone of main):
+# 2 workers 1178 passed in 2249 s of pytest, one process (TEST_WORKERS=0) 3310 s. TEST_WORKERS=0 for a debugger.
+TEST_WORKERS ?= 2
 TEST_FAST_WORKERS ?= 2
 test: venv sysdeps checkov vllm lmeval
 	$(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
