@@ -120,6 +120,30 @@ def test_cpu_peak_is_the_best_seen_on_this_machine_and_thread_count(tmp_path, mo
         "0.0594 TFLOP/s, measured CPU fp32 matmul peak"
 
 
+def test_an_emulated_16_bit_path_measures_its_peak_on_a_small_product(tmp_path, monkeypatch):
+    # bf16/fp16 without native support (AVX2) run ~1 GFLOP/s: ten 1024³ products cost every rank ~23 s before its
+    # first step. A slow 256³ probe measures at 256³; a fast one (fp32, AMX bf16) at 1024³, as before.
+    import torch
+
+    from llmcluster.train import metrics
+
+    monkeypatch.setenv(metrics.PEAK_CACHE_ENV, str(tmp_path))
+    for probe_s, want in ((2 * 256**3 / 1e9, 256), (2 * 256**3 / 5e10, 1024)):   # 1 GFLOP/s; 50 GFLOP/s
+        sizes = []
+
+        def fake(n, dtype, rounds, probe_s=probe_s, sizes=sizes):
+            sizes.append((n, rounds))
+            return probe_s * (n / 256) ** 3
+
+        monkeypatch.setattr(metrics, "_best_mm_seconds", fake)
+        metrics.measured_cpu_peak_flops.cache_clear()
+        (tmp_path / "cpu_peak.json").unlink(missing_ok=True)
+        peak = metrics.measured_cpu_peak_flops(torch.bfloat16, 1)
+        assert sizes == [(256, 1), (want, metrics.ROUNDS)], sizes
+        assert peak == pytest.approx(2 * 256**3 / probe_s)
+    metrics.measured_cpu_peak_flops.cache_clear()
+
+
 def test_emit_config_starts_from_the_preset_and_changes_only_what_the_plan_decides(tmp_path):
     from llmcluster.config.load import load_job_config
 

@@ -47,22 +47,38 @@ def _read_cache(path: Path) -> dict[str, float]:
     return {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and 0 < v < 1e18}
 
 
-@lru_cache(maxsize=None)
-def measured_cpu_peak_flops(dtype: torch.dtype = torch.float32, threads: int | None = None) -> float:
-    """The CPU's achievable matmul peak at this thread count: the best 1024³ matmul of several rounds, and the
-    best ever seen on this machine at this thread count (cached). A peak measured once while other jobs load the
-    machine is low, and MFU against it reads high: the same machine reported 29% at 3,984 tok/s and 11% at
-    10,569 tok/s. The best seen is the figure the machine can reach, so MFU compares across runs."""
-    threads = threads or torch.get_num_threads()
-    n = 1024
+# A 1024³ product takes ~25 ms in fp32 on one AVX2 core but ~2.3 s in bf16/fp16 there (no native 16-bit
+# arithmetic: emulated, ~1 GFLOP/s), and every rank of every run measures: ten of them cost each CPU bf16 run
+# ~23 s before its first step. Below this rate (a 1024³ product over half a second; fp32 on a loaded core stays
+# far above it) a 256³ product measures instead: so slow a path is compute-bound there already (1.3 GFLOP/s at 256,
+# 0.9 at 1024 on the machine above).
+SLOW_PATH_FLOPS = 2 * 1024**3 / 0.5
+
+
+def _best_mm_seconds(n: int, dtype: torch.dtype, rounds: int) -> float:
+    """The best time of one n³ matmul over `rounds` rounds of two, after a warm-up product."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)
     best = float("inf")
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         t0 = time.perf_counter()
         for _ in range(2):
             torch.mm(a, b)
         best = min(best, (time.perf_counter() - t0) / 2)
         time.sleep(0.01)   # rounds apart in time: a burst of another job's load spoils one, not all
+    return best
+
+
+@lru_cache(maxsize=None)
+def measured_cpu_peak_flops(dtype: torch.dtype = torch.float32, threads: int | None = None) -> float:
+    """The CPU's achievable matmul peak at this thread count: the best 1024³ matmul of several rounds (256³ where
+    the dtype's path is emulated and slow, SLOW_PATH_FLOPS), and the best ever seen on this machine at this thread
+    count (cached). A peak measured once while other jobs load the machine is low, and MFU against it reads high:
+    the same machine reported 29% at 3,984 tok/s and 11% at 10,569 tok/s. The best seen is the figure the machine
+    can reach, so MFU compares across runs."""
+    threads = threads or torch.get_num_threads()
+    n = 1024 if 2 * 256**3 / _best_mm_seconds(256, dtype, 1) >= SLOW_PATH_FLOPS else 256
+    best = _best_mm_seconds(n, dtype, ROUNDS)
     measured = 2 * n**3 / best
     path, key = _peak_cache(), _cpu_key(dtype, threads)
     cache = _read_cache(path)
