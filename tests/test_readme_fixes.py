@@ -122,7 +122,8 @@ def test_cpu_peak_is_the_best_seen_on_this_machine_and_thread_count(tmp_path, mo
 
 def test_an_emulated_16_bit_path_measures_its_peak_on_a_small_product(tmp_path, monkeypatch):
     # bf16/fp16 without native support (AVX2) run ~1 GFLOP/s: ten 1024³ products cost every rank ~23 s before its
-    # first step. A slow 256³ probe measures at 256³; a fast one (fp32, AMX bf16) at 1024³, as before.
+    # first step. A slow 256³ probe measures at 256³; a fast one (fp32, AMX bf16) at 1024³, as before; with a best
+    # already cached, one round.
     import torch
 
     from llmcluster.train import metrics
@@ -141,6 +142,9 @@ def test_an_emulated_16_bit_path_measures_its_peak_on_a_small_product(tmp_path, 
         peak = metrics.measured_cpu_peak_flops(torch.bfloat16, 1)
         assert sizes == [(256, 1), (want, metrics.ROUNDS)], sizes
         assert peak == pytest.approx(2 * 256**3 / probe_s)
+        metrics.measured_cpu_peak_flops.cache_clear()      # the next process: the best is cached, one round
+        assert metrics.measured_cpu_peak_flops(torch.bfloat16, 1) == peak
+        assert sizes[2:] == [(256, 1), (want, 1)], sizes
     metrics.measured_cpu_peak_flops.cache_clear()
 
 
