@@ -24,16 +24,21 @@ case "$1 $2" in
   "requeue "*) echo "requeue $2" >> "$FAKE_LOG" ;;
 esac
 """,
-    # the Lighthouse step listens on its --bind address until killed (or FAKE_LH_LIFE seconds);
+    # the Lighthouse step listens on its --bind address until killed (or FAKE_LH_LIFE seconds, or until
+    # FAKE_LH_UNTIL_GROUPS group steps have started: then it exits, as a Lighthouse that dies mid-run);
     # a group's step: group FAKE_FAIL_GROUP fails its first FAKE_FAILS runs (writing FAKE_REASON), others succeed
     "srun": """#!/bin/bash
 all="$*"
 if [[ " $all " == *" --overlap "* ]]; then
   bind=${all##*--bind }; bind=${bind%% *}
   echo "lighthouse $*" >> "$FAKE_LOG"
-  exec python3 -c 'import socket, sys, time
-s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(); time.sleep(float(sys.argv[2]))' \
-    "${bind##*:}" "${FAKE_LH_LIFE:-600}"
+  exec python3 -c 'import os, socket, sys, time
+s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen()
+end, want = time.monotonic() + float(sys.argv[2]), int(os.environ.get("FAKE_LH_UNTIL_GROUPS", "0"))
+while time.monotonic() < end:
+    if want and sum(ln.startswith("group ") for ln in open(os.environ["FAKE_LOG"])) >= want:
+        break
+    time.sleep(0.1)' "${bind##*:}" "${FAKE_LH_LIFE:-600}"
 fi
 g=$LLMCLUSTER_FT_GROUP
 n=$(( $(cat "$FAKE_LOG.runs-$g" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$FAKE_LOG.runs-$g"
@@ -127,9 +132,10 @@ def test_ft_a_group_dropped_as_a_straggler_comes_back_after_the_backoff_without_
 
 def test_ft_the_lighthouse_dying_stops_every_group_and_requeues(tmp_path):
     script = ft_script(tmp_path)
-    # The Lighthouse lives 10 s: on a loaded 2-core machine 3 s ended it before the second group's step started
-    # (a make test on 2 workers, 2026-12-06), which is the stop working, not a relaunch.
-    out, log = run_batch_script(tmp_path, script, fakes=FT_FAKES, FAKE_LH_LIFE="10", FAKE_STEP_S="60")
+    # The Lighthouse exits once both groups' steps have started (a fixed life of 3 s ended it before the second
+    # group's step on a loaded 2-core machine, 2026-12-06: the stop working, not a relaunch, but a flaky count).
+    out, log = run_batch_script(tmp_path, script, fakes=FT_FAKES, FAKE_LH_UNTIL_GROUPS="2", FAKE_LH_LIFE="120",
+                                FAKE_STEP_S="60")
     assert "the Lighthouse exited: stopping every group" in out, out
     assert "not relaunched (stopped)" in out and "requeue 7" in log
     runs = [ln.split()[:4] for ln in log.splitlines() if ln.startswith("group ")]
