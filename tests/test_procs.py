@@ -22,6 +22,9 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     proc = run_cli("train", "-c", "llm_tiny", "--root", tmp_path / "st", "--procs-per-node", "2", timeout=300)
     assert_one_line_error(proc, "llmcluster train: error: dataset")
     assert "ChildFailedError" not in proc.stdout + proc.stderr
+    # rank 0 removes the run folders of the refused launch, those rank 1 made first included; rank 1 removes none
+    # (it once removed logs/llm-tiny under rank 0 as rank 0 opened events.jsonl in it: a traceback, exit 1)
+    assert not [d for area in ("logs", "checkpoints") for d in (tmp_path / "st" / area).glob("llm-tiny")]
 
 
 def test_nproc_per_node_spelling_and_a_bad_count(tmp_path):

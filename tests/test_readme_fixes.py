@@ -53,6 +53,28 @@ def test_refused_run_leaves_no_run_folders(tmp_path):
     assert status["runs"] == {}
 
 
+def test_the_write_probe_outlives_a_peer_removing_the_empty_folder(tmp_path, monkeypatch):
+    # Ranks of one refused run raced: one removed the empty logs/<run> while another was between its mkdir and
+    # its probe (or about to open events.jsonl): a traceback, exit 1, instead of the one-line refusal. Now only
+    # rank 0 removes (train/trainer.py), and the probe makes the folder again once.
+    from pathlib import Path
+
+    from llmcluster.storage.layout import Storage
+
+    layout, target = Storage(tmp_path), tmp_path / "logs" / "r"
+    real, calls = Path.write_bytes, []
+
+    def vanish_once(self, data):
+        calls.append(self)
+        if len(calls) == 1:
+            self.parent.rmdir()          # a peer's cleanup, between our mkdir and our probe
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", vanish_once)
+    assert layout.require_writable(target) == target and target.is_dir() and len(calls) == 2
+    assert list(target.iterdir()) == []          # the probe is gone again
+
+
 def test_refused_run_keeps_folders_it_did_not_create(tmp_path):
     root = tmp_path / "st"
     run_cli("storage", "init", "--root", root, check=True)

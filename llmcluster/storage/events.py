@@ -31,12 +31,10 @@ NOOP = "noop_start"   # {"reason": ...}: an attempt that trained nothing (jobs g
 
 def process_start_time() -> float:
     """When this process started (Unix time): its startup includes the interpreter and torch imports."""
-    try:
+    try:   # seconds since boot at the start, against the boot clock now (btime, whole seconds, is up to 1 s off)
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        btime = next(int(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
-                     if ln.startswith("btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
         return time.time()
 
 

@@ -80,10 +80,12 @@ class Storage:
                 created.append(d)
         return created
 
-    def require_run_dirs(self, run: str) -> list[Path]:
-        """The run's logs/ and checkpoints/ folders, writable; returns those this call created."""
+    def require_run_dirs(self, run: str, since: float | None = None) -> list[Path]:
+        """The run's logs/ and checkpoints/ folders, writable; returns those this call created, and (`since`: when
+        this launch started) those still empty and last changed since then: another rank of the same launch made
+        them a moment earlier. A folder someone made before the launch is never counted."""
         dirs = (self.run_logs(run), self.run_checkpoints(run))
-        fresh = [d for d in dirs if not d.exists()]
+        fresh = [d for d in dirs if not d.exists() or (since is not None and _empty_since(d, since))]
         for d in dirs:
             self.require_writable(d)
         return fresh
@@ -100,13 +102,19 @@ class Storage:
 
     def require_writable(self, path: Path) -> Path:
         """mkdir -p and prove we can write there, or a one-line error."""
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            probe = path / f".write-probe-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            raise UserError(f"storage is not writable: {path}: {e.strerror or e}") from None
+        probe = path / f".write-probe-{os.getpid()}"
+        for again in (True, False):
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                probe.write_bytes(b"")
+                probe.unlink()
+                return path
+            except FileNotFoundError:
+                if again:   # the empty folder was removed between mkdir and the probe (a refused rank's cleanup)
+                    continue
+                raise UserError(f"storage is not writable: {path}: it vanished while being created") from None
+            except OSError as e:
+                raise UserError(f"storage is not writable: {path}: {e.strerror or e}") from None
         return path
 
     # -- checkpoints -----------------------------------------------------------------------------
@@ -203,3 +211,10 @@ def free_bytes(path: Path) -> int:
     while not p.exists() and p != p.parent:
         p = p.parent
     return shutil.disk_usage(p).free
+
+
+def _empty_since(d: Path, since: float) -> bool:
+    try:
+        return d.stat().st_mtime >= since and not any(d.iterdir())
+    except OSError:
+        return False
