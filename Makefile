@@ -48,7 +48,8 @@ demo: venv
 # scheduler, and one process kept one of two cores busy (93%). Tests that share the real Slurm or the session's
 # vLLM server stay on one worker (tests/conftest.py xdist_group; pytest < 9.2 in pyproject: 9.2 silently broke
 # `--dist loadgroup`, tests/test_xdist_groups.py). On a quiet 2-core machine (2026-12-05, a fresh clone of main):
-# 2 workers 1178 passed in 2249 s of pytest, one process (TEST_WORKERS=0) 3310 s. TEST_WORKERS=0 for a debugger.
+# 2 workers 1178 passed in 2249 s of pytest, one process (TEST_WORKERS=0) 3310 s; 2026-12-06 after the CPU-peak fix
+# 2050 s on 2 workers, and 3 workers gave nothing (2199 s vs 2192 s: the suite is CPU-bound). TEST_WORKERS=0 for a debugger.
 TEST_WORKERS ?= 2
 TEST_FAST_WORKERS ?= 2
 test: venv sysdeps checkov vllm lmeval
