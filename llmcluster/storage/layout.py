@@ -80,12 +80,15 @@ class Storage:
                 created.append(d)
         return created
 
-    def require_run_dirs(self, run: str, since: float | None = None) -> list[Path]:
-        """The run's logs/ and checkpoints/ folders, writable; returns those this call created, and (`since`: when
-        this launch started) those still empty and last changed since then: another rank of the same launch made
-        them a moment earlier. A folder someone made before the launch is never counted."""
+    def require_run_dirs(self, run: str) -> list[Path]:
+        """The run's logs/ and checkpoints/ folders, writable; returns those this call created, and those still
+        empty and changed since this launch started: another rank of it made them a moment earlier, after its
+        imports (>= 1 s in); the 0.5 s margin keeps a folder made by hand just before the launch out of the count."""
+        from llmcluster.storage.events import process_start_time
+
+        since = process_start_time() + 0.5
         dirs = (self.run_logs(run), self.run_checkpoints(run))
-        fresh = [d for d in dirs if not d.exists() or (since is not None and _empty_since(d, since))]
+        fresh = [d for d in dirs if not d.exists() or _empty_since(d, since)]
         for d in dirs:
             self.require_writable(d)
         return fresh

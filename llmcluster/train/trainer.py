@@ -42,7 +42,7 @@ from llmcluster.train.health import (BusyTimer, CollectiveFailure, FaultInjector
                                      is_collective_error, note_stragglers, young_daly_steps)
 from llmcluster.train.evaluate import Evaluator
 from llmcluster.train import ft
-from llmcluster.storage.events import EventLog, process_start_time
+from llmcluster.storage.events import EventLog
 from llmcluster.train.metrics import device_peak_flops, peak_note
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
 from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, step_context
@@ -86,10 +86,7 @@ class Trainer:
         self.notes += require_fit(cfg, dims, env.device, env.local_world_size)
 
         # Storage and data first: bad input fails before any expensive work.
-        # removed again by rank 0 (if still empty) when refused, those another rank made a moment before included
-        # (another rank makes them after its imports, >= 1 s after the launch: 0.5 s keeps a folder made by hand
-        # just before the launch out of the count)
-        fresh = self.storage.require_run_dirs(cfg.run.name, since=process_start_time() + 0.5)
+        fresh = self.storage.require_run_dirs(cfg.run.name)  # removed again by rank 0 (if still empty) when refused
         self.metrics = None
         # One writer per run, decided before anything expensive: a second one is refused within seconds.
         self.ckpt = ft.checkpointer(cfg, Checkpointer(self.storage, cfg.run.name, env.rank, env.world_size,
@@ -103,10 +100,8 @@ class Trainer:
             self.ckpt.close()
             # refused: no trace in a new run, a no-op start in an existing one (not an attempt for goodput)
             self.events.discard(str(e)) if isinstance(e, UserError) else self.events.close()
-            # Rank 0 only: another rank refused first removed the empty logs/<run> that rank 0 was about to open
-            # events.jsonl in (FileNotFoundError, a traceback instead of the one line; a 2-worker make test).
-            if env.is_main:
-                self.storage.remove_if_empty(fresh)
+            # rank 0 only: another rank, refused first, removed logs/<run> as rank 0 opened events.jsonl in it
+            self.storage.remove_if_empty(fresh if env.is_main else [])
             raise
 
     def _build(self, resume: str) -> None:
