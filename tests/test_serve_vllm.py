@@ -61,6 +61,8 @@ def test_the_job_is_recorded_and_answers_jobs(vllm_server):
     assert rec["kind"] == "serve" and rec["endpoint"] == vllm_server.base_url and rec["scheduler"] == "local"
     assert rec["model"] == vllm_server.lora and rec["adapter"] == str(vllm_server.lora_dir / "adapter")
     assert vllm_server.start.stdout.splitlines()[-1].startswith(f"curl -s {vllm_server.base_url[:-3]}/v1/completions")
+    # the CPU engine starts eager: vLLM's dynamo trace at start is ~half of it on 2 cores (serve/engine.py)
+    assert " --enforce-eager" in Path(rec["artifact"]).read_text()
     st = run_cli("jobs", "status", vllm_server.name, "--root", vllm_server.root, "--json", check=True)
     assert json.loads(st.stdout)["state"] == "RUNNING"
     logs = run_cli("jobs", "logs", vllm_server.name, "--root", vllm_server.root, check=True)

