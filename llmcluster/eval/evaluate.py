@@ -144,7 +144,8 @@ def evaluate(root: Path, model: str | None = None, step: int | None = None, endp
         log = out / f"harness_{time.strftime('%Y-%m-%dT%H-%M-%S')}.log"   # kept, failed or not
         results_file = harness.run_harness(python, model_args, [t.name for t in chosen],
                                            write_include_dir(chosen, scratch / "tasks"), scratch / "out", log,
-                                           batch_size, limit, target.api_key)
+                                           batch_size, limit, target.api_key,
+                                           own_tasks_only=all(t.yaml_text is not None for t in chosen))
         for f in results_file.parent.iterdir():   # results_<time>.json and samples_<task>_<time>.jsonl
             shutil.move(str(f), out / f.name)
     results = json.loads((out / results_file.name).read_text())
