@@ -245,32 +245,37 @@ CHECKOV_SKIP = {
 FT = ("--set", "ft.enabled=true", "--set", "parallel.dp_replicate=2")   # 2 replica groups of 1 node (issue 37)
 
 
-@pytest.mark.parametrize("kind,extra", [(k, ()) for k in FORMS] + [("jobset", FT)],
-                         ids=FORMS + ["jobset-ft"])
-def test_every_form_passes_checkov(tmp_path, kind, extra):
-    """checkov (from PyPI, in its own venv: `make checkov`) on every built-in object, and on each pod
+def test_every_form_passes_checkov(tmp_path):
+    """checkov (from PyPI, in its own venv: `make checkov`) on every built-in object of every form, and on each pod
     template of the custom resources as a Pod (checkov does not look inside CRDs). With ft: the Lighthouse's
-    Deployment and Service too."""
+    Deployment and Service too. One checkov run over a file per form (its start is ~5 s of CPU), judged per file."""
     assert CHECKOV.is_file(), f"{CHECKOV} missing: run `make checkov`"
     digest = "nvcr.io/nvidia/pytorch:24.07-py3@sha256:" + "a" * 64     # CKV_K8S_43: images by digest
-    objects = render(tmp_path, kind, "--image", digest, "--namespace", "ml", "--set", "job.secret_env=[HF_TOKEN]",
-                     *extra)
-    # the built-in kinds as they are; a custom resource's pod templates as Pods (checkov reads Volcano's
-    # kind "Job" as a batch/v1 Job and finds no template in it)
-    docs = [o for o in objects if (o["apiVersion"], o["kind"]) not in CRD_SCHEMAS]
-    if kind != "indexed-job":
-        docs += [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"pod-{i}", "namespace": "ml"},
-                  "spec": tpl["spec"]} for i, tpl in enumerate(pod_templates(
-                      [o for o in objects[2:] if (o["apiVersion"], o["kind"]) in CRD_SCHEMAS]))]
-    (tmp_path / "objects.yaml").write_text(yaml.safe_dump_all(docs))
-    p = subprocess.run([str(CHECKOV), "-f", str(tmp_path / "objects.yaml"), "--framework", "kubernetes",
-                        "--skip-check", ",".join(CHECKOV_SKIP), "--output", "json", "--quiet", "--compact"],
+    forms = {k: (k, ()) for k in FORMS} | {"jobset-ft": ("jobset", FT)}
+    (tmp_path / "forms").mkdir()
+    for name, (kind, extra) in forms.items():
+        objects = render(tmp_path / name, kind, "--image", digest, "--namespace", "ml",
+                         "--set", "job.secret_env=[HF_TOKEN]", *extra)
+        # the built-in kinds as they are; a custom resource's pod templates as Pods (checkov reads Volcano's
+        # kind "Job" as a batch/v1 Job and finds no template in it)
+        docs = [o for o in objects if (o["apiVersion"], o["kind"]) not in CRD_SCHEMAS]
+        if kind != "indexed-job":
+            docs += [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"pod-{i}", "namespace": "ml"},
+                      "spec": tpl["spec"]} for i, tpl in enumerate(pod_templates(
+                          [o for o in objects[2:] if (o["apiVersion"], o["kind"]) in CRD_SCHEMAS]))]
+        (tmp_path / "forms" / f"{name}.yaml").write_text(yaml.safe_dump_all(docs))
+    # not --quiet: the passed checks are listed too, counted per form's file below
+    p = subprocess.run([str(CHECKOV), "-d", str(tmp_path / "forms"), "--framework", "kubernetes",
+                        "--skip-check", ",".join(CHECKOV_SKIP), "--output", "json", "--compact"],
                        capture_output=True, text=True, timeout=300, env={**cli_env(), "BC_SKIP_MAPPING": "TRUE"})
     report = json.loads(p.stdout)
     report = report[0] if isinstance(report, list) else report
-    failed = [(c["check_id"], c["resource"]) for c in report.get("results", {}).get("failed_checks", [])]
+    results = report.get("results", {})
+    failed = [(c["file_path"], c["check_id"], c["resource"]) for c in results.get("failed_checks", [])]
     assert not failed, failed
-    assert report["summary"]["passed"] > 20, report["summary"]
+    passed = {name: sum(Path(c["file_path"]).stem == name for c in results.get("passed_checks", []))
+              for name in forms}
+    assert all(n > 20 for n in passed.values()), passed
 
 
 def test_ft_one_jobset_job_per_group_restarted_alone_beside_a_hardened_lighthouse(tmp_path):
