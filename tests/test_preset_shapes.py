@@ -2,13 +2,16 @@
 
 The shapes that ship (configs/llm_*.yaml) differ in what breaks distributed code: head_dim 32/64/128, GQA 1/3/8,
 ffn/d 8/3, 43/16, 27/10 and 7/2, activation checkpointing none/selective/full. Each is kept exactly and made
-small: 4 layers, the fewest heads that keep the head_dim, the GQA ratio and an integral ffn at the same ffn/d.
-Each shape trains 3 steps as DDP and as FSDP on 2 ranks (1b and 7b, identical once scaled, run once), plus
-one HSDP (2x2) and one FSDP x TP (2x2) case on 4 ranks; runs of one shape start from the same seeded weights
-and see the same batches, so their losses agree. The preset's activation checkpointing is kept: tiny and 125m
-have none, and with ac_every=2 block 1 is neither checkpointed nor the last (kept gathered), i.e. resharded
-after forward and not recomputed, what torch 2.6 could not train on CPU (docs/compat.md). torch.compile is off
-(a cold inductor build per process costs minutes on 2 cores; test_parallel.py covers it on today's torch).
+small: 4 layers (2 where every block is checkpointed alike or none is), the fewest heads that keep the head_dim,
+the GQA ratio and an integral ffn at the same ffn/d (llm_tiny, already that small, keeps its own width: the one
+torch 2.6 failed on). Each shape trains 3 steps as DDP and as FSDP on 2 ranks (1b and 7b, identical once scaled,
+run once), plus one HSDP (2x2) and one FSDP x TP (2x2) case on 4 ranks; runs of one shape start from the same
+seeded weights and see the same batches, so their losses agree. A shape's DDP and FSDP runs share one torchrun
+launch, as do the two 4-rank runs: each rank runs them one after the other through the CLI's entry
+(train_runs_worker.py). The preset's activation checkpointing is kept: tiny and 125m have none, and with
+ac_every=2 block 1 is neither checkpointed nor the last (kept gathered), i.e. resharded after forward and not
+recomputed, what torch 2.6 could not train on CPU (docs/compat.md). torch.compile is off (a cold inductor build
+per process costs minutes on 2 cores; test_parallel.py covers it on today's torch).
 
 `make test-compat` runs this file on the floor torch, `make test` on today's.
 """
@@ -28,15 +31,20 @@ import pytest
 from conftest import REPO, cli_env, repo_source_dataset
 from llmcluster.config.load import load_job_config
 
+# One pytest-xdist worker runs them all (`make test`: --dist loadgroup): the module's runs, launched together,
+# are made once, not once on each worker that gets one of their tests.
+pytestmark = pytest.mark.xdist_group("preset_runs")
+
 PRESETS = ["llm_tiny", "llm_125m", "llm_1b", "llm_7b", "llm_13b", "llm_70b"]
 STEPS = 3
-LAYERS = 4
+LAYERS = 4  # where selective checkpointing tells blocks apart (n_layers), and in the all-gather count
 GLOBAL_BATCH = 4  # sequences of 16 tokens per step at every mesh: runs of one shape see the same batches
 COMMON = ["data.dataset=src", "data.kind=code", "model.vocab_size=320", "data.seq_len=16",
-          f"model.n_layers={LAYERS}", "train.precision=fp32", "train.compile=false",
+          "train.precision=fp32", "train.compile=false",
           "train.warmup_steps=1", f"train.steps={STEPS}", "train.threads=1", "train.grad_accum=1", "log.interval=1",
           "log.eval_interval=1000", "log.eval_batches=1", "log.progress=false", "log.metrics_bind=null",
           "checkpoint.interval_steps=1000", "checkpoint.async=false", "run.seed=1234"]
+FULL_WIDTH = 256  # a preset no wider trains at its own width (as cheap as its fewest-heads shape on CPU)
 MESHES = {  # name: (ranks, dp_replicate, dp_shard, tp)
     "ddp": (2, 2, 1, 1),
     "fsdp": (2, 1, 2, 1),
@@ -46,8 +54,12 @@ MESHES = {  # name: (ranks, dp_replicate, dp_shard, tp)
 
 
 def small_shape(preset: str, tp: int = 1) -> dict[str, int | bool]:
-    """The preset's head_dim, GQA ratio, ffn/d and tying with the fewest heads (kv heads divisible by tp)."""
+    """The preset's head_dim, GQA ratio, ffn/d and tying with the fewest heads (kv heads divisible by tp); a
+    preset already that small (llm_tiny, d 192) keeps its own heads: its full width is what torch 2.6 failed on."""
     m = load_job_config(preset).model
+    if m.d_model <= FULL_WIDTH and m.kv_heads % tp == 0:
+        return {"d_model": m.d_model, "n_heads": m.n_heads, "n_kv_heads": m.kv_heads, "ffn_hidden": m.ffn_hidden,
+                "tie_embeddings": m.tie_embeddings}
     ratio = m.n_heads // m.kv_heads
     ffn_per_d = Fraction(m.ffn_hidden, m.d_model)
     kv = tp
@@ -58,10 +70,18 @@ def small_shape(preset: str, tp: int = 1) -> dict[str, int | bool]:
             "tie_embeddings": m.tie_embeddings}
 
 
+def n_layers(preset: str) -> int:
+    """4 blocks where selective checkpointing (ac_every=2) tells them apart: one checkpointed, one neither
+    checkpointed nor the last (resharded after forward, not recomputed), the last (kept gathered). Where every
+    block is checkpointed or none is, 2 take every path (one resharded after forward, the last kept), and the
+    widest shapes (70b, 13b: full) cost half the CPU."""
+    return LAYERS if load_job_config(preset).parallel.activation_checkpoint == "selective" else 2
+
+
 def layer_setup(preset: str) -> tuple:
-    """What of a preset reaches the scaled-down run: its shape and its activation checkpointing."""
+    """What of a preset reaches the scaled-down run: its shape, depth and activation checkpointing."""
     p = load_job_config(preset).parallel
-    return tuple(small_shape(preset).items()), p.activation_checkpoint, p.ac_every
+    return tuple(small_shape(preset).items()), n_layers(preset), p.activation_checkpoint, p.ac_every
 
 
 # Presets whose scaled-down runs would be identical (1b and 7b: the same shape and checkpointing) run once.
@@ -74,24 +94,37 @@ DISTINCT = [names[0] for names in SETUPS.values()]
 def overrides(preset: str, mesh: str) -> list[str]:
     _, rep, shard, tp = MESHES[mesh]
     shape = small_shape(preset, tp)
-    items = [*COMMON, *(f"model.{k}={str(v).lower()}" for k, v in shape.items()),
+    items = [*COMMON, *(f"model.{k}={str(v).lower()}" for k, v in shape.items()), f"model.n_layers={n_layers(preset)}",
              f"parallel.dp_replicate={rep}", f"parallel.dp_shard={shard}", f"parallel.tp={tp}", "parallel.pp=1",
              f"train.micro_batch={GLOBAL_BATCH // (rep * shard)}", f"run.name={preset}-{mesh}"]
     return [a for kv in items for a in ("--set", kv)]
 
 
-def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node NPROC -m llmcluster ARGS`, asserted to exit 0. torch 2.6's rare gloo hang in
-    destroy_process_group after a finished run ends in the trainer's teardown watchdog (exit 1 with the
-    stack, docs/fault-tolerance.md), not in training: tolerated here, and only that."""
+# The runs one torchrun launch trains one after the other (tests/train_runs_worker.py): a shape's DDP and FSDP
+# runs, and the two 4-rank runs. A launch costs its processes' start (torch and the trainer, ~5 s of CPU each).
+FOUR_RANK_RUNS = [("llm_125m", "hsdp"), ("llm_7b", "fsdp_tp")]
+
+
+def launch_of(preset: str, mesh: str) -> list[tuple[str, str]]:
+    return FOUR_RANK_RUNS if MESHES[mesh][0] == 4 else [(preset, "ddp"), (preset, "fsdp")]
+
+
+def torchrun(nproc: int, runs: list[list[str]]) -> list[str]:
+    """`torchrun --nproc-per-node NPROC tests/train_runs_worker.py`: each of `runs` (`train ...` arguments) in
+    turn through the CLI's entry, asserted to exit 0; rank 0's output of each run. torch 2.6's rare gloo hang
+    in destroy_process_group after the last run finished ends in the trainer's teardown watchdog (exit 1 with
+    the stack, docs/fault-tolerance.md), not in training: tolerated here, and only that."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "llmcluster", *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
-    teardown_hang = re.search(r"finished step \d+", proc.stdout) and "Timeout (0:02:00)!" in proc.stderr \
-        and "in shutdown" in proc.stderr
+           str(REPO / "tests" / "train_runs_worker.py"), *[a for i, r in enumerate(runs) for a in ["--next"][:i] + r]]
+    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300 * len(runs))
+    outputs = re.split(r"^=== run \d+\n", proc.stdout, flags=re.M)[1:]
+    teardown_hang = len(outputs) == len(runs) and re.search(r"finished step \d+", outputs[-1]) \
+        and "Timeout (0:02:00)!" in proc.stderr and "in shutdown" in proc.stderr
+    names = [a for r in runs for a in r if a.startswith("run.name=")]
     assert proc.returncode == 0 or teardown_hang, \
-        f"exit {proc.returncode}: {' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
+        f"exit {proc.returncode}: {names}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert len(outputs) == len(runs), proc.stdout[-3000:]
+    return outputs
 
 
 @pytest.fixture(scope="module")
@@ -102,19 +135,23 @@ def root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def train(root):
-    """train(preset, mesh): `torchrun -m llmcluster train -c PRESET --set ...` once per module; returns
-    {step: loss, "val0": validation loss before training, "val": after the last step}."""
+    """train(preset, mesh): `llmcluster train -c PRESET --set ...` once per module, in one launch with the other
+    runs of launch_of(preset, mesh); returns {step: loss, "val0": validation loss before training, "val": after
+    the last step}."""
     done: dict[tuple[str, str], dict] = {}
 
     def run(preset: str, mesh: str) -> dict:
         if (preset, mesh) not in done:
-            proc = torchrun(MESHES[mesh][0], "train", "-c", preset, "--root", str(root), *overrides(preset, mesh))
-            lines = (root / "logs" / f"{preset}-{mesh}" / "metrics.jsonl").read_text().splitlines()
-            records = [json.loads(line) for line in lines]
-            out: dict = {r["step"]: r["loss"] for r in records}
-            out["val"] = records[-1].get("val_loss")
-            out["val0"] = float(re.search(r"^step 0 val ([\d.]+)", proc.stdout, re.M).group(1))
-            done[preset, mesh] = out
+            runs = [r for r in launch_of(preset, mesh) if r not in done]
+            outputs = torchrun(MESHES[mesh][0], [["train", "-c", p, "--root", str(root), *overrides(p, m)]
+                                                 for p, m in runs])
+            for (p, m), output in zip(runs, outputs):
+                lines = (root / "logs" / f"{p}-{m}" / "metrics.jsonl").read_text().splitlines()
+                records = [json.loads(line) for line in lines]
+                out: dict = {r["step"]: r["loss"] for r in records}
+                out["val"] = records[-1].get("val_loss")
+                out["val0"] = float(re.search(r"^step 0 val ([\d.]+)", output, re.M).group(1))
+                done[p, m] = out
         return done[preset, mesh]
 
     return run
@@ -141,7 +178,7 @@ def test_small_shape_keeps_the_preset_shape(preset):
                                                     for k, v in small_shape(preset).items())]).model
     assert (s.head_dim, s.n_heads // s.kv_heads, Fraction(s.ffn_hidden, s.d_model), s.tie_embeddings) == \
         (m.head_dim, m.n_heads // m.kv_heads, Fraction(m.ffn_hidden, m.d_model), m.tie_embeddings)
-    assert s.d_model <= 1024 and LAYERS <= m.n_layers
+    assert s.d_model <= 1024 and n_layers(preset) <= m.n_layers
     assert preset in SETUPS[layer_setup(preset)]  # and its runs below train it (or one identical to it)
 
 
@@ -168,15 +205,15 @@ def test_fsdp_times_tp_on_four_ranks_trains(train):
 
 
 @pytest.mark.slow
-def test_the_tiny_preset_as_fsdp_without_activation_checkpointing(root):
-    """The command that died in its first backward on torch 2.6 ("modified by an inplace operation" on a
-    [512, 192] weight: the block resharded after forward, see docs/compat.md), at the preset's full width."""
-    torchrun(2, "train", "-c", "llm_tiny", "--root", str(root), "--set", "parallel.dp_replicate=1",
-             "--set", "parallel.dp_shard=-1", "--set", "train.precision=fp32", "--set", "data.dataset=src",
-             "--set", "train.steps=2", "--set", "log.interval=1", "--set", "log.eval_batches=1",
-             "--set", "log.progress=false", "--set", "run.name=tiny-fsdp")
-    losses = [json.loads(line)["loss"] for line in (root / "logs" / "tiny-fsdp" / "metrics.jsonl").open()]
-    assert len(losses) == 2 and all(math.isfinite(v) for v in losses), losses
+def test_the_tiny_preset_as_fsdp_without_activation_checkpointing(train):
+    """The preset that died in its first backward on torch 2.6 ("modified by an inplace operation" on a
+    [512, 192] weight: a block resharded after forward and not recomputed, see docs/compat.md) trains as FSDP
+    at its full width, without activation checkpointing: the FSDP run of the llm_tiny case above."""
+    m = load_job_config("llm_tiny")
+    assert small_shape("llm_tiny") == {"d_model": 192, "n_heads": m.model.n_heads, "n_kv_heads": m.model.kv_heads,
+                                       "ffn_hidden": 512, "tie_embeddings": m.model.tie_embeddings}
+    assert m.parallel.activation_checkpoint == "none"
+    assert_trains(train("llm_tiny", "fsdp"))
 
 
 @pytest.mark.slow
