@@ -118,14 +118,18 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_
     1 heals from it; both finish with bitwise identical weights (2 x 2: rank 0's shard); 2 x 1: the loss curve
     stays within 0.25 nats (10-step means) of the same run without kills (steps committed with one group see
     half the batch).
-    Steps are slowed to 0.5 s (a test hook) until group 1 is back the second time, so that the run outlasts two
-    restarts on a loaded machine; the rest goes at full speed. The run without kills trains meanwhile."""
+    Steps are slowed to 0.5 s (2 x 2: 1 s) by a test hook until group 1 is back the second time, so that the run
+    outlasts two restarts on a loaded machine; the rest goes at full speed. The run without kills trains meanwhile."""
     run, steps = f"ft-kill-{procs}", 100
     items = ("ft.min_replicas=1", f"train.steps={steps}", "checkpoint.interval_steps=20", "log.interval=1")
+    pause = 0.5
     if procs > 1:   # four ranks and two launchers on two cores: collectives wait longer for a descheduled peer
         items += (f"parallel.dp_shard={procs}", "dist.timeout_s=60")
+        # a restart of 2 ranks and their launcher took over 40 s at load 8: 1 s steps make the run outlast it,
+        # and the Lighthouse waits 5 s (not 2) for a group in its 1 s pause before a quorum goes on without it
+        pause, items = 1.0, (*items, "ft.join_timeout_s=5")
     # group 1 stays down 6 s at least, however fast its restart
-    env, go = _slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_RESTART_DELAY_S="6")
+    env, go = _slowed(tmp_path, f"0:{pause}", LLMCLUSTER_TEST_FT_RESTART_DELAY_S="6")
     ref = "ft-kill-ref"
 
     def quorum(groups: int, after: int):
