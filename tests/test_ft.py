@@ -67,6 +67,15 @@ def _supervised(root: Path, run: str, items: tuple, env: dict, procs: int = 1):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _slowed(tmp_path: Path, sleep: str, **hooks: str) -> tuple[dict, Path]:
+    """The environment of a run whose steps are slowed (LLMCLUSTER_INJECT_SLEEP: the run outlasts the restarts the
+    test waits for), and the file that ends the slowing once the test has seen what it waits for: the rest of the
+    run goes at full speed."""
+    go = tmp_path / "go"
+    return cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP=sleep, LLMCLUSTER_INJECT_SLEEP_UNTIL=str(go),
+                   **hooks), go
+
+
 def _step(root: Path, run: str) -> int:
     steps = [e["step"] for e in _events(root, run) if e["event"] == "step"]
     return max(steps, default=0)
@@ -103,57 +112,68 @@ def test_ft_outside_a_replica_group_is_refused(tiny_root, capsys):
 
 @pytest.mark.slow   # real processes: 20-90 s (1 rank a group), 60-200 s (2) on a loaded 2-core machine
 @pytest.mark.parametrize("procs", [1, 2], ids=["2x1", "2x2"])
-def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_root, procs):
+def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_root, tmp_path, procs):
     """2 groups x `procs` ranks (2 x 2: FSDP inside each group, rank r of a group healing from rank r of its peer);
     group 1 SIGKILLed twice. Group 0 (the writer) is never restarted and commits steps while group 1 is down; group
     1 heals from it; both finish with bitwise identical weights (2 x 2: rank 0's shard); 2 x 1: the loss curve
     stays within 0.25 nats (10-step means) of the same run without kills (steps committed with one group see
     half the batch).
-    Steps 1-95 are slowed to 0.5 s (a test hook) so that the run outlasts two restarts on a loaded machine."""
+    Steps are slowed to 0.5 s (2 x 2: 1 s) by a test hook until group 1 is back the second time, so that the run
+    outlasts two restarts on a loaded machine; the rest goes at full speed. The run without kills trains meanwhile."""
     run, steps = f"ft-kill-{procs}", 100
     items = ("ft.min_replicas=1", f"train.steps={steps}", "checkpoint.interval_steps=20", "log.interval=1")
+    pause = 0.5
     if procs > 1:   # four ranks and two launchers on two cores: collectives wait longer for a descheduled peer
         items += (f"parallel.dp_shard={procs}", "dist.timeout_s=60")
-    env = cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP="0:0.5:1-95",
-                  LLMCLUSTER_TEST_FT_RESTART_DELAY_S="6")   # group 1 stays down 6 s at least, however fast its restart
+        # a restart of 2 ranks and their launcher took over 40 s at load 8: 1 s steps make the run outlast it,
+        # and the Lighthouse waits 5 s (not 2) for a group in its 1 s pause before a quorum goes on without it
+        pause, items = 1.0, (*items, "ft.join_timeout_s=5")
+    # group 1 stays down 6 s at least, however fast its restart
+    env, go = _slowed(tmp_path, f"0:{pause}", LLMCLUSTER_TEST_FT_RESTART_DELAY_S="6")
+    ref = "ft-kill-ref"
 
     def quorum(groups: int, after: int):
         return lambda: any(e["event"] == "ft_quorum" and e["groups"] == groups and e["step"] >= after
                            for e in _events(tiny_root, run))
-    with _supervised(tiny_root, run, items, env, procs) as proc:
+    with contextlib.ExitStack() as stack:
+        # the loss curve against a run without kills (once, at 2 x 1): it trains while the kill run mostly sleeps
+        ref_proc = stack.enter_context(_supervised(tiny_root, ref, (*items[1:], "ft.min_replicas=2"), cli_env())) \
+            if procs == 1 else None
+        proc = stack.enter_context(_supervised(tiny_root, run, items, env, procs))
         _wait(quorum(2, 0), proc, "both groups in a quorum")
         pid0 = _job(tiny_root, run)["ft"]["groups"][0]["pid"]
+        kills = []
         for _ in range(2):
             _wait(lambda: _step(tiny_root, run) >= 2 + max(e["step"] for e in _events(tiny_root, run)
                                                            if e["event"] == "ft_quorum"), proc, "two more steps")
             before = _job(tiny_root, run)["ft"]["groups"][1]["pid"]
             killed_at = _step(tiny_root, run)
-            for pid in _job(tiny_root, run)["ft"]["groups"][1]["pids"]:   # the node dies: launcher and rank
+            kills.append(killed_at)
+            for pid in _job(tiny_root, run)["ft"]["groups"][1]["pids"]:   # the node dies: all of the group
                 os.kill(pid, signal.SIGKILL)
             _wait(lambda: _job(tiny_root, run)["ft"]["groups"][1]["pid"] != before, proc, "group 1's restart")
             _wait(quorum(1, killed_at), proc, "a quorum of group 0 alone")
             alone = _step(tiny_root, run)
             _wait(lambda: _step(tiny_root, run) >= alone + 2, proc, "steps committed by group 0 alone")
             _wait(quorum(2, alone), proc, "group 1 back in the quorum")
+        go.touch()
         out, err = proc.communicate(timeout=300)
+        ref_err = ref_proc.communicate(timeout=300)[1] if ref_proc else ""
     assert proc.returncode == 0, err[-3000:]
     job = _job(tiny_root, run)
     assert job["ft"]["groups"][0]["pid"] == pid0 and job["ft"]["groups"][0]["restarts"] == 0
     assert job["ft"]["groups"][1]["restarts"] == 2
     events = _events(tiny_root, run)
     assert [e["group"] for e in events if e["event"] == "ft_group_failed"] == [1, 1]
-    # group 1 healed from group 0 after each restart (and one group may have healed from the other at the start)
-    heals = [e for e in events if e["event"] == "ft_heal" and e["group"] == 1 and e["step"] > 2]
+    # group 1 healed from group 0 after each restart (and one group may have healed from the other at the start,
+    # before the first quorum of both: a group started late on a loaded machine heals at step 4 or so)
+    heals = [e for e in events if e["event"] == "ft_heal" and e["group"] == 1 and e["step"] >= kills[0]]
     assert len(heals) == 2 and all(e["peer"] == 0 and e["bytes"] > 0 for e in heals), heals
     digests = _digests(tiny_root, run, out)
     assert digests[0] == digests[1] and digests[0][0] == steps, digests
-    if procs > 1:   # the loss curve against a run without kills: once, at 2 x 1
+    if procs > 1:
         return
-
-    ref = "ft-kill-ref"
-    ref_proc = subprocess.run(_cmd(tiny_root, ref, *items[1:], "ft.min_replicas=2"), cwd=REPO, env=cli_env(),
-                              capture_output=True, text=True, timeout=600)
-    assert ref_proc.returncode == 0, ref_proc.stderr[-3000:]
+    assert ref_proc.returncode == 0, ref_err[-3000:]
     a, b = _losses(tiny_root, run), _losses(tiny_root, ref)
     assert set(b) == set(range(1, steps + 1))
     common = set(a) & set(b)   # the writer's first steps are missing when it healed from group 1 at the start
@@ -166,16 +186,15 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_
 
 
 @pytest.mark.slow   # real processes: 40-90 s on a loaded 2-core machine
-def test_the_writer_group_killed_hands_its_role_to_its_peer(tiny_root):
+def test_the_writer_group_killed_hands_its_role_to_its_peer(tiny_root, tmp_path):
     """2 groups x 1 rank; group 0, the writer, SIGKILLed after the step-20 checkpoint. Group 1 is never restarted,
     takes the writer's role over at its next committed step (an ft_writer line; the dead writer's lock taken at
     once: its pid is gone), goes on writing events, metrics and checkpoints; group 0 comes back as a reader (the
     lock names a live peer of its run), heals, and never writes again: one writer at a time. Both finish with
-    identical weights."""
+    identical weights. Steps are slowed to 0.5 s until group 0 has healed, the rest goes at full speed."""
     run, steps = "ft-writer", 100
     items = ("ft.min_replicas=1", f"train.steps={steps}", "checkpoint.interval_steps=20", "log.interval=1")
-    env = cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP="0:0.5:1-95",
-                  LLMCLUSTER_TEST_FT_RESTART_DELAY_S="6")
+    env, go = _slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_RESTART_DELAY_S="6")
     ckpt = tiny_root / "checkpoints" / run
     with _supervised(tiny_root, run, items, env) as proc:
         _wait(lambda: (ckpt / "step_20" / "COMPLETE.json").is_file(), proc, "the step-20 checkpoint", 240)
@@ -186,6 +205,10 @@ def test_the_writer_group_killed_hands_its_role_to_its_peer(tiny_root):
         taken = lambda: [e for e in _events(tiny_root, run) if e["event"] == "ft_writer"]   # noqa: E731
         _wait(taken, proc, "group 1 taking the writer's role over")
         _wait(lambda: _job(tiny_root, run)["ft"]["groups"][0]["pid"] != before, proc, "group 0's restart")
+        took = taken()[0]["step"]
+        _wait(lambda: any(e["event"] == "ft_heal" and e["group"] == 0 and e["step"] > took
+                          for e in _events(tiny_root, run)), proc, "group 0's heal")
+        go.touch()
         out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     job = _job(tiny_root, run)
@@ -211,26 +234,34 @@ def test_the_writer_group_killed_hands_its_role_to_its_peer(tiny_root):
 
 
 @pytest.mark.slow   # real processes: 40-90 s on a loaded 2-core machine
-def test_a_straggling_group_leaves_the_quorum_and_comes_back_when_it_recovers(tiny_root):
-    """2 groups x 1 rank; group 0, the writer, reports a compute time of 1 s for steps 1-40 (a test hook: group 1's
-    is milliseconds), with ft.straggler_steps=3: it leaves the quorum after 3 slow committed steps (one line in the
-    log, an ft_straggler event), group 1 takes the writer's role over and keeps committing alone, the supervisor
-    starts group 0 again after ft.straggler_backoff_s (not counted as a failure), it heals and reads, and once it is
-    no slower it stays: both finish with identical weights. Steps 1-95 are slowed to 0.5 s so the run outlasts the
-    restarts."""
-    run, steps = "ft-straggler", 100
-    items = ("ft.min_replicas=1", f"train.steps={steps}", "ft.straggler_steps=3", "ft.straggler_backoff_s=8",
+def test_a_straggling_group_leaves_the_quorum_and_comes_back_when_it_recovers(tiny_root, tmp_path):
+    """2 groups x 1 rank; group 0, the writer, reports a compute time of 1 s for steps 1-20 (a test hook: group 1
+    reports 0.1 s, and so does group 0 after step 20: the straggler clock is the test's, never the machine's load),
+    with ft.straggler_steps=3: it leaves the quorum after 3 slow committed steps (one line in the log, an
+    ft_straggler event), group 1 takes the writer's role over and keeps committing alone, the supervisor starts
+    group 0 again after ft.straggler_backoff_s (not counted as a failure), it heals and reads, and once it is no
+    slower it stays: both finish with identical weights. Steps are slowed to 0.5 s so that the run outlasts the
+    restarts, until group 0 is back for good; the rest goes at full speed."""
+    run, steps, slow = "ft-straggler", 100, 20
+    items = ("ft.min_replicas=1", f"train.steps={steps}", "ft.straggler_steps=3", "ft.straggler_backoff_s=4",
              "checkpoint.interval_steps=50", "log.interval=1")
-    env = cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP="0:0.5:1-95",
-                  LLMCLUSTER_TEST_FT_SLOW_GROUP="0:1.0:1-40")
-    proc = subprocess.run(_cmd(tiny_root, run, *items), cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    env, go = _slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_SLOW_GROUP=f"0:1.0:1-{slow},0:0.1,1:0.1")
+
+    def back() -> bool:   # in a quorum of both after its last drop, and past the steps where it could be dropped
+        events = _events(tiny_root, run)
+        last = max((e["step"] for e in events if e["event"] == "ft_straggler"), default=None)
+        return last is not None and _step(tiny_root, run) > slow + 1 and any(
+            e["event"] == "ft_quorum" and e["groups"] == 2 and e["step"] > last for e in events)
+    with _supervised(tiny_root, run, items, env) as proc:
+        _wait(back, proc, "group 0 dropped and back in the quorum")
+        go.touch()
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
     events = _events(tiny_root, run)
     drops = [e for e in events if e["event"] == "ft_straggler"]
-    assert drops and all(e["group"] == 0 and e["steps"] == 3 and e["busy_s"] == 1.0 and e["step"] <= 43
+    assert drops and all(e["group"] == 0 and e["steps"] == 3 and e["busy_s"] == 1.0 and e["step"] <= slow + 3
                          for e in drops), drops
-    assert "ft: group 0 leaves the quorum after step" in proc.stdout
+    assert "ft: group 0 leaves the quorum after step" in out
     # the role passed once per drop: to group 1, and never back while group 1 lives
     writers = [(e["group"], e["previous"]) for e in events if e["event"] == "ft_writer"]
     assert writers == [(1, 0)], writers
@@ -243,27 +274,27 @@ def test_a_straggling_group_leaves_the_quorum_and_comes_back_when_it_recovers(ti
     g0, g1 = job["ft"]["groups"]
     assert g0["restarts"] == g1["restarts"] == g1["dropped"] == 0 and g0["dropped"] == len(drops)
     assert (tiny_root / "checkpoints" / run / f"step_{steps}" / "COMPLETE.json").is_file()
-    digests = _digests(tiny_root, run, proc.stdout)
+    digests = _digests(tiny_root, run, out)
     assert digests[0] == digests[1] and digests[0][0] == steps, digests
 
 
 @pytest.mark.slow   # real processes: 20-90 s on a loaded 2-core machine
 def test_a_run_without_failures_resumes_bitwise_after_a_full_stop(tiny_root):
     """Stopped at step 6 (train.stop_at, a checkpoint) and started again: both groups resume from the writer's
-    checkpoint and end bitwise where an uninterrupted run ends."""
+    checkpoint and end bitwise where an uninterrupted run ends (which trains beside them)."""
     items = ("ft.min_replicas=2", "train.steps=12", "checkpoint.interval_steps=6")
-    first = subprocess.run(_cmd(tiny_root, "ft-resume", *items, "train.stop_at=6"), cwd=REPO, env=cli_env(),
-                           capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert (tiny_root / "checkpoints" / "ft-resume" / "step_6" / "COMPLETE.json").is_file()
-    again = subprocess.run(_cmd(tiny_root, "ft-resume", *items), cwd=REPO, env=cli_env(), capture_output=True,
-                           text=True, timeout=300)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from" in again.stdout and "(step 6)" in again.stdout
-    whole = subprocess.run(_cmd(tiny_root, "ft-whole", *items), cwd=REPO, env=cli_env(), capture_output=True,
-                           text=True, timeout=300)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    resumed, ref = _digests(tiny_root, "ft-resume", again.stdout), _digests(tiny_root, "ft-whole", whole.stdout)
+    with _supervised(tiny_root, "ft-whole", items, cli_env()) as whole:
+        first = subprocess.run(_cmd(tiny_root, "ft-resume", *items, "train.stop_at=6"), cwd=REPO, env=cli_env(),
+                               capture_output=True, text=True, timeout=300)
+        assert first.returncode == 0, first.stderr[-3000:]
+        assert (tiny_root / "checkpoints" / "ft-resume" / "step_6" / "COMPLETE.json").is_file()
+        again = subprocess.run(_cmd(tiny_root, "ft-resume", *items), cwd=REPO, env=cli_env(), capture_output=True,
+                               text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "resumed from" in again.stdout and "(step 6)" in again.stdout
+        whole_out, whole_err = whole.communicate(timeout=300)
+    assert whole.returncode == 0, whole_err[-3000:]
+    resumed, ref = _digests(tiny_root, "ft-resume", again.stdout), _digests(tiny_root, "ft-whole", whole_out)
     assert resumed[0] == resumed[1] == ref[0] == ref[1] and ref[0][0] == 12, (resumed, ref)
     assert not any(e["event"] == "ft_heal" for e in _events(tiny_root, "ft-resume"))
 

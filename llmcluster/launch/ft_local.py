@@ -2,7 +2,8 @@
 
 The contract (docs/fault-tolerance.md, "Per-step fault tolerance"): the Lighthouse is a process of its own
 (`torchft_lighthouse`, torchft's console script, bound to 127.0.0.1); each group is its own `llmcluster train
---procs-per-node P` (its own elastic launch, its own rendezvous on a free port) with TORCHFT_LIGHTHOUSE,
+--procs-per-node P` (its own elastic launch, its own rendezvous on a free port; a group of one rank is that rank
+alone, `llmcluster train` without the flag) with TORCHFT_LIGHTHOUSE,
 LLMCLUSTER_FT_GROUP and LLMCLUSTER_FT_GROUPS in its environment. A group that exits non-zero is recorded
 (ft_group_failed) and started again alone, at most MAX_RESTARTS times; the others keep stepping. A stop signal
 (SIGTERM, Ctrl-C) is passed to every group (they checkpoint, as without ft); the Lighthouse dying stops the run the
@@ -38,6 +39,7 @@ NOT_INSTALLED = "ft.enabled: true needs torchft, which is not installed here: pi
 # see the others commit steps without it however fast a restart is on the machine.
 RESTART_DELAY_ENV = "LLMCLUSTER_TEST_FT_RESTART_DELAY_S"
 MAX_RESTARTS = 3        # per group: a group that keeps dying is a bug or a bad node, not a transient fault
+PROCS_FLAGS = ("--procs-per-node", "--nproc-per-node")
 STOP_WAIT_S = 120.0     # after SIGTERM, how long the groups get to checkpoint before SIGKILL
 POLL_S = 0.2
 
@@ -142,14 +144,23 @@ class Supervisor:
     def _start_group(self, g: int) -> None:
         env = {"RUST_LOG": "warn", **os.environ, **self.env, GROUP_ENV: str(g), GROUPS_ENV: str(self.groups),
                LIGHTHOUSE_ENV: f"http://{self.address}", REJOIN_ENV: "1" if self.procs[g] is not None else "0"}
+        cmd = [sys.executable, "-m", "llmcluster", *self._group_argv()]
         if g == 0:   # the writer's lines on the terminal, as a run without ft; the others' in their files
-            self.procs[g] = subprocess.Popen([sys.executable, "-m", "llmcluster", *self.argv], env=env,
-                                             start_new_session=True, preexec_fn=_die_with_parent)
+            self.procs[g] = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
             return
         with open(self.logs / "ft" / f"group{g}.log", "ab") as out:
-            self.procs[g] = subprocess.Popen([sys.executable, "-m", "llmcluster", *self.argv], env=env,
-                                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                             preexec_fn=_die_with_parent)
+            self.procs[g] = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                             start_new_session=True, preexec_fn=_die_with_parent)
+
+    def _group_argv(self) -> list[str]:
+        """A group of one rank is that rank alone, without an elastic agent of its own: one torch start less (~2 s
+        of CPU) at every start and restart, so a dead group is back sooner; the rank exits with the codes the agent
+        would pass on (train/procs.py) and takes the supervisor's signals itself. A larger group: its own launch."""
+        for i, a in enumerate(self.argv):
+            flag, eq, value = a.partition("=")
+            if flag in PROCS_FLAGS and (value if eq else self.argv[i + 1:i + 2]) in ("1", ["1"]):
+                return self.argv[:i] + self.argv[i + (1 if eq else 2):]
+        return self.argv
 
     def _look(self, force: bool = False) -> None:
         if force or time.monotonic() - self.seen > 1.0:
@@ -203,7 +214,7 @@ class Supervisor:
         return "DROPPED" if p is not None and p.returncode == EXIT_FT_DROPPED else "DOWN"
 
     def argv_procs(self) -> str:
-        for flag in ("--procs-per-node", "--nproc-per-node"):
+        for flag in PROCS_FLAGS:
             if flag in self.argv:
                 return self.argv[self.argv.index(flag) + 1]
         return "1"

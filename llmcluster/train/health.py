@@ -17,6 +17,8 @@ Non-finite steps are skipped in `Trainer.train_step`; this module holds what wat
     LLMCLUSTER_INJECT_SPIKE_AT_STEP=12         the loss of those steps is multiplied by 10
     LLMCLUSTER_INJECT_SLEEP=1:0.3:1-4,1:20:6   rank:seconds[:steps] sleep before those steps' forward
                                                (steps: N, A-B, or N;M)
+    LLMCLUSTER_INJECT_SLEEP_UNTIL=PATH         those sleeps end once PATH exists (a test that waits for
+                                               events, not for the clock, lets the rest of the run go fast)
     LLMCLUSTER_INJECT_BUSY=0:0.1:1-6,1:1:1-6   rank:seconds[:steps] the straggler clock: the compute time
                                                that rank reports for those steps (a test decides who is
                                                slow without racing the machine's load)
@@ -141,6 +143,7 @@ class FaultInjector:
         self.nan_steps = _steps(test_hook("LLMCLUSTER_INJECT_NAN_AT_STEP", environ))
         self.spike_steps = _steps(test_hook("LLMCLUSTER_INJECT_SPIKE_AT_STEP", environ))
         self.sleeps = per_rank(test_hook("LLMCLUSTER_INJECT_SLEEP", environ), rank)
+        self.sleep_until = test_hook("LLMCLUSTER_INJECT_SLEEP_UNTIL", environ)
         self.busy = per_rank(test_hook("LLMCLUSTER_INJECT_BUSY", environ), rank)
 
     def loss_factor(self, step: int) -> float | None:
@@ -150,6 +153,8 @@ class FaultInjector:
         return 10.0 if step in self.spike_steps else None
 
     def maybe_sleep(self, step: int) -> None:
+        if self.sleep_until and os.path.exists(self.sleep_until):
+            return
         for seconds, steps in self.sleeps:
             if steps is None or step in steps:
                 time.sleep(seconds)
