@@ -84,6 +84,7 @@ def test_compat_picks_the_calls_this_torch_has():
 
 _CONTROL_WORKER = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # registers `fake` (the checkpointer no longer imports DCP)
     from llmcluster.distributed import process_groups as D
     from llmcluster.checkpoint.checkpointer import _any_rank
     rank, path = int(sys.argv[1]), sys.argv[2]

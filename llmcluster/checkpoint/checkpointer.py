@@ -30,10 +30,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
 
 from llmcluster.errors import UserError
 from llmcluster.storage.layout import ABANDONED_PREFIX, COMPLETE_MARKER, TMP_PREFIX, Storage, sha256_file
@@ -46,7 +42,6 @@ from llmcluster.distributed.process_groups import control_group
 from llmcluster.checkpoint.ownership import RunLock
 from llmcluster.checkpoint.rng import rng_state, set_rng_state
 from llmcluster.checkpoint.safe_load import TRAIN_STATE, UnsafeCheckpoint, load_state
-from llmcluster.checkpoint.staging import ReusedStaging
 
 CLAIM_POLL_S = 5.0  # rank 0 tells the other ranks this often how the owner lock's judgment stands
 IO_ERROR_HOOK = "LLMCLUSTER_INJECT_IO_ERROR"  # test hook: rank:step[,...] fails that rank's part of that save
@@ -91,6 +86,8 @@ def _state_bytes(state) -> int:
 
 def _find_exc(e: BaseException, cls):
     """The exception of type `cls` behind a failed save/load: DCP wraps each rank's in a CheckpointException."""
+    from torch.distributed.checkpoint.api import CheckpointException  # lazy: DCP's import (~1.2 s), see save
+
     if isinstance(e, cls):
         return e
     if isinstance(e, CheckpointException):
@@ -138,12 +135,19 @@ class Checkpointer:
         self.last_write_s: float | None = None  # start of the last save to its completion marker
         self.last_bytes: int | None = None
         self.pending = None                     # an async save in flight: (step, tmp dir, t0, future)
-        self.staging = ReusedStaging()          # async saves' host buffers, made once
+        self._staging = None                    # async saves' host buffers, made once (`staging`)
         self._group = None
         # The owner lock's hang watchdog: a healthy step's collectives each finish within dist.timeout_s.
         self.lock = RunLock(self.dir, run, lock_stale_s, log, 2 * dist_timeout_s if dist_timeout_s else None)
         self.claim_poll_s = min(CLAIM_POLL_S, (dist_timeout_s or CLAIM_POLL_S * 4) / 4)
         self.attempt = self.lock.attempt        # rank 0's, once claim() has run
+
+    @property
+    def staging(self):
+        if self._staging is None:
+            from llmcluster.checkpoint.staging import ReusedStaging  # lazy: it imports DCP (see save)
+            self._staging = ReusedStaging()
+        return self._staging
 
     # -- ownership ---------------------------------------------------------------------------------
     def claim(self, wait: bool = True) -> bool:
@@ -225,6 +229,12 @@ class Checkpointer:
         (time.time(); the preemption grace period): then the partial write is discarded and the previous
         checkpoint stays the newest. Async: stages the state in memory, writes it in a thread and returns
         None; `poll()` at later step boundaries finalizes it once every rank's write has completed."""
+        # lazy: DCP's import (~1.2 s: DTensor, sympy) is paid by a run that writes or reads a checkpoint only,
+        # not before its first step, nor by a refused run, a benchmark or a non-checkpoint command
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         self.wait_pending()
         if self.rank == 0:
             self.lock.progress()  # the hang watchdog counts a save from its start
@@ -286,6 +296,8 @@ class Checkpointer:
         """Block until the async write (if any) is written on this rank, then finalize it (collective)."""
         if self.pending is None:
             return None
+        from torch.distributed.checkpoint.api import CheckpointException  # lazy (see save); loaded by now
+
         step, tmp, t0, future = self.pending
         self.pending = None
         error = None
@@ -407,6 +419,8 @@ class Checkpointer:
 
     def load(self, path: Path, model, optimizer) -> dict:
         """Load model + optimizer (resharded to this run's layout) and return train_state.json."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # lazy (see save)
+
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         _load_or_refuse(state, path, no_dist=False)
@@ -431,6 +445,8 @@ def _load_or_refuse(state: dict, path: Path, no_dist: bool) -> None:
 
 def load_model_weights(path: Path, model) -> None:
     """Model weights only, in one process without a process group (export, generate)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # lazy (see save)
+
     sd = get_model_state_dict(model, options=StateDictOptions())
     state = {"model": sd}
     _load_or_refuse(state, path, no_dist=True)

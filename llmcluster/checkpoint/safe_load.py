@@ -20,12 +20,8 @@ import pickle
 from pathlib import Path, PurePosixPath
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from llmcluster.storage.layout import COMPLETE_MARKER
-from llmcluster.distributed import compat
 
 METADATA = ".metadata"
 TRAIN_STATE = "train_state.json"
@@ -76,30 +72,11 @@ def load_data(value: io.BytesIO):
         raise UnsafeCheckpoint(f"a non-tensor entry is not plain data ({first[-1] if first else e})") from None
 
 
-class SafeFileSystemReader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        metadata = read_metadata_file(Path(self.path) / METADATA)
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class DataOnlyLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner whose non-tensor entries are read with `weights_only=True`."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        obj = load_data(value)
-        if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes, but weights_only=True
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
 def load_state(state: dict, path: Path, no_dist: bool = False) -> None:
     """dcp.load with the safe reader and planner: the one way this project reads a DCP checkpoint."""
-    compat.dcp_load(state, SafeFileSystemReader(path), planner=DataOnlyLoadPlanner(), no_dist=no_dist)
+    from llmcluster.checkpoint.safe_reader import load_state as load  # lazy: DCP's import (~1.2 s), on a read only
+
+    load(state, path, no_dist=no_dist)
 
 
 def marker_problem(step_dir: Path, marker: dict) -> str | None:

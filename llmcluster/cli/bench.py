@@ -18,6 +18,10 @@ def register(sub) -> None:
 def run(args) -> int:
     if (code := launched_ranks(args)) is not None:
         return code
+    from llmcluster.config.load import load_job_config
+
+    # The job config before the benchmark's imports (torch and more, seconds): bad input is refused at once.
+    cfg = load_job_config(args.config, args.overrides)
     from llmcluster.train.bench import bench_cli
 
-    return bench_cli(args)
+    return bench_cli(args, cfg)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from llmcluster.cli.common import add_config_args, add_root_arg
-from llmcluster.launch.spec import SCHEDULERS
+from llmcluster.launch import SCHEDULERS
 
 
 def register(sub) -> None:

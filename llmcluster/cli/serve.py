@@ -4,7 +4,7 @@ load an endpoint and measure it (no torch)."""
 from __future__ import annotations
 
 from llmcluster.cli.common import add_actions, add_config_args, add_root_arg
-from llmcluster.serve.engine import VLLM_IMAGE
+from llmcluster.serve import VLLM_IMAGE
 
 
 def register(sub) -> None:

@@ -25,6 +25,10 @@ def run(args) -> int:
     from llmcluster.floor import require_torch
 
     require_torch()
+    from llmcluster.config.load import load_job_config
+
+    # The job config before the trainer's imports (torch and more, seconds): bad input is refused at once.
+    cfg = load_job_config(args.config, args.overrides)
     from llmcluster.train.trainer import train_cli
 
-    return train_cli(args)
+    return train_cli(args, cfg)

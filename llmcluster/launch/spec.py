@@ -14,9 +14,9 @@ from pathlib import Path
 from llmcluster.config.job import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_FILES, JobSpec
 from llmcluster.config.schema import FtConfig
 from llmcluster.errors import UserError
+from llmcluster.launch import SCHEDULERS  # noqa: F401 (re-exported)
 from llmcluster.render import line_text, show_value, yaml_text
 
-SCHEDULERS = ("local", "slurm", "k8s")
 # torchrun forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT to its workers by default; SIGUSR2 ("checkpoint now",
 # SIGUSR1 belongs to NCCL) must be added, or the default action of SIGUSR2 kills the torchrun agent itself.
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"

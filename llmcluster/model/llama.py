@@ -144,7 +144,11 @@ class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # On the meta device (shapes only: init_weights fills everything after to_empty), nn.Embedding's normal_
+        # and the RoPE math would import torch._dynamo (~1 s: their meta kernels are dynamo-disabled references).
+        meta = torch.get_default_device().type == "meta"
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.d_model) if meta else None)
         # A ModuleDict keyed "0".."L-1" keeps names stable when blocks are wrapped or pipelined away.
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -152,8 +156,8 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # RoPE tables are derived, never saved: non-persistent buffers stay out of checkpoints and exports.
-        cos, sin = rope_cos_sin(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
-                                scaling=cfg.rope_scaling)
+        cos, sin = ([torch.empty(cfg.max_seq_len, cfg.head_dim, dtype=torch.float32) for _ in "cs"] if meta else
+                    rope_cos_sin(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling=cfg.rope_scaling))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.compile_loss = False   # the head's loss compiled (train/parallelize.py: apply_compile sets it)

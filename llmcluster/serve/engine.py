@@ -19,13 +19,12 @@ from llmcluster.config.serve import ServeConfig
 from llmcluster.errors import UserError
 from llmcluster.render import has_line_break, show_value
 from llmcluster.serve.engine_check import CPU_HEAD_DIMS
+from llmcluster.serve import VLLM_IMAGE  # noqa: F401 (re-exported)
 from llmcluster.plan.served_model import ServedModel, from_directory
 
 # --max-lora-rank accepts these only (vLLM's LoRAConfig); its default is 16
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ENGINE_ENV = "LLMCLUSTER_VLLM_PYTHON"
-# Kubernetes: the official image, pinned by tag (the engine's flags change between releases)
-VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 # the environment the engine runs with: offline (a model directory, never the Hub) and no telemetry
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 CPU_KVCACHE_GIB = "1"     # VLLM_CPU_KVCACHE_SPACE default (GiB of KV cache on the CPU build); the environment wins

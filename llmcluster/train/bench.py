@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from llmcluster.config.load import load_job_config
 from llmcluster.config.schema import JobConfig
 from llmcluster.errors import UserError
 from llmcluster.model import flops_per_token
@@ -184,8 +183,7 @@ def report(r: dict) -> str:
     ])
 
 
-def bench_cli(args) -> int:
-    cfg = load_job_config(args.config, args.overrides)
+def bench_cli(args, cfg: JobConfig) -> int:   # cfg: loaded from args by cli/bench.py, before torch
     root = storage_root(args.root, cfg.run.storage)
     try:
         run_bench(cfg, root, args.steps, args.warmup)

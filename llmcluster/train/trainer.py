@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llmcluster.config.load import load_job_config, saved_config_dict
+from llmcluster.config.load import saved_config_dict
 from llmcluster.config.schema import JobConfig
 from llmcluster.data.dataset import META, data_sources, open_training_data
 from llmcluster.data.prefetch import Prefetcher
@@ -472,8 +472,7 @@ class Trainer:
         self.events.close(reason, detail)
 
 
-def train_cli(args) -> int:
-    cfg = load_job_config(args.config, args.overrides)
+def train_cli(args, cfg: JobConfig) -> int:   # cfg: loaded from args by cli/train.py, before torch
     root = storage_root(args.root, cfg.run.storage)
     trainer = None
     ok = False
