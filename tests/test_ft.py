@@ -431,6 +431,30 @@ def test_the_heal_sender_records_its_own_time_of_the_send():
     assert heals["receiver"]["seconds"] == 0.5 and heals["receiver"]["peer"] == 0
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_group_taking_the_writers_role_over_writes_from_its_rank_0_only(rank):
+    """A group of two ranks that takes the role over: its rank 0 appends events.jsonl and metrics.jsonl, as the
+    first writer's did; its rank 1 writes neither (both ranks once did: every line of the run twice from there)."""
+    from types import SimpleNamespace
+
+    from llmcluster.distributed.process_groups import DistEnv
+    from llmcluster.train.ft_writer import WriterRole
+
+    calls = []
+    ckpt = SimpleNamespace(take_lock=lambda wait: True)
+    trainer = SimpleNamespace(
+        step=80, log=lambda _m: None, ckpt=ckpt, cfg=SimpleNamespace(run=SimpleNamespace(name="r")),
+        env=DistEnv(rank=rank, world_size=2, local_rank=rank, local_world_size=2, device=None, writer=False),
+        storage=SimpleNamespace(run_logs=lambda name: name),
+        events=SimpleNamespace(take_over=lambda step, **kw: calls.append(("events", step))),
+        metrics=SimpleNamespace(take_over=lambda cfg, logs, step: calls.append(("metrics", step))))
+    role = WriterRole(trainer, group=1, groups=2)
+    role.mine = True
+    role._claim()
+    assert role.holds and trainer.env.writer
+    assert calls == ([("events", 81), ("metrics", 81)] if rank == 0 else [])
+
+
 def test_jobs_status_shows_each_group_and_its_pids(tmp_path, capsys):
     logs = tmp_path / "storage" / "logs" / "r"
     logs.mkdir(parents=True)

@@ -138,8 +138,9 @@ class WriterRole:
         step = t.step + 1
         _unmute(t.ckpt)
         t.env.writer = True
-        t.events.take_over(step, group=self.group, previous=self.previous)
-        t.metrics.take_over(t.cfg, t.storage.run_logs(t.cfg.run.name), step)
+        if t.env.is_main:   # the group's rank 0, as the first writer's: every rank had written each line once
+            t.events.take_over(step, group=self.group, previous=self.previous)
+            t.metrics.take_over(t.cfg, t.storage.run_logs(t.cfg.run.name), step)
         t.log(f"ft: group {self.group} holds the owner lock: it writes the run's checkpoints, events and metrics")
 
     def _give(self, step: int, new: int) -> None:
