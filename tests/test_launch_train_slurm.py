@@ -200,8 +200,11 @@ def test_ft_two_groups_one_step_killed_relaunched_in_the_allocation(root):
     """Issue 37's Slurm acceptance: 2 nodes, 2 replica groups (one node each); group 1's step is SIGKILLed
     mid-run (as a lost node would end it); the batch script relaunches that step alone, the allocation is kept
     (no requeue) and the run finishes."""
+    # 1 s steps (test hook): a group that joins first forms a quorum alone after the 5 s join timeout; at ~30 ms
+    # a step it had trained the whole run before group 0 (the writer, whose metrics wait_step reads) was in
     job = launch(root, "ft-kill", "--set", f"train.steps={STEPS * 2}", "--set", "ft.enabled=true",
-                 "--set", "ft.join_timeout_s=5", "--set", "parallel.dp_replicate=2", "--set", "parallel.dp_shard=1")
+                 "--set", "ft.join_timeout_s=5", "--set", "parallel.dp_replicate=2", "--set", "parallel.dp_shard=1",
+                 "--set", "job.env.LLMCLUSTER_TESTING=1", "--set", "job.env.LLMCLUSTER_INJECT_SLEEP=0:1")
     wait_step(root, "ft-kill", job, 3)
     steps = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %N"], capture_output=True, text=True).stdout
     group1 = [ln.split()[0] for ln in steps.splitlines()
