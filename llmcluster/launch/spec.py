@@ -14,7 +14,6 @@ from pathlib import Path
 from llmcluster.config.job import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_FILES, JobSpec
 from llmcluster.config.schema import FtConfig
 from llmcluster.errors import UserError
-from llmcluster.launch import SCHEDULERS  # noqa: F401 (re-exported)
 from llmcluster.render import line_text, show_value, yaml_text
 
 # torchrun forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT to its workers by default; SIGUSR2 ("checkpoint now",

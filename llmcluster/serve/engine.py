@@ -19,7 +19,6 @@ from llmcluster.config.serve import ServeConfig
 from llmcluster.errors import UserError
 from llmcluster.render import has_line_break, show_value
 from llmcluster.serve.engine_check import CPU_HEAD_DIMS
-from llmcluster.serve import VLLM_IMAGE  # noqa: F401 (re-exported)
 from llmcluster.plan.served_model import ServedModel, from_directory
 
 # --max-lora-rank accepts these only (vLLM's LoRAConfig); its default is 16
