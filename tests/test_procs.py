@@ -67,3 +67,24 @@ def test_a_stop_signal_checkpoints_every_rank_and_exits_75(tiny_root, sig):
     step = int(line.split("preempted at step ")[1].split(":")[0])
     marker = tiny_root / "checkpoints" / run / f"step_{step}" / "COMPLETE.json"
     assert json.loads(marker.read_text())["step"] == step
+
+
+def test_a_rank_killed_after_another_refused_does_not_speak_for_the_run(tmp_path, capsys):
+    """Both ranks refuse a bad config with exit 2; the one that exits first gets the other SIGTERMed by the agent,
+    often rank 0 before it printed its line (seen in CI: exit 1, nothing on stdout or stderr). The code and the one
+    line are the refusing rank's. (A unit test of the exit-code rule: the agent's failures as it reports them.)"""
+    from types import SimpleNamespace
+
+    from llmcluster.train.procs import _failed_ranks_code
+
+    log = tmp_path / "run" / "attempt_0" / "1" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("llmcluster train: error: train.micro_batch=1000000000 needs 9 GiB\n")
+    killed = SimpleNamespace(exitcode=-signal.SIGTERM, signal_name=lambda: "SIGTERM")
+    refused = SimpleNamespace(exitcode=2, signal_name=lambda: "")
+    assert _failed_ranks_code({0: killed, 1: refused}, tmp_path) == 2
+    assert capsys.readouterr().err == "llmcluster train: error: train.micro_batch=1000000000 needs 9 GiB\n"
+    assert _failed_ranks_code({0: refused, 1: killed}, tmp_path) == 2      # rank 0 said it on the terminal
+    assert capsys.readouterr().err == ""
+    assert _failed_ranks_code({0: killed, 1: killed}, tmp_path) == 1
+    assert capsys.readouterr().err == "rank 0 was killed by SIGTERM\n"

@@ -55,13 +55,7 @@ def launch_ranks(argv: list[str], nprocs: int) -> int:
             elastic_launch(config, sys.executable)("-m", "llmcluster", *argv)
             return 0
         except ChildFailedError as e:
-            codes = {rank: f.exitcode if f.exitcode > 0 else EXIT_FAILURE for rank, f in e.failures.items()}
-            if 0 in codes:             # rank 0 wrote its one line to the terminal already
-                return codes[0]
-            rank, _ = e.get_first_failure()
-            line = _last_line(Path(tmp), rank)
-            sys.stderr.write((line or f"rank {rank} failed with exit code {codes[rank]}") + "\n")
-            return codes[rank]
+            return _failed_ranks_code(e.failures, Path(tmp))
         except SignalException:   # the agent forwarded it; the ranks have exited (checkpointed, or not)
             return _code_from_reasons(reasons, nprocs)
 
@@ -76,6 +70,24 @@ def _ranks_env(**defaults: str):
     finally:
         for k in added:
             os.environ.pop(k, None)
+
+
+def _failed_ranks_code(failures: dict, log_dir: Path) -> int:
+    """The exit code of a failed launch, and the failing rank's one line when rank 0 did not write it. A rank
+    that left with a code of its own speaks for the run; one that died of a signal (most often the agent's
+    SIGTERM to the others once one rank failed, before rank 0 said anything) does not: both ranks refusing a bad
+    config exit 2, and whichever exits first gets the other killed (seen: exit 1 with nothing printed)."""
+    own = {rank: f.exitcode for rank, f in failures.items() if f.exitcode > 0}
+    if 0 in own:                # rank 0 wrote its one line to the terminal already
+        return own[0]
+    if own:
+        rank = min(own)
+        line = _last_line(log_dir, rank)
+        sys.stderr.write((line or f"rank {rank} failed with exit code {own[rank]}") + "\n")
+        return own[rank]
+    rank = min(failures)
+    sys.stderr.write(f"rank {rank} was killed by {failures[rank].signal_name()}\n")
+    return EXIT_FAILURE
 
 
 def _last_line(log_dir: Path, rank: int) -> str:
