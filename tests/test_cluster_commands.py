@@ -31,7 +31,7 @@ def test_plan_on_the_seed(capsys):
     assert "32 GPUs on seed (8 x 4 A100-80GB)" in ok(capsys, "plan", "seed-a100-7b", "--cluster", SEED)
 
 
-def test_validate_stack_on_the_seed(capsys, tmp_path):
+def test_validate_stack_on_the_seed(capsys, tmp_path, no_scheduler_probe):
     # the seed expects 4 x A100 per node: this CPU machine (no driver, no NCCL, no NVML) is a FAIL, exit 1,
     # each missing piece on its own line saying what was expected; a 1-GPU machine FAILs the GPU count
     p = cli_inprocess(capsys, "validate", "stack", "--cluster", SEED, "--report", tmp_path / "r.json")

@@ -47,7 +47,7 @@ def test_floor_comparison(version, ok):
         assert f"torch>={TORCH_FLOOR_TEXT}" in problem and version in problem
 
 
-def test_stack_gate_fails_an_older_torch_naming_the_floor(monkeypatch, tmp_path):
+def test_stack_gate_fails_an_older_torch_naming_the_floor(monkeypatch, tmp_path, no_scheduler_probe):
     from llmcluster.validate import stack
     from llmcluster.validate.spec import ValidateSpec
 

@@ -3,7 +3,8 @@
 Every mesh must train the *same* model as one process with the same global batch (4 sequences of 32
 tokens): FSDP2, TP alone, FSDP×TP, DDP, with and without activation checkpointing, and across a
 checkpoint saved at one mesh and resumed at another. One single-process run is the reference for all of
-them (module-scoped fixture); runs are chained so each one checks several things:
+them (module-scoped fixture); runs are chained so each one checks several things (the 2-rank ones in one
+torchrun launch):
 
     fsdp      2 ranks FSDP2 + selective AC, steps 1-10, checkpoint at step 5
     one       1 rank + full AC, resumes fsdp/step_5            (FSDP -> 1 rank)
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, cli_env, repo_source_dataset, run_cli
+from conftest import REPO, assert_one_line_error, cli_env, repo_source_dataset, run_cli, train_runs
 
 pytestmark = pytest.mark.slow
 
@@ -78,19 +79,33 @@ def reference(root) -> dict[int, float]:
     return ref
 
 
+def run_args(root: Path, run: str, *extra: str) -> list[str]:
+    return ["train", "--root", str(root), *TINY, "--set", f"run.name={run}", *extra]
+
+
 @pytest.fixture(scope="module")
-def fsdp_run(root, reference) -> str:
-    proc = train(root, "fsdp", 2, *mesh(1, 2), "--set", "parallel.activation_checkpoint=selective",
-                 "--set", "parallel.ac_every=1", "--set", "checkpoint.interval_steps=5")
-    assert "FSDP dp_replicate=1 dp_shard=2" in proc.stdout, proc.stdout
+def two_rank_runs(root, reference) -> dict[str, str]:
+    """The chain's 2-rank runs (fsdp -> ddp -> tp), one after the other in one torchrun launch
+    (train_runs_worker.py: torch and the trainer start once); each run's output on rank 0."""
+    outputs = train_runs(2, [
+        run_args(root, "fsdp", *mesh(1, 2), "--set", "parallel.activation_checkpoint=selective",
+                 "--set", "parallel.ac_every=1", "--set", "checkpoint.interval_steps=5"),
+        run_args(root, "ddp", *mesh(2, 1), "--set", "train.stop_at=7",
+                 "--resume", str(root / "checkpoints" / "fsdp" / "step_5")),
+        run_args(root, "tp", *mesh(1, 1, tp=2), "--resume", str(root / "checkpoints" / "ddp" / "step_7"))])
+    return dict(zip(("fsdp", "ddp", "tp"), outputs))
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(two_rank_runs) -> str:
+    assert "FSDP dp_replicate=1 dp_shard=2" in two_rank_runs["fsdp"], two_rank_runs["fsdp"]
     return "fsdp"
 
 
 @pytest.fixture(scope="module")
-def ddp_run(root, fsdp_run) -> str:
-    proc = train(root, "ddp", 2, *mesh(2, 1), "--set", "train.stop_at=7",
-                 "--resume", str(root / "checkpoints" / fsdp_run / "step_5"))
-    assert "DDP dp_replicate=2" in proc.stdout and "(step 5)" in proc.stdout, proc.stdout
+def ddp_run(two_rank_runs) -> str:
+    out = two_rank_runs["ddp"]
+    assert "DDP dp_replicate=2" in out and "(step 5)" in out, out
     return "ddp"
 
 
@@ -109,9 +124,9 @@ def test_resume_fsdp_checkpoint_as_ddp(root, reference, ddp_run):
     assert_matches(reference, losses(root, ddp_run), range(6, 8))
 
 
-def test_resume_ddp_checkpoint_as_tensor_parallel(root, reference, ddp_run):
-    proc = train(root, "tp", 2, *mesh(1, 1, tp=2), "--resume", str(root / "checkpoints" / ddp_run / "step_7"))
-    assert "× TP 2" in proc.stdout and "(step 7)" in proc.stdout, proc.stdout
+def test_resume_ddp_checkpoint_as_tensor_parallel(root, reference, ddp_run, two_rank_runs):
+    out = two_rank_runs["tp"]
+    assert "× TP 2" in out and "(step 7)" in out, out
     got = losses(root, "tp")
     # The first step after the reshard sees exactly the saved weights: a wrong reshard shows here at once.
     assert abs(got[8] - reference[8]) < 1e-5, (got[8], reference[8])

@@ -9,6 +9,7 @@ global batch (4 sequences of 32 tokens) as one process with 4 micro-batches of 1
     pp->one   pp/step_4 resumed on 1 rank                          (PP -> no PP)
     pp->fsdp  pp/step_4 resumed on 2 ranks FSDP                    (PP -> FSDP)
     compiled  2 ranks PP 2, torch.compile per block, 2 steps
+The 2-rank runs but the compiled one share one torchrun launch, as do the 4-rank ones (train_runs_worker.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_one_line_error, cli_env, repo_source_dataset, run_cli
+from conftest import assert_one_line_error, cli_env, repo_source_dataset, run_cli, train_runs
 from test_parallel import TINY, assert_matches, losses, train
 
 pytestmark = pytest.mark.slow
@@ -46,11 +47,33 @@ def reference(root) -> dict[int, float]:
     return ref
 
 
+def run_args(root: Path, run: str, *extra: str) -> list[str]:
+    return ["train", "--root", str(root), *TINY, "--set", f"run.name={run}", *extra]
+
+
 @pytest.fixture(scope="module")
-def pp_run(root, reference) -> str:
-    proc = train(root, "pp", 2, *pp_mesh(2), "--set", "parallel.activation_checkpoint=selective",
-                 "--set", "checkpoint.interval_steps=4")
-    assert "× PP 2 1F1B (world 2)" in proc.stdout, proc.stdout
+def two_rank_runs(root, reference) -> dict[str, str]:
+    """pp, pp_int and pp_fsdp (which resumes pp/step_4), one after the other in one torchrun launch
+    (train_runs_worker.py: torch and the trainer start once); each run's output on rank 0."""
+    outputs = train_runs(2, [
+        run_args(root, "pp", *pp_mesh(2), "--set", "parallel.activation_checkpoint=selective",
+                 "--set", "checkpoint.interval_steps=4"),
+        run_args(root, "pp_int", *pp_mesh(2, schedule="interleaved_1F1B")),
+        run_args(root, "pp_fsdp", *pp_mesh(1, dp_shard=2), "--resume", str(root / "checkpoints" / "pp" / "step_4"))])
+    return dict(zip(("pp", "pp_int", "pp_fsdp"), outputs))
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(root, reference) -> dict[str, str]:
+    """pp_dp and pp_tp in one launch of 4 ranks."""
+    outputs = train_runs(4, [run_args(root, "pp_dp", *pp_mesh(2, dp_shard=2)),
+                             run_args(root, "pp_tp", *pp_mesh(2, tp=2))])
+    return dict(zip(("pp_dp", "pp_tp"), outputs))
+
+
+@pytest.fixture(scope="module")
+def pp_run(two_rank_runs) -> str:
+    assert "× PP 2 1F1B (world 2)" in two_rank_runs["pp"], two_rank_runs["pp"]
     return "pp"
 
 
@@ -58,21 +81,21 @@ def test_pp2_matches_one_process(root, reference, pp_run):
     assert_matches(reference, losses(root, pp_run), STEPS)
 
 
-def test_pp2_times_fsdp2_matches_one_process(root, reference):
-    proc = train(root, "pp_dp", 4, *pp_mesh(2, dp_shard=2))
-    assert "FSDP dp_replicate=1 dp_shard=2 × PP 2 1F1B (world 4)" in proc.stdout, proc.stdout
+def test_pp2_times_fsdp2_matches_one_process(root, reference, four_rank_runs):
+    out = four_rank_runs["pp_dp"]
+    assert "FSDP dp_replicate=1 dp_shard=2 × PP 2 1F1B (world 4)" in out, out
     assert_matches(reference, losses(root, "pp_dp"), STEPS)
 
 
-def test_pp2_times_tp2_matches_one_process(root, reference):
-    proc = train(root, "pp_tp", 4, *pp_mesh(2, tp=2))
-    assert "× TP 2 × PP 2 1F1B (world 4)" in proc.stdout, proc.stdout
+def test_pp2_times_tp2_matches_one_process(root, reference, four_rank_runs):
+    out = four_rank_runs["pp_tp"]
+    assert "× TP 2 × PP 2 1F1B (world 4)" in out, out
     assert_matches(reference, losses(root, "pp_tp"), STEPS)
 
 
-def test_interleaved_matches_1f1b(root, reference, pp_run):
-    proc = train(root, "pp_int", 2, *pp_mesh(2, schedule="interleaved_1F1B"))
-    assert "× PP 2 interleaved_1F1B (2 stages per rank)" in proc.stdout, proc.stdout
+def test_interleaved_matches_1f1b(root, reference, pp_run, two_rank_runs):
+    out = two_rank_runs["pp_int"]
+    assert "× PP 2 interleaved_1F1B (2 stages per rank)" in out, out
     assert_matches(losses(root, pp_run), losses(root, "pp_int"), STEPS)
     assert_matches(reference, losses(root, "pp_int"), STEPS)
 
@@ -83,10 +106,9 @@ def test_pp_checkpoint_resumes_on_one_rank(root, reference, pp_run):
     assert_matches(reference, losses(root, "pp_one"), range(5, 9))
 
 
-def test_pp_checkpoint_resumes_as_fsdp(root, reference, pp_run):
-    proc = train(root, "pp_fsdp", 2, *pp_mesh(1, dp_shard=2),
-                 "--resume", str(root / "checkpoints" / pp_run / "step_4"))
-    assert "FSDP dp_replicate=1 dp_shard=2 (world 2)" in proc.stdout and "(step 4)" in proc.stdout, proc.stdout
+def test_pp_checkpoint_resumes_as_fsdp(root, reference, pp_run, two_rank_runs):
+    out = two_rank_runs["pp_fsdp"]
+    assert "FSDP dp_replicate=1 dp_shard=2 (world 2)" in out and "(step 4)" in out, out
     assert_matches(reference, losses(root, "pp_fsdp"), range(5, 9))
 
 

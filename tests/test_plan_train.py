@@ -3,9 +3,9 @@ one the trainer runs, with the `set` overrides the search printed, and it trains
 process (torchrun, 4 CPU ranks over gloo; the GPUs of the plan exist only on paper).
 
 Candidates that differ only in activation checkpointing share a layout: recomputing activations frees memory and
-changes no number, so each layout trains once (4 launches, not 10: ~100 s of the suite), with its activation
-checkpointing chosen so that every mode the search lists trains at world 4; the trainer's config loader accepts
-every candidate's overrides."""
+changes no number, so each layout trains once (4 runs, not 10: ~100 s of the suite; the four in one torchrun
+launch), with its activation checkpointing chosen so that every mode the search lists trains at world 4; the
+trainer's config loader accepts every candidate's overrides."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, repo_source_dataset, run_cli
+from conftest import repo_source_dataset, run_cli, train_runs
 from test_parallel import TINY, assert_matches, losses, train
 
 pytestmark = pytest.mark.slow
@@ -54,9 +54,11 @@ def test_every_search_candidate_trains_under_torchrun_and_matches_one_process(tm
     chosen = one_per_layout(sets)
     assert len(chosen) == 4 and {ac_mode(c) for c in chosen} == {ac_mode(c) for c in sets} == \
         {"none", "selective", "full"}, chosen
-    for i, overrides in enumerate(chosen):
-        extra = [a for o in overrides for a in ("--set", o)]
-        train(root, f"cand{i}", 4, *MODEL, *extra)
+    # the four layouts one after the other in one launch of 4 ranks (train_runs_worker.py): torch and the trainer
+    # start once, not once per layout
+    train_runs(4, [["train", "--root", str(root), *TINY, "--set", f"run.name=cand{i}", *MODEL,
+                    *[a for o in overrides for a in ("--set", o)]] for i, overrides in enumerate(chosen)])
+    for i in range(len(chosen)):
         assert_matches(reference, losses(root, f"cand{i}"), STEPS)
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli_env, repo_source_dataset
+from conftest import REPO, cli_env, repo_source_dataset, train_runs
 from llmcluster.config.load import load_job_config
 
 # One pytest-xdist worker runs them all (`make test`: --dist loadgroup): the module's runs, launched together,
@@ -109,24 +109,6 @@ def launch_of(preset: str, mesh: str) -> list[tuple[str, str]]:
     return FOUR_RANK_RUNS if MESHES[mesh][0] == 4 else [(preset, "ddp"), (preset, "fsdp")]
 
 
-def torchrun(nproc: int, runs: list[list[str]]) -> list[str]:
-    """`torchrun --nproc-per-node NPROC tests/train_runs_worker.py`: each of `runs` (`train ...` arguments) in
-    turn through the CLI's entry, asserted to exit 0; rank 0's output of each run. torch 2.6's rare gloo hang
-    in destroy_process_group after the last run finished ends in the trainer's teardown watchdog (exit 1 with
-    the stack, docs/fault-tolerance.md), not in training: tolerated here, and only that."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(REPO / "tests" / "train_runs_worker.py"), *[a for i, r in enumerate(runs) for a in ["--next"][:i] + r]]
-    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300 * len(runs))
-    outputs = re.split(r"^=== run \d+\n", proc.stdout, flags=re.M)[1:]
-    teardown_hang = len(outputs) == len(runs) and re.search(r"finished step \d+", outputs[-1]) \
-        and "Timeout (0:02:00)!" in proc.stderr and "in shutdown" in proc.stderr
-    names = [a for r in runs for a in r if a.startswith("run.name=")]
-    assert proc.returncode == 0 or teardown_hang, \
-        f"exit {proc.returncode}: {names}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert len(outputs) == len(runs), proc.stdout[-3000:]
-    return outputs
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     """Storage with a byte-level dataset made from this repo's own source files."""
@@ -143,7 +125,7 @@ def train(root):
     def run(preset: str, mesh: str) -> dict:
         if (preset, mesh) not in done:
             runs = [r for r in launch_of(preset, mesh) if r not in done]
-            outputs = torchrun(MESHES[mesh][0], [["train", "-c", p, "--root", str(root), *overrides(p, m)]
+            outputs = train_runs(MESHES[mesh][0], [["train", "-c", p, "--root", str(root), *overrides(p, m)]
                                                  for p, m in runs])
             for (p, m), output in zip(runs, outputs):
                 lines = (root / "logs" / f"{p}-{m}" / "metrics.jsonl").read_text().splitlines()

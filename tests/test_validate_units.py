@@ -367,7 +367,7 @@ def _no_gpu_stack(monkeypatch, tmp_path, spec):
     return r, {i.name: i for i in r.items}
 
 
-def test_stack_fails_a_node_missing_the_gpus_its_spec_expects(monkeypatch, tmp_path):
+def test_stack_fails_a_node_missing_the_gpus_its_spec_expects(monkeypatch, tmp_path, no_scheduler_probe):
     r, items = _no_gpu_stack(monkeypatch, tmp_path, ValidateSpec(gpu="A100-80GB", gpus_per_node=4,
                                                                  cluster="seed (x.yaml)"))
     assert r.status == FAIL
@@ -377,7 +377,7 @@ def test_stack_fails_a_node_missing_the_gpus_its_spec_expects(monkeypatch, tmp_p
 
 
 @pytest.mark.parametrize("gpus_per_node", [None, 0])      # no spec, or a CPU-only one: as before, SKIP
-def test_stack_skips_gpu_items_when_no_gpu_is_expected(monkeypatch, tmp_path, gpus_per_node):
+def test_stack_skips_gpu_items_when_no_gpu_is_expected(monkeypatch, tmp_path, gpus_per_node, no_scheduler_probe):
     r, items = _no_gpu_stack(monkeypatch, tmp_path, ValidateSpec(gpus_per_node=gpus_per_node))
     assert all(items[n].status == SKIP for n in ("nvidia driver", "cudnn", "nccl", "gpus"))
     assert "pytorch build" not in items and FAIL not in {i.status for i in r.items}
