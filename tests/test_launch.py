@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -72,8 +73,14 @@ exit "${FAKE_RC:-0}"
 """}
 
 
+# The stand-in job's id, which picks its ports (rendezvous 29500 + id, Lighthouse 29510 + id, each the first free
+# one on): far above the real test cluster's ids (test_launch_slurm.py and the others run beside these in make
+# test's Slurm stream; once seen: job 7 here and there, both Lighthouses on 29517), and 100 apart per xdist worker.
+FAKE_JOB = 907 - 100 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+
+
 def run_batch_script(tmp_path: Path, script: str, fakes: dict | None = None, **env: str) -> tuple[str, str]:
-    """The sbatch script run by bash as slurmd would (job id 7), with scontrol/srun stand-ins on PATH
+    """The sbatch script run by bash as slurmd would (job id FAKE_JOB), with scontrol/srun stand-ins on PATH
     (the real ones are exercised in test_launch_slurm.py; `fakes` replaces some); returns (stdout, the
     stand-ins' log)."""
     import errno
@@ -89,12 +96,12 @@ def run_batch_script(tmp_path: Path, script: str, fakes: dict | None = None, **e
     log.write_text("")
     with socket.socket() as busy:          # the job's first-choice port is taken: the next one is used
         try:
-            busy.bind(("", 29507))
+            busy.bind(("", 29500 + FAKE_JOB))
             busy.listen()
         except OSError as e:               # another process on this machine holds it: taken all the same
             assert e.errno == errno.EADDRINUSE, e
         p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+                           env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": str(FAKE_JOB),
                                 "SLURM_JOB_NODELIST": "gpu-[a-b]", "FAKE_LOG": str(log), **env})
     return p.stdout + p.stderr, log.read_text()
 
@@ -102,9 +109,9 @@ def run_batch_script(tmp_path: Path, script: str, fakes: dict | None = None, **e
 def test_rendezvous_at_the_head_nodes_nodeaddr_on_a_free_port(tmp_path):
     script = dry(tmp_path / "s", "--nodes", "2").stdout
     out, _ = run_batch_script(tmp_path, script)
-    assert "rendezvous 10.1.2.3:29508 (node gpu-a)" in out, out
+    assert f"rendezvous 10.1.2.3:{29501 + FAKE_JOB} (node gpu-a)" in out, out
     argv = (tmp_path / "fake.log.argv").read_text().splitlines()
-    assert argv[argv.index("--rdzv-endpoint") + 1] == "10.1.2.3:29508"
+    assert argv[argv.index("--rdzv-endpoint") + 1] == f"10.1.2.3:{29501 + FAKE_JOB}"
     assert argv[argv.index("--max-restarts") + 1] == "3"
 
 
@@ -118,13 +125,13 @@ def test_rendezvous_at_the_head_nodes_nodeaddr_on_a_free_port(tmp_path):
 def test_requeue_on_runtime_failure_not_on_a_fatal_one(tmp_path, rc, reason, requeued):
     script = dry(tmp_path / "s", "--nodes", "2", "--max-requeues", "2").stdout
     out, log = run_batch_script(tmp_path, script, FAKE_RC=str(rc), FAKE_REASON=reason)
-    assert ("requeue 7" in log) == requeued, out
+    assert (f"requeue {FAKE_JOB}" in log) == requeued, out
     if reason.startswith("fatal"):
         assert "not requeueing: fatal BadStepLimit" in out
     if requeued:
-        assert "requeueing job 7 (restart 0 of 2)" in out
+        assert f"requeueing job {FAKE_JOB} (restart 0 of 2)" in out
     out, log = run_batch_script(tmp_path, script, FAKE_RC=str(rc), FAKE_REASON=reason, SLURM_RESTART_COUNT="2")
-    assert "requeue 7" not in log, "job.max_requeues used up"
+    assert f"requeue {FAKE_JOB}" not in log, "job.max_requeues used up"
 
 
 def test_env_values_written_as_numbers_are_exported_as_text(tmp_path):

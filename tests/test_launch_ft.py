@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_launch import dry, run_batch_script
+from test_launch import FAKE_JOB, dry, run_batch_script
 
 from conftest import assert_one_line_error
 
@@ -107,7 +107,7 @@ def test_ft_relaunches_are_bounded_then_the_job_requeues(tmp_path):
     assert [ln.split(" nodes ")[0] for ln in log.splitlines() if ln.startswith("group 0")] == \
         ["group 0 run 1", "group 0 run 2"]
     assert "group 0 step exited with 1: not relaunched (1 relaunch(es) used)" in out
-    assert "groups exited with 1" in out and "requeue 7" in log
+    assert "groups exited with 1" in out and f"requeue {FAKE_JOB}" in log
 
 
 def test_ft_a_fatal_group_is_not_relaunched_nor_requeued(tmp_path):
@@ -116,7 +116,7 @@ def test_ft_a_fatal_group_is_not_relaunched_nor_requeued(tmp_path):
                                 FAKE_REASON="fatal BadStepLimit: 5 non-finite steps")
     assert "group 1 step exited with 1: not relaunched (fatal BadStepLimit" in out
     assert len([ln for ln in log.splitlines() if ln.startswith("group 1")]) == 1
-    assert "not requeueing: fatal BadStepLimit" in out and "requeue 7" not in log
+    assert "not requeueing: fatal BadStepLimit" in out and f"requeue {FAKE_JOB}" not in log
 
 
 def test_ft_a_group_dropped_as_a_straggler_comes_back_after_the_backoff_without_using_a_relaunch(tmp_path):
@@ -137,7 +137,7 @@ def test_ft_the_lighthouse_dying_stops_every_group_and_requeues(tmp_path):
     out, log = run_batch_script(tmp_path, script, fakes=FT_FAKES, FAKE_LH_UNTIL_GROUPS="2", FAKE_LH_LIFE="120",
                                 FAKE_STEP_S="60")
     assert "the Lighthouse exited: stopping every group" in out, out
-    assert "not relaunched (stopped)" in out and "requeue 7" in log
+    assert "not relaunched (stopped)" in out and f"requeue {FAKE_JOB}" in log
     runs = [ln.split()[:4] for ln in log.splitlines() if ln.startswith("group ")]
     assert sorted(runs) == [["group", "0", "run", "1"], ["group", "1", "run", "1"]], log   # each once: none relaunched
 
