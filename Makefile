@@ -50,8 +50,8 @@ demo: venv
 # `--dist loadgroup`, tests/test_xdist_groups.py). On a quiet 2-core machine (2026-12-05, a fresh clone of main):
 # 2 workers 1178 passed in 2249 s of pytest, one process (TEST_WORKERS=0) 3310 s; 2026-12-06 after the CPU-peak fix
 # 2050 s on 2 workers, and 3 workers gave nothing (2199 s vs 2192 s: the suite is CPU-bound). TEST_WORKERS=0 for a debugger.
-# The Slurm tests mostly wait on the scheduler's clock: they run as a stream of their own beside the workers
-# (scripts/test_suite.sh says why and how; 2026-12-06: 1476 s of pytest with them on a worker, ... s beside).
+# The tests that share the real Slurm or the session's vLLM server mostly wait (a scheduler's clock, a server):
+# they run as a stream of their own beside the workers (scripts/test_suite.sh says why and how).
 TEST_WORKERS ?= 2
 TEST_FAST_WORKERS ?= 2
 test: venv sysdeps checkov vllm lmeval

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # `make test`: the whole suite as two streams that run at once.
-#   - the Slurm tests (marker `slurm`), one after the other in a pytest of their own: they share the one real
-#     cluster, and they mostly wait on the scheduler's clock (a time limit's signal comes 30-90 s in, requeues,
-#     a serving job's health): ~480 s of wall for ~80 s of their own CPU (measured 2026-12-06, a quiet 2-core
-#     machine). On one of the two xdist workers, as before, that worker idled a core for minutes;
-#   - everything else on WORKERS pytest-xdist workers (`--dist loadgroup`: the session's vLLM server on one).
+#   - the serial tests (marker `serial`, set by tests/conftest.py): those that share one thing the machine has
+#     once, the real Slurm cluster or the session's vLLM server, one after the other in a pytest of their own.
+#     They mostly wait: on the scheduler's clock (a time limit's signal comes 30-90 s in, requeues, a serving
+#     job's health) or on a server (2026-12-06, a quiet 2-core machine: the Slurm ones ~480 s of wall for ~80 s
+#     of their own CPU, the vLLM ones ~240 s for ~75 s). On one of the two xdist workers, as before, that
+#     worker left a core idle for minutes;
+#   - everything else on WORKERS pytest-xdist workers (`--dist loadgroup`).
 # A third xdist worker would spread CPU-bound tests over three processes on two cores (measured: no gain, the
-# Makefile says); this adds only the stream that waits. Each stream prints its own summary and slowest tests; the exit
-# status is the first failure's. WORKERS=0 (a debugger): one process; a `-m` of the caller's: one stream on the workers.
+# Makefile says); this adds only the stream that waits. Each stream prints its own summary and slowest tests; the
+# exit status is the first failure's. WORKERS=0 (a debugger): one process; a `-m` of the caller's: one stream on
+# the workers.
 #
 #   bash scripts/test_suite.sh PYTHON WORKERS [PYTEST_ARGS...]
 set -uo pipefail
@@ -20,15 +23,15 @@ for a in "$@"; do   # the caller's own marker selection: one stream, on the work
     [[ $a == -m* ]] && exec "$PY" -m pytest -q --durations=20 -n "$WORKERS" --dist loadgroup "$@"
 done
 
-log=$(mktemp -t llmcluster-slurm-tests.XXXXXX.log)
+log=$(mktemp -t llmcluster-serial-tests.XXXXXX.log)
 # no cache provider here: two sessions would write .pytest_cache/ at once (the main stream keeps --lf working)
-"$PY" -m pytest -q --durations=10 -p no:cacheprovider -m slurm "$@" >"$log" 2>&1 &
+"$PY" -m pytest -q --durations=10 -p no:cacheprovider -m serial "$@" >"$log" 2>&1 &
 side=$!
 trap 'kill "$side" 2>/dev/null' EXIT
-"$PY" -m pytest -q --durations=20 -n "$WORKERS" --dist loadgroup -m "not slurm" "$@"
+"$PY" -m pytest -q --durations=20 -n "$WORKERS" --dist loadgroup -m "not serial" "$@"
 main_rc=$?
 echo
-echo "=== the Slurm tests, the stream beside the workers (also in $log):"
+echo "=== the serial tests (Slurm, the session's vLLM server), the stream beside the workers (also in $log):"
 wait "$side"
 side_rc=$?
 trap - EXIT

@@ -310,6 +310,11 @@ def xdist_group(item) -> str | None:
     return None
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "serial: shares the one real Slurm or the session's vLLM server (set here, "
+                            "from xdist_group): make test runs these one after the other beside the workers")
+
+
 @pytest.hookimpl(tryfirst=True)   # before -k/-m deselect, so the list is checked against everything collected
 def pytest_collection_modifyitems(config, items):
     """tests/slow_tests.txt: the measured-slow tests `make test-fast` leaves out, marked `slow` here."""
@@ -321,6 +326,7 @@ def pytest_collection_modifyitems(config, items):
         group = xdist_group(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+            item.add_marker(pytest.mark.serial)   # make test's stream beside the workers (scripts/test_suite.sh)
     if not any("::" in a for a in config.args):   # whole files collected: a listed id they lack is stale
         files = {i.split("::")[0] for i in ids}
         stale = sorted(i for i in listed - ids if i.split("::")[0] in files)
