@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_one_line_error, cli_env, repo_source_dataset, run_cli, train_runs
-from test_parallel import TINY, assert_matches, losses, train
+from test_parallel import TINY, assert_matches, losses, run_args, train
 
 pytestmark = pytest.mark.slow
 
@@ -45,10 +45,6 @@ def reference(root) -> dict[int, float]:
     ref = losses(root, "single")
     assert sorted(ref) == list(STEPS) and ref[8] < ref[1] - 0.3, ref  # it does learn
     return ref
-
-
-def run_args(root: Path, run: str, *extra: str) -> list[str]:
-    return ["train", "--root", str(root), *TINY, "--set", f"run.name={run}", *extra]
 
 
 @pytest.fixture(scope="module")
