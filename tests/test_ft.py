@@ -468,6 +468,31 @@ def test_jobs_status_shows_each_group_and_its_pids(tmp_path, capsys):
     assert "group0=DOWN(pids 11,12, restarts 0)" in proc.stdout and "group1=DROPPED(pids 21, restarts 2, dropped 1)" in proc.stdout
 
 
+def test_a_scan_that_raced_the_launchers_death_keeps_the_ranks_to_kill(monkeypatch):
+    """A launcher SIGKILLed hands its ranks to init before wait() sees it dead: a /proc scan in between finds it
+    alone. That scan must not replace the tree, or the supervisor kills the launcher's pid only and its ranks
+    train on as a ghost group (seen under load: the heal test hung). Unit test of the rule (/proc stood in for)."""
+    from llmcluster.launch import ft_local
+
+    class Launcher:   # alive at the first poll, dead at the next: it died during the scan
+        pid, polls = 21, iter([None, -9])
+
+        def poll(self):
+            return next(self.polls, -9)
+
+    class Alive:
+        pid = 11
+
+        def poll(self):
+            return None
+
+    sup = ft_local.Supervisor.__new__(ft_local.Supervisor)
+    sup.procs, sup.trees, sup.seen = [Alive(), Launcher()], [[11], [21, 22, 23]], 0.0
+    monkeypatch.setattr(ft_local, "_tree", lambda pid: {11: [11, 12], 21: [21]}[pid])
+    assert sup._look(force=True)                          # group 0's new rank is news: job.json is rewritten
+    assert sup.trees == [[11, 12], [21, 22, 23]]          # group 1: its ranks stay, to be killed with it
+
+
 @pytest.mark.slow   # real processes
 def test_the_supervisor_killed_outright_leaves_no_lighthouse_or_group_behind(tiny_root):
     """The Lighthouse and the groups run in sessions of their own: they get SIGTERM when their supervisor dies."""

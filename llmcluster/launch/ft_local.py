@@ -162,12 +162,21 @@ class Supervisor:
                 return self.argv[:i] + self.argv[i + (1 if eq else 2):]
         return self.argv
 
-    def _look(self, force: bool = False) -> None:
-        if force or time.monotonic() - self.seen > 1.0:
-            self.seen = time.monotonic()
-            for g, p in enumerate(self.procs):
-                if p is not None and p.poll() is None:
-                    self.trees[g] = _tree(p.pid)
+    def _look(self, force: bool = False) -> bool:
+        """Each live group's launcher and ranks from /proc (at most once a second unless forced); True if one
+        changed. A scan that raced its launcher's death is dropped: a launcher killed outright hands its ranks to
+        init before wait() sees it dead, so that scan finds it alone, and the ranks the supervisor must kill were
+        forgotten (seen under load: they trained on as a ghost group beside the group's restart, and the run hung)."""
+        if not force and time.monotonic() - self.seen <= 1.0:
+            return False
+        self.seen = time.monotonic()
+        changed = False
+        for g, p in enumerate(self.procs):
+            if p is not None and p.poll() is None:
+                tree = _tree(p.pid)
+                if p.poll() is None and tree != self.trees[g]:
+                    self.trees[g], changed = tree, True
+        return changed
 
     def _signal_group(self, g: int, sig: int) -> None:
         for pid in self.trees[g]:
@@ -253,7 +262,8 @@ class Supervisor:
                 self._event("ft_lighthouse_lost", code=self.lighthouse.returncode)
                 return self._stop(f"the Lighthouse exited ({self.lighthouse.returncode}): stopping every group; "
                                   "run the same command again to resume from the last checkpoint")
-            self._look()
+            if self._look():   # the ranks a launcher started: job.json (`jobs status`) names every pid of a group
+                self._record("RUNNING")
             for g, at in list(self.restart_at.items()):
                 if time.monotonic() >= at:
                     del self.restart_at[g]
