@@ -310,6 +310,19 @@ def xdist_group(item) -> str | None:
     return None
 
 
+def module_fixture_group(item) -> str | None:
+    """The tests of a module that share a module-scoped fixture of their own (most often runs trained once for
+    the module: test_train's three runs, test_parallel's reference and merged launches, test_eval's 200 steps)
+    go to one worker. Spread over two, each worker made the fixture again: a 2-worker `make test` trained ~15
+    of them twice (measured 2026-12-06, a CPU map of every test)."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    for name in getattr(item, "fixturenames", ()):
+        fixture = defs.get(name, ())[-1:]
+        if fixture and fixture[0].scope == "module":
+            return f"module:{item.module.__name__}"
+    return None
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "serial: shares the one real Slurm or the session's vLLM server (set here, "
                             "from xdist_group): make test runs these one after the other beside the workers")
@@ -327,6 +340,8 @@ def pytest_collection_modifyitems(config, items):
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
             item.add_marker(pytest.mark.serial)   # make test's stream beside the workers (scripts/test_suite.sh)
+        elif not item.get_closest_marker("xdist_group") and (group := module_fixture_group(item)):
+            item.add_marker(pytest.mark.xdist_group(group))
     if not any("::" in a for a in config.args):   # whole files collected: a listed id they lack is stale
         files = {i.split("::")[0] for i in ids}
         stale = sorted(i for i in listed - ids if i.split("::")[0] in files)
