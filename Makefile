@@ -50,7 +50,7 @@ demo: venv
 # `--dist loadgroup`, tests/test_xdist_groups.py). On a quiet 2-core machine (2026-12-05, a fresh clone of main):
 # 2 workers 1178 passed in 2249 s of pytest, one process (TEST_WORKERS=0) 3310 s; 2026-12-06 after the CPU-peak fix
 # 2050 s on 2 workers, and 3 workers gave nothing (2199 s vs 2192 s: the suite is CPU-bound); 2026-12-06 (AVX-512 EPYC)
-# 3 workers beside the serial stream were worse: 1482 s vs 1249-1429 s, 2531 CPU-s (user+sys) for ~2000: ranks of
+# 3 workers beside the serial stream were worse: 1482 s vs 1264-1429 s on 2, 2531 CPU-s (user+sys) for ~2000: ranks of
 # lockstep trainings descheduled by each other. TEST_WORKERS=0 for a debugger.
 # The tests that share the real Slurm or the session's vLLM server mostly wait (a scheduler's clock, a server):
 # they run as a stream of their own beside the workers (scripts/test_suite.sh says why and how).

@@ -317,8 +317,7 @@ def module_fixture_group(item) -> str | None:
     of them twice (measured 2026-12-06, a CPU map of every test)."""
     defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
     for name in getattr(item, "fixturenames", ()):
-        fixture = defs.get(name, ())[-1:]
-        if fixture and fixture[0].scope == "module":
+        if defs.get(name) and defs[name][-1].scope == "module":   # [-1]: the definition this test gets
             return f"module:{item.module.__name__}"
     return None
 
