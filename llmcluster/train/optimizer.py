@@ -18,8 +18,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    # fused on CUDA (one kernel for all params); foreach elsewhere (a few big ops instead of per-tensor).
-    fused = device.type == "cuda"
+    # fused on CUDA and CPU (one kernel over all params; on CPU foreach is a per-tensor loop of ~7 ops: 6.8 vs
+    # 1.8 ms a step for llm_tiny's 3.1M params on 2 cores), except fp16 on CPU: the CPU kernel refuses the
+    # sharded grad scaler's found_inf ("output with shape [] doesn't match the broadcast shape [1]", torch 2.13).
+    fused = device.type == "cuda" or (device.type == "cpu" and cfg.precision != "fp16")
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                              fused=fused or None, foreach=None if fused else True)
 
