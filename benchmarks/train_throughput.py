@@ -16,17 +16,19 @@ which. A figure for a note, not a test gate: 2 shared cores drift.
 
 Each side also prints its minor page faults per step. glibc's malloc hands buffers of 32 MiB and more (the B·T·V
 logits at this shape: 2048 x 4096 fp32) straight from mmap and returns them at free, so a side that
-materialises them faults every page in again at every step; on one fp32 AVX2 machine that was most of the gap
-between the sides (docs/compat.md, "CPU training throughput"). To compare the models without it, run with
-glibc's caching turned up, e.g. `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000` (or jemalloc /
-tcmalloc preloaded, as torch.backends.xeon.run_cpu does).
+materialises them faults every page in again at every step. The trainer keeps freed buffers instead
+(llmcluster/distributed/cpu_memory.py) and so does this benchmark, for both sides: the ratios compare the models
+and their steps, not the allocator. `--glibc-defaults` leaves glibc as it is (the plain loop as most people run it:
+there the sides that materialise the logits lose ~30% to page faults; docs/compat.md, "CPU training throughput").
+
+Last, three profiled steps per side say how much of transformers' step is in the kernels both sides call (matmuls
+and SDPA's attention): what fusing everything else can win is bounded by the rest (Amdahl).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import resource
 import statistics
 import sys
@@ -39,6 +41,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from llmcluster.config.load import load_job_config  # noqa: E402
+from llmcluster.distributed.cpu_memory import allocator_chosen_by_user, keep_freed_memory  # noqa: E402
 from llmcluster.model.flops import param_count  # noqa: E402
 from llmcluster.model.llama import build_model  # noqa: E402
 from llmcluster.distributed.process_groups import native_low_precision  # noqa: E402
@@ -85,7 +88,10 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per round and side")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's own)")
+    ap.add_argument("--glibc-defaults", action="store_true",
+                    help="leave glibc's malloc as it is (by default freed buffers are kept, as the trainer does)")
     args = ap.parse_args()
+    kept = not args.glibc_defaults and keep_freed_memory()
 
     cfg = load_job_config(args.config, args.overrides)
     if args.threads:
@@ -152,9 +158,9 @@ def main() -> int:
         print(f"{k:21s} {tokens / statistics.median(flat):10,.0f} tokens/s  (median of {len(flat)} steps; "
               f"range {tokens / max(flat):,.0f}-{tokens / min(flat):,.0f}; "
               f"{faults[k] / len(flat):,.0f} page faults a step)")
-    tuned = [v for v in ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD")
-             if os.environ.get(v)]
-    print(f"allocator: {'tuned by ' + ', '.join(tuned) if tuned else 'glibc defaults (see the docstring)'}")
+    chosen = allocator_chosen_by_user()
+    print("allocator: " + ("freed buffers kept, as the trainer does" if kept else
+                           f"as chosen by {chosen}" if chosen else "glibc defaults (see the docstring)"))
     # A ratio per round (the two sides' medians minutes apart at most), then their median and range: the
     # machine's drift between rounds cancels instead of landing on whichever side ran during a slow spell.
     for ours_side in (k for k in times if k.startswith("llmcluster")):
@@ -164,7 +170,26 @@ def main() -> int:
             print(f"ratio {ours_side} / {k}{' (eager, plain loop)' if k == 'transformers' else ''}: "
                   f"{statistics.median(per_round):.2f}x  (median of {len(per_round)} rounds; "
                   f"range {per_round[0]:.2f}-{per_round[-1]:.2f})")
+    for k in sides:
+        shared = shared_kernel_share(sides[k], x, y)
+        bound = f": fusing all the rest away would give at most {1 / shared:.2f}x" if k == "transformers" else ""
+        print(f"{k}: {shared:.0%} of profiled steps in matmuls and attention (kernels both sides call){bound}")
     return 0
+
+
+SHARED_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product")
+
+
+def shared_kernel_share(step, x, y) -> float:
+    """Share of three profiled steps' own CPU time spent in the matmul and attention kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            step(x, y)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    return sum(e.self_cpu_time_total for e in events if e.key.startswith(SHARED_KERNELS)) / max(total, 1)
 
 
 if __name__ == "__main__":
