@@ -37,7 +37,7 @@ def allocator_chosen_by_user(environ=os.environ) -> str | None:
 
 
 def keep_freed_memory() -> bool:
-    """Apply the two settings to this process (children started later inherit nothing: they call it again).
+    """Apply the two settings to this process (a forked child keeps them; an exec'd one starts with glibc's own).
     True when applied; False where the user chose an allocator or libc is not glibc."""
     if allocator_chosen_by_user():
         return False
