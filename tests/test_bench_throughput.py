@@ -1,6 +1,6 @@
 """`make bench` (benchmarks/train_throughput.py) runs and prints what its docstring promises: each side's
-tokens/s with its page faults a step, the allocator in use, both ratios and the bound the shared kernels set. No speed is asserted here (2 shared
-cores drift); the figures are in docs/compat.md."""
+tokens/s with its page faults a step, the allocator in use, both ratios and the bound the shared kernels set. No
+speed is asserted here (2 shared cores drift); the figures are in docs/compat.md."""
 
 import os
 import re
