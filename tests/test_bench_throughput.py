@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow   # an inductor compile and transformers' import: 
 
 def test_the_throughput_benchmark_prints_sides_faults_allocator_and_ratios(tmp_path):
     pytest.importorskip("transformers")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env = {k: v for k, v in os.environ.items()   # no allocator choice of the caller's: the trainer's default
+           if k not in ("LD_PRELOAD", "GLIBC_TUNABLES") and not k.startswith("MALLOC_")}
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_throughput.py"), "--rounds", "1",
                            "--steps", "1", "--warmup", "1", "--batch", "1", "--seq-len", "16",
                            "--set", "model.n_layers=1"], capture_output=True, text=True, cwd=tmp_path,

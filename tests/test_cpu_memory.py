@@ -30,7 +30,10 @@ PAGES = (48 << 20) // 4096
 
 
 def child(**env: str) -> tuple[str, float]:
-    out = subprocess.run([sys.executable, "-c", CHILD], env=cli_env(**env), capture_output=True, text=True,
+    # The child starts with no allocator choice of the caller's (whatever ran the suite), then `env`'s.
+    base = {k: v for k, v in cli_env().items()
+            if k not in ("LD_PRELOAD", "GLIBC_TUNABLES") and not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", CHILD], env={**base, **env}, capture_output=True, text=True,
                          timeout=60, check=True).stdout.split()
     return out[0], float(out[1])
 
