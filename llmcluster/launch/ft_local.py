@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from llmcluster.errors import EXIT_FAILURE, EXIT_FT_DROPPED, EXIT_PREEMPTED, EXIT_USAGE, UserError
+from llmcluster.launch.ft_auth import SECRET_ENV, create_secret
 from llmcluster.render import argv_element
 from llmcluster.testing import test_hook
 from llmcluster.storage.events import EVENTS, read_events
@@ -143,6 +144,7 @@ class Supervisor:
 
     def _start_group(self, g: int) -> None:
         env = {"RUST_LOG": "warn", **os.environ, **self.env, GROUP_ENV: str(g), GROUPS_ENV: str(self.groups),
+               SECRET_ENV: str(self.secret),
                LIGHTHOUSE_ENV: f"http://{self.address}", REJOIN_ENV: "1" if self.procs[g] is not None else "0"}
         cmd = [sys.executable, "-m", "llmcluster", *self._group_argv()]
         if g == 0:   # the writer's lines on the terminal, as a run without ft; the others' in their files
@@ -231,6 +233,7 @@ class Supervisor:
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> int:
         (self.logs / "ft").mkdir(parents=True, exist_ok=True)
+        self.secret = create_secret(self.logs / "ft")   # who belongs to this launch of the run (launch/ft_auth.py)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         code = EXIT_FAILURE
         try:

@@ -26,6 +26,7 @@ from llmcluster.launch.scheduler import ACTIVE_STATES, Command, Scheduler
 from llmcluster.launch.spec import LaunchSpec
 from llmcluster.render import (Program, ShellVar, argv_element, comment_text, directive_path, directive_value,
                                list_item, shell_export, shell_join, shell_word)
+from llmcluster.launch.ft_auth import create_secret
 from llmcluster.storage.exit_reason import EXIT_DIR_ENV
 
 JOB_ID = re.compile(r"\d+(?:_\d+)?")
@@ -253,6 +254,8 @@ class Slurm(Scheduler):
     def submit(self, spec: LaunchSpec, artifact: Path, record: dict, write_record, **flags) -> int:
         if missing := [n for n in spec.job.secret_env if n not in os.environ]:
             raise UserError(f"job.secret_env: {', '.join(missing)} not set in this environment")
+        if spec.ft:   # the run's secret (launch/ft_auth.py) on the shared storage, before the job can start
+            create_secret(spec.logs / "ft")
         job_id = submit(str(artifact))
         write_record({**record, "job_id": job_id})
         print(f"submitted {spec.run} as Slurm job {job_id}; log: {spec.logs}/slurm-{job_id}.out")

@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmcluster.launch.ft_local import REJOIN_ENV
+from llmcluster.launch.ft_auth import SECRET_ENV, SECRET_FILE
 from llmcluster.launch.spec import LIGHTHOUSE, LIGHTHOUSE_PORT, LaunchSpec, lighthouse_argv
 from llmcluster.render import Program, ShellVar, shell_export, shell_join, shell_word
 from llmcluster.storage.exit_reason import EXIT_DIR_ENV
@@ -50,6 +51,8 @@ def body(spec: LaunchSpec, srun: list[str], port_python: str, free_port: str, co
         '  local a; a=$(scontrol show node -o "$1" | tr " " "\\n" | sed -n "s/^NodeAddr=//p"); echo "${a:-$1}"',
         "}",
         shell_export("LLMCLUSTER_FT_GROUPS", n),
+        "# the run's secret (launch/ft_auth.py), made 0600 by `llmcluster launch` when it submitted the job",
+        shell_export(SECRET_ENV, f"{spec.logs}/ft/{SECRET_FILE}"),
         "lighthouse_pid=",
     ]
     if ft.lighthouse:

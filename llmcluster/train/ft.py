@@ -30,8 +30,9 @@ import statistics
 import time
 from datetime import timedelta
 
-from llmcluster.errors import UserError
-from llmcluster.launch.ft_local import GROUP_ENV, GROUPS_ENV, NOT_INSTALLED
+from llmcluster.errors import EXIT_FAILURE, RunFailure, UserError
+from llmcluster.launch.ft_auth import RunKey, secret_from_env, shown
+from llmcluster.launch.ft_local import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, NOT_INSTALLED
 from llmcluster.testing import test_hook
 from llmcluster.train import ft_writer
 from llmcluster.train.ft_writer import FIRST_WRITER
@@ -91,28 +92,58 @@ def port_slot(cfg, local_rank: int, local_world: int) -> int:
     return local_rank + (group()[0] * local_world if cfg.ft.enabled else 0)
 
 
-def _tensor_bytes(obj) -> int:
-    import torch
+def own_address(lighthouse_url: str) -> str:
+    """The address of this host on the network that reaches the Lighthouse (127.0.0.1 for a local run): what the
+    group's ManagerServer and heal server bind and advertise, instead of torchft's `[::]` and short host name
+    (which pods of a JobSet cannot resolve). No packet is sent: a UDP socket's connect only picks the route."""
+    import socket
+    from urllib.parse import urlsplit
 
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
+    u = urlsplit(lighthouse_url if "//" in lighthouse_url else f"http://{lighthouse_url}")
+    try:
+        info = socket.getaddrinfo(u.hostname, u.port or 1, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(info[0], socket.SOCK_DGRAM) as s:
+            s.connect(info[4])
+            return s.getsockname()[0]
+    except (OSError, TypeError, IndexError) as e:
+        raise UserError(f"ft: cannot find this host's address towards the Lighthouse {u.netloc!r}: {e}") from None
+
+
+class StrangerInQuorum(Exception):
+    """A quorum that holds a member this run's secret did not make: refused before torchft configures its process
+    group with it (raised in torchft's quorum thread, caught in Replica.start_step)."""
+
+
+class _BoundManagerServer:
+    """torchft's ManagerServer, bound to the group's own address (torchft hard-codes `[::]`) and registered under a
+    replica id that proves the run's secret (launch/ft_auth.py). Put in place of the class only while the Manager
+    is built."""
+
+    def __init__(self, address: str, key: RunKey):
+        self.address, self.key = address, key
+
+    def __call__(self, *, replica_id: str, hostname: str, bind: str, **kw):
+        from torchft._torchft import ManagerServer
+
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return ManagerServer(replica_id=self.key.replica_id(replica_id), hostname=host,
+                             bind=f"{host}:{bind.rsplit(':', 1)[1]}", **kw)
 
 
 class _QuorumTap:
     """Delegates to torchft's ManagerClient and keeps the last quorum it answered (the replica ids and who heals
     from whom, which the Manager does not expose): what ft_quorum / ft_heal record."""
 
-    def __init__(self, client):
-        self._inner, self.last = client, None
+    def __init__(self, client, key: RunKey, groups: int):
+        self._inner, self.last, self._key, self._groups = client, None, key, groups
 
     def _quorum(self, *a, **kw):
-        self.last = self._inner._quorum(*a, **kw)
-        return self.last
+        q = self._inner._quorum(*a, **kw)
+        strangers = self._key.strangers(list(q.replica_ids), self._groups)
+        if strangers:
+            raise StrangerInQuorum(", ".join(sorted({shown(r) for r in strangers})))
+        self.last = q
+        return q
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -123,6 +154,8 @@ class Replica:
 
     def __init__(self, trainer):
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+        from llmcluster.train.ft_transport import SignedTransport
 
         self.t = trainer
         cfg, env = trainer.cfg, trainer.env
@@ -135,11 +168,23 @@ class Replica:
 
             self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
             store = {"store_addr": "127.0.0.1", "store_port": self._store.port, "rank": 0, "world_size": 1}
-        self.manager = Manager(pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=
-                               cfg.ft.min_replicas, use_async_quorum=False, timeout=timeout,
-                               quorum_timeout=timedelta(seconds=cfg.ft.quorum_timeout_s), connect_timeout=timeout,
-                               replica_id=f"llmcluster_group_{self.group}", init_sync=False, **store)
-        self.tap = self.manager._client = _QuorumTap(self.manager._client)
+        # Who belongs to the run, where the group listens, and a heal that carries data only (issue 49).
+        key = RunKey(secret_from_env())
+        address = own_address(os.environ.get(LIGHTHOUSE_ENV, "127.0.0.1"))
+        self.transport = SignedTransport(key, address, timeout, self._own_state, self._params, log=trainer.log)
+        import torchft.manager
+
+        made = torchft.manager.ManagerServer
+        torchft.manager.ManagerServer = _BoundManagerServer(address, key)
+        try:
+            self.manager = Manager(pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=
+                                   cfg.ft.min_replicas, use_async_quorum=False, timeout=timeout,
+                                   quorum_timeout=timedelta(seconds=cfg.ft.quorum_timeout_s), connect_timeout=timeout,
+                                   replica_id=f"llmcluster_group_{self.group}", init_sync=False, hostname=address,
+                                   checkpoint_transport=self.transport, **store)
+        finally:
+            torchft.manager.ManagerServer = made
+        self.tap = self.manager._client = _QuorumTap(self.manager._client, key, self.groups)
         # The Manager's step is the trainer's (a resumed run's quorum compares the checkpoint's step).
         self.manager.load_state_dict({"step": trainer.step, "batches_committed": 0})
         self.committed = True
@@ -162,12 +207,22 @@ class Replica:
 
     # -- the state a healing peer copies -----------------------------------------------------------
     def _state(self) -> dict:
-        t = self.t
+        from llmcluster.train.ft_transport import tensor_bytes
+
         self.send_t0 = time.perf_counter()   # the sender's own time of the send starts here (start_step)
-        state = {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(), "step": t.step,
-                 "train": t.train_state(), "slow_steps": list(self.slow_steps)}
-        self.sent_bytes = _tensor_bytes(state)
+        state = self._own_state()
+        self.sent_bytes = tensor_bytes(state)
         return state
+
+    def _own_state(self) -> dict:
+        """What a healing peer copies; also what a payload received is checked against (ft_transport.checked)."""
+        t = self.t
+        return {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(), "step": t.step,
+                "train": t.train_state(), "slow_steps": list(self.slow_steps)}
+
+    def _params(self) -> list:
+        """The parameters in the optimizer's order (its state_dict's indices)."""
+        return [p for g in self.t.optimizer.param_groups for p in g["params"]]
 
     def _load(self, state: dict) -> None:
         t = self.t
@@ -198,7 +253,13 @@ class Replica:
         t0 = time.perf_counter()
         step_before = t.step
         self.send_t0 = None
-        self.manager.start_quorum()
+        self._quorum_of_members()
+        if self.transport.refused:   # a payload that failed its proof or its check: the group starts again
+            q = self.tap.last
+            peer = shown(q.replica_ids[q.recover_src_replica_rank]) if q and q.recover_src_replica_rank is not None \
+                else "?"
+            raise RunFailure(f"ft: group {self.group} refused the heal from replica {peer} at step {t.step}: "
+                             f"{self.transport.refused}; the group stops and its launcher starts it again")
         q = self.tap.last
         now = time.perf_counter()
         heal_s = now - t0
@@ -206,6 +267,32 @@ class Replica:
         if q is not None:
             self._note_quorum(q, step_before, heal_s, send_s)
         self.before = t.sampler.state_dict()
+
+    def _quorum_of_members(self) -> None:
+        """torchft's quorum, refused while it holds a member that is not one of this run's groups: the step is not
+        started (no process group configured with the stranger, no heal from it, nothing sent to it) and the groups
+        ask again. A stranger that keeps joining for ft.quorum_timeout_s stops the run in one line: torchft's
+        Lighthouse cannot evict it, and a stranger inside the site's fence is an incident for a person, not a fault
+        to absorb (docs/security.md, "torchft")."""
+        t, said, since = self.t, None, time.monotonic()
+        while True:
+            try:
+                self.manager.start_quorum()
+                return
+            except StrangerInQuorum as e:
+                self.manager._quorum_future = None   # the next start_quorum must not re-raise this one
+                who = str(e)
+                if who != said:
+                    t.log(f"ft: step {t.step + 1}: refused a quorum holding {who}, not a group of this run (no "
+                          "proof of the run's secret): nothing is exchanged with it; asking for a quorum again")
+                    t.events.emit("ft_stranger", t.step, replica_ids=who)
+                    said = who
+                if time.monotonic() - since > t.cfg.ft.quorum_timeout_s:
+                    raise RunFailure(f"ft: replica {who} kept joining this run's quorum for "
+                                     f"{t.cfg.ft.quorum_timeout_s:g} s (ft.quorum_timeout_s) without the run's secret: "
+                                     "stopping; fence the Lighthouse's port to the run's nodes (docs/security.md)",
+                                     exit_code=EXIT_FAILURE) from None
+                time.sleep(0.5)
 
     def _note_quorum(self, q, step_before: int, heal_s: float, send_s: float = 0.0) -> None:
         t = self.t
