@@ -185,6 +185,9 @@ class Replica:
         finally:
             torchft.manager.ManagerServer = made
         self.tap = self.manager._client = _QuorumTap(self.manager._client, key, self.groups)
+        served = f"ManagerServer {self.manager._manager.address()}, " if self.manager._manager is not None else ""
+        trainer.log(f"ft: group {self.group} listens on {address}: {served}heal server {self.transport.metadata()} "
+                    "(docs/security.md, torchft)")
         # The Manager's step is the trainer's (a resumed run's quorum compares the checkpoint's step).
         self.manager.load_state_dict({"step": trainer.step, "batches_committed": 0})
         self.committed = True
