@@ -30,6 +30,7 @@ from llmcluster.errors import UserError
 
 SECRET_ENV = "LLMCLUSTER_FT_SECRET_FILE"   # the path of the secret file, given to every group by its launcher
 SECRET_FILE = "secret"
+VALUE_ENV = "LLMCLUSTER_FT_SECRET"         # Kubernetes: the secret's value, from the run's Secret (secretKeyRef)
 _ID = re.compile(r"llmcluster_group_(\d{1,6}):([0-9a-f-]{1,64})~([0-9a-f]{32})", re.ASCII)
 
 
@@ -63,13 +64,21 @@ def read_secret(path: str | os.PathLike) -> bytes:
         if st.st_mode & 0o077:
             raise UserError(f"{what}: mode {stat.S_IMODE(st.st_mode):04o} lets others read it; it must be 0600")
         value = f.read(4096).strip()
+    return _long_enough(value, what)
+
+
+def _long_enough(value: bytes, what: str) -> bytes:
     if len(value) < 32:
         raise UserError(f"{what}: too short to be a secret (at least 32 characters)")
     return value
 
 
 def secret_from_env(environ=os.environ) -> bytes:
+    """The file named by SECRET_ENV; on Kubernetes the value itself, which the kubelet puts in VALUE_ENV from the
+    run's Secret (launch/k8s/ft.py: the rendered objects name the Secret, never hold it)."""
     path = environ.get(SECRET_ENV)
+    if not path and len(environ.get(VALUE_ENV, "")) >= 32:
+        return environ[VALUE_ENV].strip().encode()
     if not path:
         raise UserError(f"ft.enabled: this group was started without the run's secret ({SECRET_ENV} unset): start "
                         "the run with `llmcluster train --procs-per-node P` or `llmcluster launch`")

@@ -13,14 +13,15 @@ import re
 from pathlib import Path
 
 from llmcluster.errors import UserError
-from llmcluster.launch.k8s import api, indexed_job, jobset, pytorchjob, volcano
+from llmcluster.launch.k8s import api, indexed_job, jobset, pod, pytorchjob, volcano
 from llmcluster.launch.k8s.pod import CONFIG_DIR, RUN_LABEL, area_claims, host_mounts  # noqa: F401
 from llmcluster.launch.scheduler import Scheduler
 from llmcluster.launch.spec import LaunchSpec
 from llmcluster.render import yaml_text
 
 FORMS = {"indexed-job": indexed_job, "volcano": volcano, "jobset": jobset, "pytorchjob": pytorchjob}
-COMMON_KINDS = [("networking.k8s.io/v1", "NetworkPolicy", None), ("v1", "ConfigMap", None)]
+COMMON_KINDS = [("networking.k8s.io/v1", "NetworkPolicy", None), ("v1", "ConfigMap", None),
+                ("v1", "Secret", None)]   # the Secret: an ft run's own (pod.ft_secret), labelled with the run
 # the workload kinds of each form, deleted first on cancel
 WORKLOAD = {"indexed-job": [("batch/v1", "Job", None), ("v1", "Service", None)],
             "volcano": [volcano.API], "pytorchjob": [pytorchjob.API],
@@ -105,7 +106,7 @@ class Kubernetes(Scheduler):
             write_record({**record, "job_id": None, "state": "RENDERED"})
             print(f"rendered {len(objs)} object(s) to {artifact} (add --apply to create them)")
             return 0
-        api.apply(objs, spec.job.k8s.namespace, PLURALS)
+        api.apply(([pod.ft_secret(spec)] if spec.ft else []) + objs, spec.job.k8s.namespace, PLURALS)
         write_record({**record, "job_id": spec.run, "state": "SUBMITTED"})
         print(f"created {', '.join(o['kind'] + '/' + o['metadata']['name'] for o in objs)} "
               f"in namespace {spec.job.k8s.namespace}")

@@ -16,6 +16,7 @@ import posixpath
 
 from llmcluster.config.job import AREAS, Claim
 from llmcluster.errors import UserError
+from llmcluster.launch import ft_auth
 from llmcluster.launch.spec import LaunchSpec
 from llmcluster.render import K8sRef, k8s_text, line_text
 
@@ -161,6 +162,9 @@ def pod_template(spec: LaunchSpec, rdzv_endpoint: str, container: str = "trainer
     env_vars += [c.V1EnvVar(name=n, value=v) for n, v in env.items()]
     env_vars += [c.V1EnvVar(name=n, value_from=c.V1EnvVarSource(secret_key_ref=c.V1SecretKeySelector(
                     name=k.secret_name, key=n))) for n in j.secret_env]
+    if spec.ft:   # the run's ft secret (launch/ft_auth.py): a Secret `launch --apply` creates, named here, never held
+        env_vars.append(c.V1EnvVar(name=ft_auth.VALUE_ENV, value_from=c.V1EnvVarSource(
+            secret_key_ref=c.V1SecretKeySelector(name=ft_secret_name(spec.run), key=ft_auth.SECRET_FILE))))
     ports = [c.V1ContainerPort(container_port=k.rdzv_port, name="rdzv")]
     if spec.metrics_port:   # one per local rank; the first is named for `monitor config --kubernetes`
         ports += [c.V1ContainerPort(container_port=spec.metrics_port + i, name=METRICS_PORT if i == 0 else None)
@@ -210,3 +214,18 @@ def network_policy(spec: LaunchSpec) -> dict:
 def common(spec: LaunchSpec) -> list[dict]:
     """What every form creates besides its workload: the config and the run's network fence."""
     return [config_map(spec), network_policy(spec)]
+
+
+def ft_secret_name(run: str) -> str:
+    return f"{run}-ft-secret"
+
+
+def ft_secret(spec) -> dict:
+    """The run's ft secret as a Secret, made at submission (`launch --apply`): no rendered artefact holds it."""
+    import secrets
+
+    c = client()
+    return to_dict(c.V1Secret(api_version="v1", kind="Secret", type="Opaque",
+                              string_data={ft_auth.SECRET_FILE: secrets.token_hex(32)},
+                              metadata=c.V1ObjectMeta(name=ft_secret_name(spec.run), namespace=spec.job.k8s.namespace,
+                                                      labels=meta(spec)["labels"])))
