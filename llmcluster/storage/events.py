@@ -11,7 +11,8 @@ An ft run (per-step fault tolerance, docs/fault-tolerance.md) adds, from its wri
 `replica_ids`) when the quorum changes, ft_heal (`group` healed, `peer`, `bytes`, `seconds`, `side`), ft_straggler
 (`group` that left the quorum, its `busy_s`, the others' `median_s`, `steps` slow in a row); and from
 the supervisor (launch/ft_local.py, one appended line each): ft_group_failed (`group`, `pids`, `exit_code`),
-ft_lighthouse_lost; and ft_writer (`group`, `previous`) from a group that takes the writer's role over.
+ft_lighthouse_lost; ft_writer (`group`, `previous`) from a group that takes the writer's role over; and ft_stranger
+(`replica_ids`: a quorum refused for a member without the run's secret, docs/security.md).
 
 No torch here: the head node reads these files.
 """
