@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cli_env
-from test_ft import _digests, _events, _slowed, _step, _supervised, _wait
+from test_ft import _digests, _events, _job, _slowed, _step, _supervised, _wait
 
 pytest.importorskip("torchft")
 import torch  # noqa: E402
@@ -200,6 +201,32 @@ def test_strangers_neither_heal_nor_are_healed_nor_add_gradients(tiny_root, tmp_
     assert any(e["event"] == "ft_stranger" for e in _events(tiny_root, "ft-sec"))
     got, want = _digests(tiny_root, "ft-sec", out), _digests(tiny_root, "ft-sec-ref", ref_out)
     assert got[0] == got[1] == want[0] == want[1] and want[0][0] == 40, (got, want)
+
+
+@pytest.mark.slow   # real processes: a 2-group run, one kill, two restarts
+def test_a_heal_payload_that_is_not_the_groups_state_restarts_the_group_in_one_line(tiny_root, tmp_path):
+    """Group 1 killed at step 4; group 0's first heal payload carries a key the model lacks (a test hook on the
+    sender, so the payload is signed and only the check can refuse it). Group 1 refuses it in one line naming the
+    key, exits, is started again by the supervisor, heals from the next payload, and both end bitwise equal."""
+    run, steps = "ft-badheal", 30
+    items = ("ft.min_replicas=1", f"train.steps={steps}", "checkpoint.interval_steps=10")
+    env, go = _slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_BAD_HEAL="extra-key")
+    with _supervised(tiny_root, run, items, env) as proc:
+        _wait(lambda: _step(tiny_root, run) >= 4, proc, "step 4")
+        for pid in _job(tiny_root, run)["ft"]["groups"][1]["pids"]:
+            os.kill(pid, signal.SIGKILL)
+        _wait(lambda: any(e["event"] == "ft_heal" and e["group"] == 1 and e["step"] > 4
+                          for e in _events(tiny_root, run)), proc, "group 1's heal", 180)
+        go.touch()
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    log1 = (tiny_root / "logs" / run / "ft" / "group1.log").read_text()
+    refused = [ln for ln in log1.splitlines() if "refused the heal from replica llmcluster_group_0" in ln]
+    assert len(refused) == 1 and "keys differ (extra ['planted.weight']" in refused[0], log1[-3000:]
+    assert "Traceback" not in log1.split(refused[0])[0].rsplit("started again", 1)[-1]
+    assert _job(tiny_root, run)["ft"]["groups"][1]["restarts"] == 2   # the kill, then the refusal
+    digests = _digests(tiny_root, run, out)
+    assert digests[0] == digests[1] and digests[0][0] == steps, digests
 
 
 def _job_lighthouse(root: Path) -> str:

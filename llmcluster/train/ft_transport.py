@@ -36,8 +36,11 @@ from torch.distributed.tensor import DTensor
 from torchft.checkpointing import CheckpointTransport
 
 from llmcluster.launch.ft_auth import RunKey
+from llmcluster.testing import test_hook
 
 MAC_HEADER = "X-Llmcluster-Mac"
+# Test hook (LLMCLUSTER_TESTING=1): "extra-key" makes this process's first heal payload carry a key the model lacks
+BAD_HEAL_ENV = "LLMCLUSTER_TEST_FT_BAD_HEAL"
 _SCALARS = (type(None), bool, int, float, str)
 _SLACK_BYTES = 64 << 20   # a payload may exceed the template's tensors by this much (JSON, optimizer state)
 
@@ -227,6 +230,7 @@ class SignedTransport(CheckpointTransport):
         self._lock = threading.Condition()
         self._staged: tuple[int, bytes, str] | None = None   # (step, body, its sha256)
         self._nonces: set[str] = set()
+        self._spoiled = False
         transport = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -273,6 +277,10 @@ class SignedTransport(CheckpointTransport):
         return f"http://{self._url_host}:{self._server.server_address[1]}/heal/"
 
     def send_checkpoint(self, dst_ranks, step: int, state_dict, timeout: timedelta) -> None:
+        if not self._spoiled and test_hook(BAD_HEAL_ENV) == "extra-key":   # the first payload only
+            self._spoiled = True
+            state_dict["user"]["default"]["model"] = {**state_dict["user"]["default"]["model"],
+                                                      "planted.weight": torch.zeros(1)}
         body = encode(state_dict)
         with self._lock:
             self._staged = (step, body, hashlib.sha256(body).hexdigest())
