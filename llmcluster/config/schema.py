@@ -337,7 +337,12 @@ class FtConfig(Section):
     quorum, and a group that comes back heals from a live peer instead of stopping the others."""
     enabled: bool = False
     min_replicas: int = Field(1, ge=1)          # groups a step needs to commit; fewer: the step waits (quorum)
-    quorum_timeout_s: float = Field(60.0, gt=0)  # a quorum not formed in this long fails the step
+    # A quorum not formed in this long is asked again (the healthy groups wait for min_replicas; a group gives up
+    # after QUORUM_TRIES of them in a row, ft.py); also how long a stranger in the quorum is borne.
+    quorum_timeout_s: float = Field(60.0, gt=0)
+    # The cross-group all-reduce, should_commit and a heal: a group hung or cut off (no reset) leaves the quorum
+    # within this, not dist.timeout_s (torchtitan's ft timeout is 10 s too). Inside a group: dist.timeout_s.
+    timeout_s: float = Field(10.0, gt=0)
     join_timeout_s: float = Field(60.0, gt=0)    # how long the Lighthouse waits for more groups before a quorum
     lighthouse: str | None = None               # HOST:PORT of a running Lighthouse; None: the launcher starts one
     # A group whose compute time is over the other groups' median x log.straggler_factor for this many committed
@@ -397,6 +402,9 @@ class JobConfig(Section):
                 if bad:   # torchft 0.2.0 replicates whole groups over a DDP-style all-reduce: no TP/PP inside yet
                     raise ValueError(f"ft.enabled with {what} is not supported yet: replica groups are data-parallel "
                                      "only (parallel.dp_replicate groups, dp_shard inside each)")
+            if self.train.precision == "fp16":   # a step not committed would unscale its gradients twice
+                raise ValueError("ft.enabled with train.precision=fp16 is not supported: a step that is not committed "
+                                 "leaves the grad scaler unscaled but not updated, and its retry fails; use bf16")
             if p.dp_replicate > 0 and self.ft.min_replicas > p.dp_replicate:
                 raise ValueError(f"ft.min_replicas ({self.ft.min_replicas}) is more than the replica groups "
                                  f"(parallel.dp_replicate = {p.dp_replicate})")

@@ -114,6 +114,17 @@ class StrangerInQuorum(Exception):
     group with it (raised in torchft's quorum thread, caught in Replica.start_step)."""
 
 
+class QuorumNotFormed(Exception):
+    """The Lighthouse formed no quorum with this group within ft.quorum_timeout_s: asked again (ft.py)."""
+
+
+class RunFinished(Exception):
+    """The run reached its final step while this group was away: the group ends without training (ft.py)."""
+
+
+QUORUM_TRIES = 10   # quorums not formed in a row before a group gives up (with the default 60 s: 10 minutes)
+
+
 class _BoundManagerServer:
     """torchft's ManagerServer, bound to the group's own address (torchft hard-codes `[::]`) and registered under a
     replica id that proves the run's secret (launch/ft_auth.py). Put in place of the class only while the Manager
@@ -138,7 +149,10 @@ class _QuorumTap:
         self._inner, self.last, self._key, self._groups = client, None, key, groups
 
     def _quorum(self, *a, **kw):
-        q = self._inner._quorum(*a, **kw)
+        try:
+            q = self._inner._quorum(*a, **kw)
+        except RuntimeError as e:   # no quorum within ft.quorum_timeout_s (fewer than min_replicas groups)
+            raise QuorumNotFormed(" ".join(str(e).split())[:200]) from None
         strangers = self._key.strangers(list(q.replica_ids), self._groups)
         if strangers:
             raise StrangerInQuorum(", ".join(sorted({shown(r) for r in strangers})))
@@ -160,7 +174,7 @@ class Replica:
         self.t = trainer
         cfg, env = trainer.cfg, trainer.env
         self.group, self.groups = group()
-        timeout = timedelta(seconds=cfg.dist.timeout_s)
+        timeout = timedelta(seconds=cfg.ft.timeout_s)   # across groups: short (a hung group leaves the quorum)
         pg = ProcessGroupNCCL(timeout=timeout) if env.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         store = {}
         if "MASTER_ADDR" not in os.environ:   # a group of one process without torchrun: a store of its own
@@ -179,7 +193,8 @@ class Replica:
         try:
             self.manager = Manager(pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=
                                    cfg.ft.min_replicas, use_async_quorum=False, timeout=timeout,
-                                   quorum_timeout=timedelta(seconds=cfg.ft.quorum_timeout_s), connect_timeout=timeout,
+                                   quorum_timeout=timedelta(seconds=cfg.ft.quorum_timeout_s),
+                                   connect_timeout=timedelta(seconds=max(cfg.ft.timeout_s, 30)),
                                    replica_id=f"llmcluster_group_{self.group}", init_sync=False, hostname=address,
                                    checkpoint_transport=self.transport, **store)
         finally:
@@ -264,6 +279,8 @@ class Replica:
             raise RunFailure(f"ft: group {self.group} refused the heal from replica {peer} at step {t.step}: "
                              f"{self.transport.refused}; the group stops and its launcher starts it again")
         q = self.tap.last
+        if q is not None and len(q.replica_ids) == 1 and self.groups > 1:   # alone: has the run ended without us?
+            self._end_if_finished()
         now = time.perf_counter()
         heal_s = now - t0
         send_s = now - self.send_t0 if self.send_t0 is not None else 0.0
@@ -277,11 +294,22 @@ class Replica:
         ask again. A stranger that keeps joining for ft.quorum_timeout_s stops the run in one line: torchft's
         Lighthouse cannot evict it, and a stranger inside the site's fence is an incident for a person, not a fault
         to absorb (docs/security.md, "torchft")."""
-        t, said, since = self.t, None, time.monotonic()
+        t, said, since, waits = self.t, None, time.monotonic(), 0
         while True:
             try:
                 self.manager.start_quorum()
                 return
+            except QuorumNotFormed as e:   # the healthy groups wait for a slow restart; nothing crashes
+                self.manager._quorum_future = None
+                waits += 1
+                self._end_if_finished()
+                if waits >= QUORUM_TRIES:
+                    raise RunFailure(f"ft: group {self.group}: no quorum of ft.min_replicas={t.cfg.ft.min_replicas} "
+                                     f"group(s) in {waits} tries of {t.cfg.ft.quorum_timeout_s:g} s "
+                                     f"(ft.quorum_timeout_s): {e}") from None
+                t.log(f"ft: step {t.step + 1}: no quorum of ft.min_replicas={t.cfg.ft.min_replicas} group(s) within "
+                      f"{t.cfg.ft.quorum_timeout_s:g} s (ft.quorum_timeout_s); waiting for the others ({waits} of "
+                      f"{QUORUM_TRIES})")
             except StrangerInQuorum as e:
                 self.manager._quorum_future = None   # the next start_quorum must not re-raise this one
                 who = str(e)
@@ -296,6 +324,20 @@ class Replica:
                                      "stopping; fence the Lighthouse's port to the run's nodes (docs/security.md)",
                                      exit_code=EXIT_FAILURE) from None
                 time.sleep(0.5)
+
+    def _end_if_finished(self) -> None:
+        """A group that comes back after the run finished (the writer sealed the final step and left) must not
+        train the last steps again alone and write over the run's final checkpoints: it ends here. Decided by
+        the group's rank 0 and shared, so every rank of the group agrees."""
+        from llmcluster.checkpoint.checkpointer import COMPLETE_MARKER
+        from llmcluster.distributed import process_groups as D
+
+        t = self.t
+        final = t.storage.step_dir(t.cfg.run.name, t.cfg.train.steps) / COMPLETE_MARKER
+        if D.all_reduce_max(1.0 if t.env.rank == 0 and final.is_file() else 0.0, t.env) > 0:
+            raise RunFinished(f"ft: group {self.group}: the run finished at step {t.cfg.train.steps} while this "
+                              f"group was away (at step {t.step}): it ends without training; the final checkpoint "
+                              "stays the writer's")
 
     def _note_quorum(self, q, step_before: int, heal_s: float, send_s: float = 0.0) -> None:
         t = self.t

@@ -326,7 +326,11 @@ class Trainer:
         while self.step < last_step:
             t0 = time.perf_counter()
             self.gc.step(self.step + 1)
-            loss, norm, applied = self.train_step()
+            try:
+                loss, norm, applied = self.train_step()
+            except ft.RunFinished as e:   # an ft group back after the run ended (ft.py)
+                self.log(str(e))
+                return 0
             if self.ft and not self.ft.committed:   # not applied: the same batch again (ft.py), unless told to stop
                 if D.all_reduce_max(1.0 if self.preempt.set else 0.0, self.env) > 0:
                     return self._preempted(False)
