@@ -27,7 +27,8 @@ from llmcluster.launch.scheduler import ACTIVE_STATES, get
 from llmcluster.launch.spec import next_launch_id
 from llmcluster.serve import auth
 from llmcluster.serve import engine as eng
-from llmcluster.render import ShellVar, comment_text, directive_value, line_text, shell_join, shell_word
+from llmcluster.render import (ShellVar, comment_text, directive_path, directive_value, line_text, shell_join,
+                               shell_word)
 from llmcluster.serve.engine_check import engine_warnings
 
 ENDPOINT = "endpoint-{job}"        # a Slurm job writes its URL here once /health answers
@@ -118,7 +119,7 @@ def render_slurm(job: ServeJob, time_limit: str | None, partition: str | None) -
     logs, py = str(job.logs), job.engine.python
     head = ["#!/bin/bash", f"# llmcluster serve start: {comment_text(job.served)} as job {comment_text(job.name)}",
             f"#SBATCH --job-name={directive_value(job.name, 'job name')}", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
-            f"#SBATCH --output={directive_value(logs, 'log directory')}/slurm-%j.out"]
+            f"#SBATCH --output={directive_path(logs, 'log directory')}/slurm-%j.out"]
     if not job.engine.cpu:
         head.append(f"#SBATCH --gpus-per-node={job.sizing.tp}")
     if time_limit is not None:   # an empty one is refused by directive_value, not dropped
