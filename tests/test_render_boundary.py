@@ -755,8 +755,8 @@ RENDERERS: dict[str, Build] = {
     "serve k8s: served-model name (export directory)": yaml_entry(serve_k8s, k8s_served_check),
     "serve k8s: --image": yaml_entry(lambda v: serve_k8s(image=v),
                                      lambda d, v: [c["image"] for c in containers(d)] == [v] or pytest.fail("image")),
-    "serve k8s: --name": yaml_entry(lambda v: serve_k8s(name=v),
-                                    lambda d, v: all(o["metadata"]["name"] == v for o in d) or pytest.fail("name")),
+    "serve k8s: --name": yaml_entry(lambda v: serve_k8s(name=v), lambda d, v: [o["metadata"]["name"] for o in d] == [
+        f"{v}-guard", v, v, v] or pytest.fail("name")),
     # the downstream evaluation job's sbatch script (train/downstream.py)
     "downstream eval sbatch: run name": script_entry(lambda v: downstream_script(run=v),
                                                      lambda words, v: None, lambda ln: ln.startswith("# llmcluster")),

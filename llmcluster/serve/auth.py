@@ -3,8 +3,9 @@ run time through $VLLM_API_KEY (never a command line, never a rendered artefact,
 a Secret <name>-api-key. Clients (`serve start`'s smoke request, `serve bench`, `eval --endpoint`) take
 --api-key-file, else the key of the serving record whose endpoint is the one they were given.
 
-vLLM guards the routes under /v1 (and /v2, /inference, /cohere) only: /health, /metrics, /tokenize and the rest
-stay open (docs/security.md).
+vLLM's own guard covers /v1 (and /v2, /inference, /cohere) only: serve start adds guard.py's KeyGuard
+(`--middleware`), shipped beside the job under GUARD_FILE, so every route but /health, /ping, /metrics and
+/version needs the key (issue 50; docs/security.md).
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ KEY_FILE = "api_key"
 ENV = "VLLM_API_KEY"              # what vLLM reads
 CLIENT_ENV = "OPENAI_API_KEY"     # what lm-eval's local-completions and `vllm bench serve` read
 SECRET_KEY = "api-key"            # the key's entry in the Kubernetes Secret
+GUARD_MODULE = "llmcluster_serve_guard"       # guard.py as the engine imports it (it has no llmcluster)
+GUARD_FILE = f"{GUARD_MODULE}.py"
+MIDDLEWARE = f"{GUARD_MODULE}.KeyGuard"       # vLLM's --middleware
+
+
+def guard_source() -> str:
+    """guard.py's text, shipped unchanged as GUARD_FILE."""
+    return Path(__file__).with_name("guard.py").read_text(encoding="utf-8")
 
 
 def new_key() -> str:
