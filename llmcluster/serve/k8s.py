@@ -6,8 +6,9 @@ memory-backed /dev/shm; it mounts only the served export, read-only, from the mo
 probe /health; a startup probe gives the engine its minutes of loading before liveness counts. The API key (issue 32)
 is a Secret <name>-api-key that `serve start` creates with the key (the rendered objects name it, never hold it),
 handed to vLLM as $VLLM_API_KEY; the guard that makes every route but /health, /ping, /metrics and /version need
-it (serve/guard.py, vLLM's --middleware) is a ConfigMap <name>-guard mounted read-only on the pod's PYTHONPATH. A NetworkPolicy opens the API port only, to the pods of the namespace labelled
-CLIENT_LABEL=true and to the Prometheus namespace (it scrapes /metrics, which the guard leaves open).
+it (serve/guard.py, vLLM's --middleware) is a ConfigMap <name>-guard mounted read-only on the pod's PYTHONPATH.
+A NetworkPolicy opens the API port only, to the pods of the namespace labelled CLIENT_LABEL=true and to the
+Prometheus namespace (it scrapes /metrics, which the guard leaves open).
 `jobs status|logs|cancel` find the objects by their run label (launch/k8s).
 """
 
