@@ -583,17 +583,19 @@ def apply_command(value: str) -> str:
 
 
 # serve start (local, Slurm, Kubernetes) and the downstream evaluation job's sbatch script
-def serve_job(served: str = BENIGN, name: str = "serve-m", scheduler: str = "local"):
-    """A ServeJob as `serve start` builds it (the served name and the job name through their own checks), without
-    an engine or weights: a preset's shapes, a stand-in python."""
+def serve_job(served: str = BENIGN, name: str = "serve-m", scheduler: str = "local", root: str = ROOT):
+    """A ServeJob as `serve start` builds it (the served name, the job name and the storage root through their own
+    checks), without an engine or weights: a preset's shapes, a stand-in python."""
     from llmcluster.plan.served_model import from_preset
+    from llmcluster.render import line_text
     from llmcluster.serve import engine as eng
     from llmcluster.serve.start import ServeJob
     from llmcluster.storage.layout import check_run_name
 
     served = eng.served_name(served)
+    line_text(root, "storage root")
     target = eng.Target(from_preset("llm_tiny"), Path(ROOT) / "models" / served, served)
-    return ServeJob(check_run_name(name), scheduler, Path(ROOT), eng.Engine("/usr/bin/python3", "0", cpu=True),
+    return ServeJob(check_run_name(name), scheduler, Path(root), eng.Engine("/usr/bin/python3", "0", cpu=True),
                     target, eng.Sizing(1, "float32", 64, 4), "127.0.0.1", 8000, 1)
 
 
@@ -612,9 +614,9 @@ def serve_local(served=BENIGN) -> str:
     return render_local(serve_job(served))
 
 
-def serve_slurm(served=BENIGN, time=None, partition=None, name="serve-m") -> str:
+def serve_slurm(served=BENIGN, time=None, partition=None, name="serve-m", root=ROOT) -> str:
     from llmcluster.serve.start import render_slurm
-    return render_slurm(serve_job(served, name=name, scheduler="slurm"), time, partition)
+    return render_slurm(serve_job(served, name=name, scheduler="slurm", root=root), time, partition)
 
 
 def serve_k8s(served=BENIGN, image="vllm/vllm-openai:v0", name="serve-m") -> str:
@@ -747,11 +749,14 @@ RENDERERS: dict[str, Build] = {
     "serve slurm: served-model name (export directory)": script_entry(serve_slurm, served_words, carries_served),
     "serve slurm: --time": sbatch_entry(lambda v: serve_slurm(time=v), "time", str, benign="1:00:00"),
     "serve slurm: --partition": sbatch_entry(lambda v: serve_slurm(partition=v), "partition", str),
+    "serve slurm: storage root (#SBATCH --output)": sbatch_entry(
+        lambda v: serve_slurm(root=f"{ROOT}/{v}"), "output", lambda v: f"{rooted(v)}/logs/serve-m/slurm-7.out",
+        read=slurm_filename, differs=lambda ln: ROOT in ln),
     "serve k8s: served-model name (export directory)": yaml_entry(serve_k8s, k8s_served_check),
     "serve k8s: --image": yaml_entry(lambda v: serve_k8s(image=v),
                                      lambda d, v: [c["image"] for c in containers(d)] == [v] or pytest.fail("image")),
-    "serve k8s: --name": yaml_entry(lambda v: serve_k8s(name=v),
-                                    lambda d, v: all(o["metadata"]["name"] == v for o in d) or pytest.fail("name")),
+    "serve k8s: --name": yaml_entry(lambda v: serve_k8s(name=v), lambda d, v: [o["metadata"]["name"] for o in d] == [
+        f"{v}-guard", v, v, v] or pytest.fail("name")),
     # the downstream evaluation job's sbatch script (train/downstream.py)
     "downstream eval sbatch: run name": script_entry(lambda v: downstream_script(run=v),
                                                      lambda words, v: None, lambda ln: ln.startswith("# llmcluster")),
@@ -807,11 +812,14 @@ def test_the_list_covers_every_artefact_and_scheduler_form():
 
 # -- the specific holes, each shown failing on the old renderers ---------------------------------------------------
 
-def test_a_percent_in_the_storage_root_lands_in_the_right_slurm_log():
-    """sbatch expands %j/%u/%x in --output; the root's own '%' are doubled so the file lands under the root."""
-    text = launch_text("slurm", root="/srv/a%ub%%c")
-    assert sbatch_directives(text)["output"] == "/srv/a%%ub%%%%c/logs/hostile/slurm-%j.out"
-    assert slurm_filename(sbatch_directives(text)["output"]) == "/srv/a%ub%%c/logs/hostile/slurm-7.out"
+@pytest.mark.parametrize("render,run", [(lambda root: launch_text("slurm", root=root), "hostile"),
+                                        (lambda root: serve_slurm(root=root), "serve-m")], ids=["launch", "serve"])
+def test_a_percent_in_the_storage_root_lands_in_the_right_slurm_log(render, run):
+    """sbatch expands %j/%u/%x in --output; the root's own '%' are doubled so the file lands under the root
+    (issue 50: `serve start --scheduler slurm` did not double them: its log went to /srv/a<user>b%c/...)."""
+    text = render("/srv/a%ub%%c")
+    assert sbatch_directives(text)["output"] == f"/srv/a%%ub%%%%c/logs/{run}/slurm-%j.out"
+    assert slurm_filename(sbatch_directives(text)["output"]) == f"/srv/a%ub%%c/logs/{run}/slurm-7.out"
 
 
 def test_kubelet_expansion_cannot_reach_another_variable():

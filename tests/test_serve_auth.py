@@ -80,3 +80,79 @@ def test_eval_api_key_file_goes_with_endpoint(capsys, tmp_path):
 
     p = cli_inprocess(capsys, "eval", "--model", "x", "--api-key-file", tmp_path / "k", "--root", tmp_path)
     assert_one_line_error(p, "--api-key-file goes with --endpoint")
+
+
+@pytest.fixture
+def listener():
+    """An HTTP server on 127.0.0.1 that records every request's Authorization headers and answers 401."""
+    import http.server
+    import threading
+
+    seen: list[list[str]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def answer(self):
+            seen.append(self.headers.get_all("Authorization") or [])
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        do_GET = do_POST = answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_key_file_is_opened_as_the_callers_own(tmp_path):
+    """Issue 50: a symbolic link (to the caller's own secret), a FIFO, or a file of another uid is no key file of
+    the caller's; an explicitly named --api-key-file may be a link (the caller chose it), but not a FIFO."""
+    secret = tmp_path / "hf_token"
+    secret.write_text("hf_victimsecret\n")
+    link = tmp_path / "link"
+    link.symlink_to(secret)
+    with pytest.raises(UserError, match="symbolic link"):
+        auth.read_key(link, own=True)
+    assert auth.read_key(link) == "hf_victimsecret"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for own in (True, False):
+        with pytest.raises(UserError, match="not a regular file"):
+            auth.read_key(fifo, own=own)
+    if os.getuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.write_text("k\n")
+        os.chown(theirs, 4242, 4242)
+        with pytest.raises(UserError, match="owned by uid 4242"):
+            auth.read_key(theirs, own=True)
+
+
+@pytest.mark.parametrize("command", ["serve bench", "eval"])
+def test_a_planted_key_link_is_not_followed_nor_sent(tmp_path, capsys, listener, command):
+    """Issue 50: a record in a shared logs/ whose endpoint is the attacker's listener and whose api_key links to
+    the caller's HF token: `serve bench` and `eval --endpoint` sent `Authorization: Bearer hf_...` there. Now the
+    link is refused (a warning line) and no header carries the token."""
+    from conftest import cli_inprocess
+
+    url, seen = listener
+    secret = tmp_path / "hf_token"
+    secret.write_text("hf_victimsecret\n")
+    secret.chmod(0o600)
+    logs = serving_record(tmp_path, "planted", f"{url}/v1", None)
+    (logs / "api_key").symlink_to(secret)
+    export = tmp_path / "models" / "m"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+    (export / "tokenizer.json").write_text("{}")
+    args = (["serve", "bench", "--endpoint", f"{url}/v1", "--requests", "1", "--concurrency", "1"]
+            if command == "serve bench" else ["eval", "--endpoint", f"{url}/v1", "--name", "m"])
+    p = cli_inprocess(capsys, *args, "--root", tmp_path)
+    assert p.returncode != 0 and seen, (p, seen)
+    assert not [h for headers in seen for h in headers if "hf_victimsecret" in h], seen
+    assert "symbolic link" in p.stderr and "hf_victimsecret" not in p.stdout + p.stderr

@@ -43,11 +43,11 @@ def k8s_objects(root: Path, *extra: str) -> list[dict]:
 
 def test_k8s_objects_validate_strictly_and_are_hardened(hf_root):
     objects = k8s_objects(hf_root)
-    assert [o["kind"] for o in objects] == ["NetworkPolicy", "Service", "Deployment"]
+    assert [o["kind"] for o in objects] == ["ConfigMap", "NetworkPolicy", "Service", "Deployment"]
     for o in objects:
         kubernetes_validate.validate(o, K8S_VERSION, strict=True)
         assert o["metadata"]["namespace"] == "ml" and o["metadata"]["labels"] == {"llmcluster.io/run": "serve-hfx"}
-    netpol, svc, dep = objects
+    guard, netpol, svc, dep = objects
     # the API port only, from the namespace's pods labelled as clients and from the Prometheus namespace
     assert netpol["spec"]["ingress"] == [{
         "from": [{"podSelector": {"matchLabels": {"llmcluster.io/serve-client": "true"}}},
@@ -78,7 +78,17 @@ def test_k8s_objects_validate_strictly_and_are_hardened(hf_root):
     model = mounts["/storage/models/hfx"]
     assert model["readOnly"] is True and model["subPath"] == "models/hfx"
     assert volumes[model["name"]]["persistentVolumeClaim"]["readOnly"] is True
-    assert set(mounts) == {"/storage/models/hfx", "/tmp", "/cache", "/dev/shm"}    # nothing else of the storage
+    assert set(mounts) == {"/storage/models/hfx", "/tmp", "/cache", "/dev/shm", "/opt/llmcluster/guard"}
+    # the guard (issue 50): guard.py unchanged in a ConfigMap, mounted read-only on PYTHONPATH, vLLM's --middleware
+    from llmcluster.serve import guard as guard_module
+
+    assert guard["metadata"]["name"] == "serve-hfx-guard"
+    assert guard["data"] == {"llmcluster_serve_guard.py": Path(guard_module.__file__).read_text()}
+    assert mounts["/opt/llmcluster/guard"]["readOnly"] is True
+    assert volumes[mounts["/opt/llmcluster/guard"]["name"]]["configMap"] == {"name": "serve-hfx-guard",
+                                                                             "defaultMode": 0o444}
+    assert flag["--middleware"] == "llmcluster_serve_guard.KeyGuard"
+    assert {"name": "PYTHONPATH", "value": "/opt/llmcluster/guard"} in c["env"]
     for path in ("/tmp", "/cache", "/dev/shm"):
         assert "emptyDir" in volumes[mounts[path]["name"]]
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
@@ -128,12 +138,12 @@ def test_k8s_start_creates_waits_for_ready_and_cancel_deletes(hf_root, fake_apis
             "--namespace", "ml", "--image", DIGEST, "--set", "job.mem_per_node=64G", "--name", "hfx-k8s"]
     shown = list(yaml.safe_load_all(run_cli(*args, "--dry-run", env=fake_apiserver, check=True).stdout))
     p = run_cli(*args, "--timeout", "60", "--prometheus-namespace", "prom", env=fake_apiserver, check=True)
-    netpol = shown[0]
+    netpol = shown[1]
     netpol["spec"]["ingress"][0]["from"][1]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] = "prom"
     assert p.stdout.splitlines()[0] == "endpoint http://hfx-k8s.ml.svc:8000/v1"
     assert "the smoke request needs the cluster's DNS" in p.stderr      # the Service's name resolves in-cluster only
     posts = [(path, body) for verb, path, body in Recorder.calls if verb == "POST"]
-    assert [path for path, _ in posts] == ["/api/v1/namespaces/ml/secrets",
+    assert [path for path, _ in posts] == ["/api/v1/namespaces/ml/secrets", "/api/v1/namespaces/ml/configmaps",
                                            "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies",
                                            "/api/v1/namespaces/ml/services", "/apis/apps/v1/namespaces/ml/deployments"]
     assert [body for _, body in posts[1:]] == shown
@@ -153,7 +163,8 @@ def test_k8s_start_creates_waits_for_ready_and_cancel_deletes(hf_root, fake_apis
     deletes = [path for verb, path, _ in Recorder.calls if verb == "DELETE"]
     assert deletes == ["/apis/apps/v1/namespaces/ml/deployments/hfx-k8s", "/api/v1/namespaces/ml/services/hfx-k8s",
                        "/api/v1/namespaces/ml/secrets/hfx-k8s-api-key",
-                       "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/hfx-k8s"]
+                       "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/hfx-k8s",
+                       "/api/v1/namespaces/ml/configmaps/hfx-k8s-guard"]
     assert key not in st.stdout
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -108,6 +109,81 @@ def test_the_served_model_needs_its_key(vllm_server, tmp_path):
     out = subprocess.run(["bash", "-c", curl],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": str(tmp_path)})
     assert json.loads(out.stdout)["choices"][0]["text"], out
+
+
+# the live server's routes as its app has them, include_in_schema=False ones too (/openapi.json omits those):
+# vLLM 0.32's build_app in the engine's python, with the server's own arguments and the guard it imports
+ROUTES = r"""
+import json, sys
+from vllm.entrypoints.launchers.app import build_app
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+app = build_app(make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:]), ("generate",), None)
+print(json.dumps({"routes": [[r.path, sorted(getattr(r, "methods", None) or ["GET"])] for r in app.routes],
+                  "middleware": [m.cls.__name__ for m in app.user_middleware]}))
+"""
+OPEN = {"/health", "/ping", "/metrics", "/version"}
+
+
+def status(url: str, method: str = "GET", headers: dict | None = None, body: dict | None = None) -> int:
+    import urllib.error
+
+    data = json.dumps(body).encode() if body is not None else (b"{}" if method in ("POST", "PUT", "PATCH") else None)
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_every_route_but_the_open_ones_needs_the_key(vllm_server):
+    """Issue 50: deny by default. Every route of the live engine (its app's routes, /openapi.json's and those the
+    schema omits: /invocations, /generative_scoring, /scale_elastic_ep, ...) answers 401 without the key but
+    /health, /ping, /metrics and /version; with the key a generating route still answers 200."""
+    import subprocess
+
+    logs = vllm_server.root / "logs" / vllm_server.name
+    rec = json.loads((logs / "job.json").read_text())
+    launch = Path(rec["artifact"]).parent
+    shipped = launch / "llmcluster_serve_guard.py"
+    from llmcluster.serve import guard
+
+    assert shipped.read_text() == Path(guard.__file__).read_text() and shipped.stat().st_mode & 0o777 == 0o400
+    argv = open(f"/proc/{rec['pid']}/cmdline", "rb").read().decode().split("\0")[:-1]
+    server_args = argv[argv.index("vllm.entrypoints.openai.api_server") + 1:]
+    assert server_args[-2:] == ["--middleware", "llmcluster_serve_guard.KeyGuard"]
+    p = subprocess.run([vllm_server.python, "-c", ROUTES, *server_args], capture_output=True, text=True, timeout=300,
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(vllm_server.root), "PYTHONPATH": str(launch),
+                            "VLLM_API_KEY": "not-the-key", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    app = json.loads(p.stdout.splitlines()[-1])
+    # the guard is the outermost of the engine's middleware; vLLM's own /v1 guard stays behind it
+    assert app["middleware"][0] == "KeyGuard" and "AuthenticationMiddleware" in app["middleware"], app["middleware"]
+    base = vllm_server.base_url.removesuffix("/v1")
+    with urllib.request.urlopen(urllib.request.Request(f"{base}/openapi.json", headers=vllm_server.headers),
+                                timeout=30) as r:
+        schema = json.loads(r.read())["paths"]
+    routes = {(path, m) for path, methods in app["routes"] for m in methods}
+    routes |= {(path, m.upper()) for path, ops in schema.items() for m in ops}
+    paths = {path for path, _ in routes}
+    assert {"/invocations", "/generative_scoring", "/scale_elastic_ep", "/is_scaling_elastic_ep", "/tokenize",
+            "/openapi.json", "/docs"} <= paths and OPEN <= paths
+    answered = {}
+    for path, method in sorted(routes):
+        url = base + path.replace("{", "").replace("}", "")
+        answered[method, path] = status(url, method)
+        if path not in OPEN:
+            assert status(url, method, {"Authorization": "Bearer wrong"}) == 401, (method, path)
+    refused = {k for k, code in answered.items() if code in (401, 403)}
+    assert {k for k in answered if k[1] not in OPEN} == refused, sorted(set(answered) - refused)
+    assert all(answered[m, path] == 200 for m, path in answered if path in OPEN and m == "GET"), answered
+    # with the key: a generating route the old guard left open answers, as /v1 does
+    body = {"model": vllm_server.model, "prompt": "def ", "max_tokens": 2, "temperature": 0}
+    assert status(f"{base}/invocations", "POST", vllm_server.headers, body) == 200
+    assert status(f"{base}/invocations", "POST", {}, body) == 401
+    print(f"{len(answered)} routes walked, {len(refused)} refused without the key", file=sys.stderr)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -3,15 +3,23 @@ run time through $VLLM_API_KEY (never a command line, never a rendered artefact,
 a Secret <name>-api-key. Clients (`serve start`'s smoke request, `serve bench`, `eval --endpoint`) take
 --api-key-file, else the key of the serving record whose endpoint is the one they were given.
 
-vLLM guards the routes under /v1 (and /v2, /inference, /cohere) only: /health, /metrics, /tokenize and the rest
-stay open (docs/security.md).
+vLLM's own guard covers /v1 (and /v2, /inference, /cohere) only: serve start adds guard.py's KeyGuard
+(`--middleware`), shipped beside the job under GUARD_FILE, so every route but /health, /ping, /metrics and
+/version needs the key (issue 50; docs/security.md).
+
+A key found through a serving record is opened as the caller's own: not through a symbolic link (O_NOFOLLOW,
+lstat), a regular file, owned by the caller's uid; anything else is not sent (issue 50: a planted api_key link to
+the caller's HF token was sent as a Bearer to whoever wrote the record).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
+import stat
+import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -21,6 +29,14 @@ KEY_FILE = "api_key"
 ENV = "VLLM_API_KEY"              # what vLLM reads
 CLIENT_ENV = "OPENAI_API_KEY"     # what lm-eval's local-completions and `vllm bench serve` read
 SECRET_KEY = "api-key"            # the key's entry in the Kubernetes Secret
+GUARD_MODULE = "llmcluster_serve_guard"       # guard.py as the engine imports it (it has no llmcluster)
+GUARD_FILE = f"{GUARD_MODULE}.py"
+MIDDLEWARE = f"{GUARD_MODULE}.KeyGuard"       # vLLM's --middleware
+
+
+def guard_source() -> str:
+    """guard.py's text, shipped unchanged as GUARD_FILE."""
+    return Path(__file__).with_name("guard.py").read_text(encoding="utf-8")
 
 
 def new_key() -> str:
@@ -42,9 +58,25 @@ def write_key(logs: Path, key: str, launch_id: int) -> Path:
     return path
 
 
-def read_key(path: Path | str, what: str = "--api-key-file") -> str:
+def _read_regular(path: Path | str, own: bool) -> str:
+    """A regular file's text, opened without blocking (a FIFO is no key file). `own`: not through a symbolic link
+    (lstat, then O_NOFOLLOW) and owned by the caller's uid, checked on the descriptor that is read."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (getattr(os, "O_NOFOLLOW", 0) if own else 0)
+    if own and stat.S_ISLNK(os.lstat(path).st_mode):
+        raise OSError(errno.ELOOP, "a symbolic link, not a key file of the caller's")
+    fd = os.open(path, flags)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        if own and st.st_uid != os.getuid():
+            raise OSError(errno.EPERM, f"owned by uid {st.st_uid}, not the caller's {os.getuid()}")
+        return f.read(64 * 1024).decode("utf-8")
+
+
+def read_key(path: Path | str, what: str = "--api-key-file", own: bool = False) -> str:
     try:
-        key = Path(path).read_text(encoding="utf-8").strip()
+        key = _read_regular(path, own).strip()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{what} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     if not key or any(c.isspace() or not c.isprintable() for c in key):
@@ -73,10 +105,16 @@ def key_for(endpoint: str, root: Path | None, key_file: str | None) -> str | Non
             continue
         if not isinstance(rec, dict) or rec.get("kind") != "serve" or not isinstance(rec.get("endpoint"), str):
             continue
+        if _base(rec["endpoint"]) != want:
+            continue
         key = rec_file.parent / KEY_FILE
+        if not (key.is_symlink() or key.exists()):     # a --no-auth job's record
+            continue
         # our own key file only: a record someone else wrote into a shared logs/ gets no say in what we send
-        if _base(rec["endpoint"]) == want and key.is_file() and key.stat().st_uid == os.getuid():
-            return read_key(key, "the serving job's key file")
+        try:
+            return read_key(key, "the serving job's key file", own=True)
+        except UserError as e:
+            print(f"warning: {e}: no key sent", file=sys.stderr)
     return None
 
 

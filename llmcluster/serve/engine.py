@@ -18,6 +18,7 @@ from pathlib import Path
 from llmcluster.config.serve import ServeConfig
 from llmcluster.errors import UserError
 from llmcluster.render import has_line_break, show_value
+from llmcluster.serve import auth
 from llmcluster.serve.engine_check import CPU_HEAD_DIMS
 from llmcluster.plan.served_model import ServedModel, from_directory
 
@@ -211,9 +212,11 @@ def refusals(target: Target, engine: Engine, s: Sizing) -> list[str]:
     return out
 
 
-def argv(engine: Engine, target: Target, s: Sizing, served: str, host: str, port: int | str) -> list[str]:
+def argv(engine: Engine, target: Target, s: Sizing, served: str, host: str, port: int | str,
+         guard: bool = False) -> list[str]:
     """The server's command line. generation_config.json is read by the engine (its eos ids end replies; the
-    sampling defaults older exports carry are warned about before launch: engine_check)."""
+    sampling defaults older exports carry are warned about before launch: engine_check). `guard`: every route
+    but the open ones needs the key (guard.py, importable where the job puts it)."""
     out = [engine.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target.directory),
            "--served-model-name", served if target.adapter is None else target.model.name,
            "--host", host, "--port", port if isinstance(port, str) else str(port), "--tensor-parallel-size", str(s.tp), "--dtype", s.dtype,
@@ -223,11 +226,15 @@ def argv(engine: Engine, target: Target, s: Sizing, served: str, host: str, port
         rank = next(r for r in LORA_RANKS if r >= target.adapter_rank)
         if rank > 16:
             out += ["--max-lora-rank", str(rank)]
+    if guard:
+        out += ["--middleware", auth.MIDDLEWARE]
     return out
 
 
 def environment(engine: Engine, environ=os.environ) -> dict[str, str]:
-    env = dict(OFFLINE_ENV)
+    # PYTHONSAFEPATH: `python -m` puts its working directory (logs/<name>/ locally) first on sys.path, ahead of
+    # the launch directory the guard is imported from and of vLLM itself; 3.11+ leaves it off
+    env = {**OFFLINE_ENV, "PYTHONSAFEPATH": "1"}
     if engine.cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
     return env

@@ -5,8 +5,10 @@ capabilities, no service-account token, RuntimeDefault seccomp) with emptyDirs f
 memory-backed /dev/shm; it mounts only the served export, read-only, from the models claim. Readiness and liveness
 probe /health; a startup probe gives the engine its minutes of loading before liveness counts. The API key (issue 32)
 is a Secret <name>-api-key that `serve start` creates with the key (the rendered objects name it, never hold it),
-handed to vLLM as $VLLM_API_KEY. A NetworkPolicy opens the API port only, to the pods of the namespace labelled
-CLIENT_LABEL=true and to the Prometheus namespace (it scrapes /metrics, which vLLM leaves open).
+handed to vLLM as $VLLM_API_KEY; the guard that makes every route but /health, /ping, /metrics and /version need
+it (serve/guard.py, vLLM's --middleware) is a ConfigMap <name>-guard mounted read-only on the pod's PYTHONPATH.
+A NetworkPolicy opens the API port only, to the pods of the namespace labelled CLIENT_LABEL=true and to the
+Prometheus namespace (it scrapes /metrics, which the guard leaves open).
 `jobs status|logs|cancel` find the objects by their run label (launch/k8s).
 """
 
@@ -32,6 +34,7 @@ STARTUP_S = 1800                 # loading a 70B from a network volume takes min
 SERVE_ENV = {**CACHE_ENV, "HF_HOME": f"{CACHE_DIR}/huggingface", "VLLM_CACHE_ROOT": f"{CACHE_DIR}/vllm"}
 # the label a pod of the namespace carries to reach a served model (docs/security.md)
 CLIENT_LABEL = "llmcluster.io/serve-client"
+GUARD_DIR = "/opt/llmcluster/guard"     # the guard's ConfigMap, read-only, the pod's PYTHONPATH (serve/guard.py)
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,10 @@ class Serving:
     def secret(self) -> str:
         return f"{self.name}-api-key"
 
+    @property
+    def guard(self) -> str:
+        return f"{self.name}-guard"
+
     @classmethod
     def build(cls, job, spec: JobSpec, image: str, namespace: str | None,
               prometheus_namespace: str = "monitoring") -> Serving:
@@ -80,7 +87,7 @@ class Serving:
         sub = export.name if own else f"models/{export.name}"
         mount = f"{k.storage_path}/models/{export.name}"
         merged = eng.Target(job.target.model, export, job.target.name)
-        argv = eng.argv(job.engine, merged, job.sizing, job.served, "0.0.0.0", PORT)
+        argv = eng.argv(job.engine, merged, job.sizing, job.served, "0.0.0.0", PORT, guard=job.auth)
         argv[argv.index("--model") + 1] = mount
         return cls(job.name, ns, image, tuple(argv), claim, sub, mount, job.sizing.tp, spec.cpus_per_node,
                    spec.mem_per_node, k.run_as_user, k.shm_size, dict(k.node_selector), list(k.tolerations),
@@ -102,6 +109,11 @@ def objects(s: Serving) -> list[dict]:
     if s.memory:
         resources["memory"] = _quantity(s.memory)
     env = {**SERVE_ENV, **eng.OFFLINE_ENV}
+    if s.auth:     # the guard vLLM's --middleware imports: the ConfigMap's file, mounted read-only
+        env["PYTHONPATH"] = GUARD_DIR
+        mounts.append(c.V1VolumeMount(name="guard", mount_path=GUARD_DIR, read_only=True))
+        volumes.append(c.V1Volume(name="guard", config_map=c.V1ConfigMapVolumeSource(name=s.guard,
+                                                                                     default_mode=0o444)))
 
     def probe(period: int, failures: int):
         return c.V1Probe(http_get=c.V1HTTPGetAction(path="/health", port="http"), period_seconds=period,
@@ -144,7 +156,9 @@ def objects(s: Serving) -> list[dict]:
         spec=c.V1NetworkPolicySpec(pod_selector=c.V1LabelSelector(match_labels=labels), policy_types=["Ingress"],
                                    ingress=[c.V1NetworkPolicyIngressRule(_from=peers, ports=[c.V1NetworkPolicyPort(
                                        port=PORT, protocol="TCP")])]))
-    return [to_dict(policy), to_dict(service), to_dict(deployment)]
+    guard = [c.V1ConfigMap(api_version="v1", kind="ConfigMap", metadata=c.V1ObjectMeta(**{**meta, "name": s.guard}),
+                           data={auth.GUARD_FILE: auth.guard_source()})] if s.auth else []
+    return [to_dict(o) for o in (*guard, policy, service, deployment)]
 
 
 def render(s: Serving) -> str:

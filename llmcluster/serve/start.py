@@ -27,7 +27,8 @@ from llmcluster.launch.scheduler import ACTIVE_STATES, get
 from llmcluster.launch.spec import next_launch_id
 from llmcluster.serve import auth
 from llmcluster.serve import engine as eng
-from llmcluster.render import ShellVar, comment_text, directive_value, line_text, shell_join, shell_word
+from llmcluster.render import (ShellVar, comment_text, directive_path, directive_value, line_text, shell_join,
+                               shell_word)
 from llmcluster.serve.engine_check import engine_warnings
 
 ENDPOINT = "endpoint-{job}"        # a Slurm job writes its URL here once /health answers
@@ -66,7 +67,8 @@ class ServeJob:
         return self.target.name
 
     def argv(self, host: str | None = None, port: int | str | None = None) -> list[str]:
-        return eng.argv(self.engine, self.target, self.sizing, self.served, host or self.host, port or self.port)
+        return eng.argv(self.engine, self.target, self.sizing, self.served, host or self.host, port or self.port,
+                        guard=self.auth)
 
 
 def free_port(host: str) -> int:
@@ -77,10 +79,13 @@ def free_port(host: str) -> int:
 
 def key_lines(job: ServeJob, fail: str) -> list[str]:
     """The job's API key into vLLM's environment, read from its 0600 file when the script runs: the key itself is
-    in no rendered artefact and on no command line. `fail` ends the script when the file cannot be read."""
+    in no rendered artefact and on no command line. `fail` ends the script when the file cannot be read. The
+    guard (--middleware, every route but the open ones needs the key) is imported from the launch directory:
+    written once, read-only, holding no other module (a PYTHONPATH entry comes before the standard library)."""
     if job.key_file is None:
         return ["# --no-auth: the server answers anyone who reaches it"]
-    return [f"{auth.ENV}=$(cat -- {shell_word(job.key_file)}) || {fail}", f"export {auth.ENV}"]
+    return [f"{auth.ENV}=$(cat -- {shell_word(job.key_file)}) || {fail}", f"export {auth.ENV}",
+            f"export PYTHONPATH={shell_word(job.launch_dir)}"]
 
 
 # -- local: a detached process ------------------------------------------------------------------------------------
@@ -118,7 +123,7 @@ def render_slurm(job: ServeJob, time_limit: str | None, partition: str | None) -
     logs, py = str(job.logs), job.engine.python
     head = ["#!/bin/bash", f"# llmcluster serve start: {comment_text(job.served)} as job {comment_text(job.name)}",
             f"#SBATCH --job-name={directive_value(job.name, 'job name')}", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
-            f"#SBATCH --output={directive_value(logs, 'log directory')}/slurm-%j.out"]
+            f"#SBATCH --output={directive_path(logs, 'log directory')}/slurm-%j.out"]
     if not job.engine.cpu:
         head.append(f"#SBATCH --gpus-per-node={job.sizing.tp}")
     if time_limit is not None:   # an empty one is refused by directive_value, not dropped
@@ -260,6 +265,8 @@ def start(job: ServeJob, *, dry_run: bool, timeout: float, time_limit: str | Non
     make_launch_dir(job.launch_dir, f"start of {job.name}")
     artifact = job.launch_dir / get(job.scheduler).artifact
     write_once(artifact, text, 0o400)
+    if job.auth and job.scheduler != "k8s":       # the guard the script imports (k8s: its ConfigMap)
+        write_once(job.launch_dir / auth.GUARD_FILE, auth.guard_source(), 0o400)
     key = auth.new_key() if job.auth else None
     if key:     # a fresh key per start, in the file the rendered script (or the Secret) hands vLLM
         auth.write_key(job.logs, key, job.launch_id)
