@@ -19,7 +19,8 @@ from conftest import REPO, assert_one_line_error, cli_env, cli_inprocess, overri
 
 torchft = pytest.importorskip("torchft")
 
-FT = ("ft.enabled=true", "parallel.dp_replicate=2", "ft.join_timeout_s=2", "ft.quorum_timeout_s=30",
+# ft.timeout_s 30 (not its 10 s default): two groups and their launchers on two loaded cores
+FT = ("ft.enabled=true", "parallel.dp_replicate=2", "ft.join_timeout_s=2", "ft.quorum_timeout_s=30", "ft.timeout_s=30",
       "dist.timeout_s=30", "log.eval_interval=1000", "train.threads=1")
 DIGEST = re.compile(r"ft: group (\d) finished at step (\d+), weights sha256 ([0-9a-f]{16})")
 
@@ -124,7 +125,7 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_
     items = ("ft.min_replicas=1", f"train.steps={steps}", "checkpoint.interval_steps=20", "log.interval=1")
     pause = 0.5
     if procs > 1:   # four ranks and two launchers on two cores: collectives wait longer for a descheduled peer
-        items += (f"parallel.dp_shard={procs}", "dist.timeout_s=60")
+        items += (f"parallel.dp_shard={procs}", "dist.timeout_s=60", "ft.timeout_s=60")
         # a restart of 2 ranks and their launcher took over 40 s at load 8: 1 s steps make the run outlast it,
         # and the Lighthouse waits 5 s (not 2) for a group in its 1 s pause before a quorum goes on without it
         pause, items = 1.0, (*items, "ft.join_timeout_s=5")

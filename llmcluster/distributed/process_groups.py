@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from llmcluster.config.job import FLIGHT_RECORDER_FILES
 from llmcluster.config.schema import JobConfig
+from llmcluster.distributed import HOST_RANKS_ENV
 from llmcluster.distributed.cpu_memory import keep_freed_memory
 from llmcluster.errors import UserError
 from llmcluster.testing import test_hook
@@ -157,7 +158,9 @@ def init_distributed(cfg: JobConfig, need_group: bool = False) -> DistEnv:
     device = pick_device(cfg, local_rank)
     if device.type == "cpu":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(cfg.train.threads or max(1, cores // local_world))
+        # ranks sharing this host: the launch's own, or every ft group's where the local supervisor started them all
+        on_host = max(local_world, int(env.get(HOST_RANKS_ENV, 0) or 0))
+        torch.set_num_threads(cfg.train.threads or max(1, cores // on_host))
         keep_freed_memory()  # a step's large buffers reused, not faulted in again (cpu_memory.py says why)
     if device.type == "cuda":
         crash_dumps(rank)

@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from llmcluster.distributed import HOST_RANKS_ENV
 from llmcluster.errors import EXIT_FAILURE, EXIT_FT_DROPPED, EXIT_PREEMPTED, EXIT_USAGE, UserError
 from llmcluster.launch.ft_auth import SECRET_ENV, create_secret
 from llmcluster.render import argv_element
@@ -144,7 +145,7 @@ class Supervisor:
 
     def _start_group(self, g: int) -> None:
         env = {"RUST_LOG": "warn", **os.environ, **self.env, GROUP_ENV: str(g), GROUPS_ENV: str(self.groups),
-               SECRET_ENV: str(self.secret),
+               SECRET_ENV: str(self.secret), HOST_RANKS_ENV: str(self.groups * int(self.argv_procs())),
                LIGHTHOUSE_ENV: f"http://{self.address}", REJOIN_ENV: "1" if self.procs[g] is not None else "0"}
         cmd = [sys.executable, "-m", "llmcluster", *self._group_argv()]
         if g == 0:   # the writer's lines on the terminal, as a run without ft; the others' in their files

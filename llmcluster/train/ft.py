@@ -32,11 +32,12 @@ from datetime import timedelta
 
 from llmcluster.errors import EXIT_FAILURE, RunFailure, UserError
 from llmcluster.launch.ft_auth import RunKey, secret_from_env, shown
-from llmcluster.launch.ft_local import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, NOT_INSTALLED
+from llmcluster.launch.ft_local import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, NOT_INSTALLED, REJOIN_ENV
 from llmcluster.testing import test_hook
 from llmcluster.train import ft_writer
 from llmcluster.train.ft_writer import FIRST_WRITER
 SLOW_GROUP_ENV = "LLMCLUSTER_TEST_FT_SLOW_GROUP"
+SLOW_START_ENV = "LLMCLUSTER_TEST_FT_SLOW_START_S"   # test hook: seconds a restarted group waits before its quorum
 
 
 def require_torchft() -> None:
@@ -85,6 +86,11 @@ def data_shard(cfg, dp_rank: int, dp_size: int) -> tuple[int, int]:
 def is_writer(cfg) -> bool:
     """Before the lock is claimed: group 0 expects to write (ft_writer.checkpointer decides)."""
     return not cfg.ft.enabled or group()[0] == FIRST_WRITER
+
+
+def sample_log_tag(cfg) -> str:
+    """Every group has a rank 0: its sample log is its own (log.sample_log)."""
+    return f"group{group()[0]}-" if cfg.ft.enabled else ""
 
 
 def port_slot(cfg, local_rank: int, local_world: int) -> int:
@@ -151,7 +157,7 @@ class _QuorumTap:
     def _quorum(self, *a, **kw):
         try:
             q = self._inner._quorum(*a, **kw)
-        except RuntimeError as e:   # no quorum within ft.quorum_timeout_s (fewer than min_replicas groups)
+        except (RuntimeError, TimeoutError) as e:   # no quorum within ft.quorum_timeout_s (< min_replicas groups)
             raise QuorumNotFormed(" ".join(str(e).split())[:200]) from None
         strangers = self._key.strangers(list(q.replica_ids), self._groups)
         if strangers:
@@ -173,6 +179,9 @@ class Replica:
 
         self.t = trainer
         cfg, env = trainer.cfg, trainer.env
+        if os.environ.get(REJOIN_ENV) == "1" and (hold := test_hook(SLOW_START_ENV)):
+            print(f"ft: group {group()[0]} held {hold} s before its quorum (test hook {SLOW_START_ENV})", flush=True)
+            time.sleep(float(hold))   # a group slow to come back (a long model build or checkpoint read)
         self.group, self.groups = group()
         timeout = timedelta(seconds=cfg.ft.timeout_s)   # across groups: short (a hung group leaves the quorum)
         pg = ProcessGroupNCCL(timeout=timeout) if env.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
@@ -209,6 +218,7 @@ class Replica:
         self.before = None        # the data position at the start of the step: put back on a retry
         self.quorum_ids: list[str] | None = None
         self.sent_bytes = 0
+        self.participants = self.groups   # the groups that took part in the last step (its tokens, its MFU)
         self.send_t0 = None
         self.heal_from = None
         # Stragglers (ft.straggler_steps): every group's compute time this step (None until averaged), the committed
@@ -253,6 +263,7 @@ class Replica:
         if s.get("scaler") and t.scaler.is_enabled():
             t.scaler.load_state_dict(s["scaler"])
         t.bad_total = int(s.get("bad_steps", 0))
+        t.ft_skipped = int(s.get("ft_skipped_samples", 0))
         t.spikes.load_state_dict(s.get("loss_window"))
         self.slow_steps = [int(n) for n in state.get("slow_steps", self.slow_steps)]
 
@@ -384,7 +395,7 @@ class Replica:
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
-        k = self.manager.num_participants()   # averaged over the k groups in the quorum: x k gives each group's own
+        k = self.participants = self.manager.num_participants()   # averaged over the k groups in the quorum
         self.writers = flat[offset + 1 + slots.numel():] * k   # read in should_commit, after the loss's own sync
         if slots.numel():   # (0: absent)
             busy = flat[offset + 1:offset + 1 + slots.numel()] * k
@@ -400,7 +411,8 @@ class Replica:
         if not self.committed:   # its batch again (the lr schedule does not step), or saved as not drawn on a stop
             self._reposition(self.before)
             self.t.log(f"ft: step {self.t.step + 1} not committed (a group failed during it): retried")
-        else:
+        else:   # the shards of the groups not in the step were not trained (the data position moved past them)
+            self.t.ft_skipped += self.t.global_batch * (self.groups - self.participants) // self.groups
             writers = [round(w) for w in self.writers.tolist()]
             if self.role.after_commit(writers, self.present) and self.quorum_ids:   # the quorum it writes with
                 ids = sorted({r.split(":")[0] for r in self.quorum_ids})

@@ -99,14 +99,15 @@ def is_collective_error(e: BaseException) -> bool:
 
 
 class SampleLog:
-    """logs/<run>/samples-rank<r>.jsonl: {"step": s, "ids": [...]} per optimizer step of this rank.
+    """logs/<run>/samples-rank<r>.jsonl (ft: samples-group<g>-rank<r>.jsonl): {"step": s, "ids": [...]} per
+    optimizer step of this rank.
 
     Appended line by line; a kill can leave a torn last line or steps that a resume replays. Readers keep
     the last record of each step up to the step of the checkpoint the run finished from."""
 
-    def __init__(self, log_dir: Path, rank: int):
+    def __init__(self, log_dir: Path, rank: int, tag: str = ""):
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(log_dir / f"samples-rank{rank}.jsonl", "a", buffering=1)
+        self.file = open(log_dir / f"samples-{tag}rank{rank}.jsonl", "a", buffering=1)
 
     def write(self, step: int, ids: list[int]) -> None:
         self.file.write(json.dumps({"step": step, "ids": ids}) + "\n")

@@ -138,7 +138,10 @@ class Trainer:
         self.inject = FaultInjector(env.rank)
         self.busy_timer = BusyTimer(env.device)   # straggler signal: device time on CUDA, host time on CPU
         self.ckpt.every = cfg.checkpoint.interval_steps  # interval=auto retunes it after each checkpoint
-        self.sample_log = SampleLog(self.storage.run_logs(cfg.run.name), env.rank) if cfg.log.sample_log else None
+        self.ft_skipped = 0   # ft: samples of the shards whose groups were not in a committed step (never trained)
+        # ft: one file per group and rank (every group has its own rank 0)
+        self.sample_log = SampleLog(self.storage.run_logs(cfg.run.name), env.rank, ft.sample_log_tag(cfg)) \
+            if cfg.log.sample_log else None
         if path is None and t.init_from:  # a checkpoint, when there is one, supersedes the starting weights
             load_hf_weights(self.raw_model, Path(t.init_from))
         if path is not None:
@@ -151,6 +154,7 @@ class Trainer:
             if "scaler" in state and t.precision == "fp16":
                 self.scaler.load_state_dict(state["scaler"])
             self.bad_total = int(state.get("bad_steps", 0))
+            self.ft_skipped = int(state.get("ft_skipped_samples", 0))
             self.spikes.load_state_dict(state.get("loss_window"))
             self.resumed_from = path
             self.events.emit("restore_end", self.step)
@@ -224,6 +228,7 @@ class Trainer:
         return {"sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
                 "bad_steps": self.bad_total, "loss_window": self.spikes.state_dict(),
+                "ft_skipped_samples": self.ft_skipped,
                 "config": saved_config_dict(self.cfg), "dataset_digest": self.dataset_digest,  # job.env redacted
                 "parallel": self.dims.describe(), "global_batch": self.global_batch}
 
@@ -268,13 +273,14 @@ class Trainer:
         self.busy_s = self.inject.busy_time(self.step + 1, self.busy_timer.seconds())   # read after the sync
         self.lr_used = self.optimizer.param_groups[0]["lr"]
         finite = math.isfinite(loss_v) and (math.isfinite(norm_v) or self.scaler.is_enabled())
-        z = self.spikes.score(loss_v)
-        self.spikes.update(loss_v)
-        spike_skip = self.spikes.is_spike(z) and cfg.train.skip_spikes
-        if self.spikes.is_spike(z):
-            self.log(f"warning: step {self.step + 1}: loss spike {loss_v:.4f} (z-score {z:.1f} over the last "
-                     f"{cfg.train.spike_window} steps){': update skipped' if spike_skip else ''}")
         commit = self.ft.should_commit() if self.ft else True   # every group's decision, every step
+        z = self.spikes.score(loss_v)
+        spike_skip = commit and self.spikes.is_spike(z) and cfg.train.skip_spikes
+        if commit:   # ft: an attempt that was not committed did not happen: its loss stays out of the window
+            self.spikes.update(loss_v)
+            if self.spikes.is_spike(z):
+                self.log(f"warning: step {self.step + 1}: loss spike {loss_v:.4f} (z-score {z:.1f} over the last "
+                         f"{cfg.train.spike_window} steps){': update skipped' if spike_skip else ''}")
         if finite and not spike_skip and commit:
             self.scaler.step(self.optimizer)  # fp16: skips by itself on inf gradients
             self.scaler.update()
@@ -379,17 +385,21 @@ class Trainer:
     def _record(self, loss: float, norm: float, val: dict) -> None:
         """One metrics record (every rank takes part: the step-time gathers are collectives)."""
         cfg, env = self.cfg, self.env
-        tps = self.global_batch * cfg.data.seq_len / self.dt
-        mfu = self.flops_per_token * tps / (self.peak_flops * env.world_size) if self.peak_flops else 0.0
+        # ft: the step's tokens are those of the groups that committed it (k of n), each group's on its own ranks
+        k, n = (self.ft.participants, self.ft.groups) if self.ft else (1, 1)
+        tps = self.global_batch * k / n * cfg.data.seq_len / self.dt
+        mfu = self.flops_per_token * tps / (self.peak_flops * env.world_size * k) if self.peak_flops else 0.0
         times = D.gather_floats(statistics.median(self.step_times), env)
         busy_times = D.gather_floats(statistics.median(self.busy), env)
         self.step_times.clear()
         self.busy.clear()
         record = {"step": self.step, "loss": loss, "lr": self.lr_used,
                   "grad_norm": norm, "tokens_per_s": tps, "mfu": mfu, "step_time_s": self.dt,
-                  "tokens_seen": self.sampler.consumed * cfg.data.seq_len,
+                  "tokens_seen": (self.sampler.consumed - self.ft_skipped) * cfg.data.seq_len,
                   "tokens_by_source": self.sampler.tokens_by_source(),
                   "rank_step_time_s": times, "rank_busy_s": busy_times, "bad_steps": self.bad_total, **val}
+        if self.ft:
+            record["ft_groups"] = k   # the groups that committed this step
         note_stragglers(busy_times, self.cfg.log.straggler_factor, self.metrics, self.log)
         self.metrics.write(record)
 
