@@ -32,6 +32,10 @@ def strict_json(text: str):
     '{"t": 50, "attempt": true, "event": "step", "step": 9}',            # a bool is no attempt number
     '{"t": 50, "attempt": 2, "event": "step", "step": -1}',
     '[1, 2]',
+    # an ft line's own fields (issue 50): a list where a group number goes was a TypeError in `jobs goodput`
+    '{"t": 20, "attempt": 1, "event": "ft_heal", "step": 7, "group": [1], "seconds": 0.5, "side": "receiver"}',
+    '{"t": 20, "attempt": 1, "event": "ft_heal", "step": 7, "group": 1, "seconds": 1e400, "side": "receiver"}',
+    '{"t": 20, "attempt": 1, "event": "ft_quorum", "step": 7, "groups": "2"}',
 ])
 def test_goodput_skips_a_malformed_events_line_with_one_note(capsys, tmp_path, bad):
     root = tmp_path / "s"
