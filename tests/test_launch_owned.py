@@ -69,6 +69,28 @@ def test_a_record_someone_else_wrote_is_not_acted_on(tmp_path, capsys):
     assert read_record(logs) is None and "a link" in capsys.readouterr().err
 
 
+def test_jobs_cancel_leaves_a_process_named_by_someone_elses_record_alone(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from conftest import cli_inprocess
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        logs = tmp_path / "s" / "logs" / "r"
+        logs.mkdir(parents=True)
+        (logs / "job.json").write_text(json.dumps({"run": "r", "scheduler": "local", "state": "RUNNING",
+                                                    "job_id": f"local-{victim.pid}", "pid": victim.pid}))
+        os.chown(logs / "job.json", OTHER, OTHER)
+        for verb in ("cancel", "status"):
+            p = cli_inprocess(capsys, "jobs", verb, "r", "--root", tmp_path / "s")
+            assert_one_line_error(p, str(logs / "job.json"), "owned by uid 65534")
+        assert victim.poll() is None, "the process someone else's record named was signalled"
+    finally:
+        victim.kill()
+        victim.wait()
+
+
 def test_the_trainer_refuses_a_checkpoint_folder_someone_else_owns(tmp_path):
     from llmcluster.errors import UserError
     from llmcluster.storage.layout import Storage

@@ -19,7 +19,7 @@ from llmcluster.storage.layout import Storage
 
 def _record(root: Path, run: str) -> tuple[Path, dict]:
     logs = Storage(root).run_logs(run)
-    rec = read_record(logs, own=True)     # what status, logs and cancel act on: the caller's own record only
+    rec = read_record(logs, own=True, refuse=True)   # what status, logs and cancel act on: the caller's own only
     if rec is None:
         raise UserError(f"no launched job named {run!r} under {root / 'logs'} (see `llmcluster jobs list`)")
     return logs, {**rec, "run": run}

@@ -40,13 +40,16 @@ RECORD_OPTIONAL = {"job_id": records.of_type(str, int, what="a string or an inte
                    "config_sha256": records.TEXT}
 
 
-def read_record(logs: Path, own: bool = False) -> dict | None:
+def read_record(logs: Path, own: bool = False, refuse: bool = False) -> dict | None:
     """logs/<run>/job.json if it is a record of ours (see RECORD_REQUIRED), its ill-typed fields left out. A link
     is never followed; `own`: only the caller's own file (what a command acts on: the pid it signals, the job it
-    cancels), else any reader's view (`jobs list`, `storage status`, monitor)."""
+    cancels), else any reader's view (`jobs list`, `storage status`, monitor). `refuse`: a file that is there but
+    cannot be used (a link, someone else's) is one line (UserError), not a note."""
     path = logs / RECORD
     text, why = read_text(path, own)
     if text is None:
+        if why and refuse:
+            raise UserError(f"{path} {why}: not acted on")
         if why:
             records.note(f"{path} {why}: ignored")
         return None
