@@ -103,6 +103,22 @@ def test_the_trainer_refuses_a_checkpoint_folder_someone_else_owns(tmp_path):
     assert not st.run_logs("r").exists()                 # refused before anything was made
 
 
+def test_the_ranks_refuse_a_launch_config_that_is_a_link_or_someone_elses(tmp_path, capsys):
+    from conftest import cli_inprocess
+
+    launch = tmp_path / "s" / "logs" / "r" / "launches" / "1"
+    launch.mkdir(parents=True)
+    config = launch / "config.yaml"
+    config.write_text("run: {name: r}\n")
+    os.chown(config, OTHER, OTHER)
+    p = cli_inprocess(capsys, "train", "--config", config, "--root", tmp_path / "s")
+    assert_one_line_error(p, f"launch config {config}", "owned by uid 65534")
+    config.unlink()
+    config.symlink_to(tmp_path / "elsewhere.yaml")
+    (tmp_path / "elsewhere.yaml").write_text("run: {name: r}\n")
+    assert_one_line_error(cli_inprocess(capsys, "train", "--config", config, "--root", tmp_path / "s"), "a link")
+
+
 FAKE_SBATCH = "#!/bin/bash\necho 4242\n"
 
 

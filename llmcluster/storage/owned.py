@@ -90,3 +90,10 @@ def read_text(path: Path, own: bool = True) -> tuple[str | None, str | None]:
             return f.read().decode("utf-8", errors="replace"), None
         except OSError as e:
             return None, f"cannot be read ({e.strerror or e})"
+
+
+def require_own_file(path: Path, what: str) -> None:
+    """`path`, when it exists, must be a regular file (not a link) of the caller's: else one line (exit 2)."""
+    _, why = read_text(path)
+    if why:
+        raise UserError(f"{what} {path} {why}: refusing to use it")
