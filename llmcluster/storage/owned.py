@@ -43,8 +43,8 @@ def check_own_dir(path: Path, what: str) -> None:
 
 
 def create_exclusive(path: Path, text: str, mode: int = 0o666) -> None:
-    """A new file at `path` holding `text`: never one that exists, never through a link; `mode` (less the umask)
-    set on the open file."""
+    """A new file at `path` holding `text`: never one that exists, never through a link. `mode`: the default
+    0o666 leaves it to the umask; any other is set exactly, on the open file."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, mode)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -62,11 +62,16 @@ def replace_atomically(path: Path, text: str) -> None:
     followed: a planted temp name or link is never written through) and renamed over `path` (readers never see
     half a file; a link at `path` itself is replaced, not followed)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    create_exclusive(tmp, text)
     try:
+        create_exclusive(tmp, text)
         os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
+    except FileExistsError:   # our fresh name taken: someone else's file, never removed here
+        raise
+    except BaseException:     # a full disk, an interrupt: no half-written temp file left behind
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
         raise
 
 
