@@ -52,6 +52,13 @@ def test_overrides_are_typed_and_dotted():
     ("run.name=../x", ["invalid run name"]),
     ("data.seq_len=100000", ["data.seq_len", "max_seq_len"]),
     ("parallel.dp_replicate=-1", ["only one of"]),  # llm_tiny already has dp_replicate=-1; dp_shard too:
+    # durations are finite (issue 50): `sleep inf`, and timedelta overflowed on the timeouts
+    ("ft.straggler_backoff_s=.inf", ["ft.straggler_backoff_s", "finite"]),
+    ("ft.quorum_timeout_s=inf", ["ft.quorum_timeout_s", "finite"]),
+    ("ft.join_timeout_s=1e400", ["ft.join_timeout_s", "finite"]),
+    ("dist.timeout_s=.inf", ["dist.timeout_s", "finite"]),
+    ("checkpoint.lock_stale_s=nan", ["checkpoint.lock_stale_s", "finite"]),
+    ("checkpoint.grace_period_s=.nan", ["checkpoint.grace_period_s", "finite"]),
 ])
 def test_bad_overrides_are_one_line_exit_2(capsys, override, needles):
     extra = ["--set", "parallel.dp_shard=-1"] if override.startswith("parallel.") else []

@@ -32,6 +32,10 @@ def strict_json(text: str):
     '{"t": 50, "attempt": true, "event": "step", "step": 9}',            # a bool is no attempt number
     '{"t": 50, "attempt": 2, "event": "step", "step": -1}',
     '[1, 2]',
+    # an ft line's own fields (issue 50): a list where a group number goes was a TypeError in `jobs goodput`
+    '{"t": 20, "attempt": 1, "event": "ft_heal", "step": 7, "group": [1], "seconds": 0.5, "side": "receiver"}',
+    '{"t": 20, "attempt": 1, "event": "ft_heal", "step": 7, "group": 1, "seconds": 1e400, "side": "receiver"}',
+    '{"t": 20, "attempt": 1, "event": "ft_quorum", "step": 7, "groups": "2"}',
 ])
 def test_goodput_skips_a_malformed_events_line_with_one_note(capsys, tmp_path, bad):
     root = tmp_path / "s"
@@ -195,3 +199,27 @@ def test_a_fatal_end_before_the_first_step_is_a_noop_start_and_after_it_an_attem
     assert [(r["attempt"], r["reason"]) for r in noops] == [(1, "resuming at another world size would change "
                                                               "the global batch")]
     assert [a[0]["attempt"] for a in attempts(recs)] == [2]
+
+
+# An OSC-52 clipboard write, a screen clear, a C1 CSI, a bidi override: what a colleague can put in a shared record
+ESCAPES = "\x1b]52;c;cm0gLXJmIH4=\x07|\x1b[2J\x1b[H|\x9b31m|\u202e|\r\n"
+
+
+def test_record_fields_reach_the_terminal_without_control_characters(tmp_path, capsys):
+    root = tmp_path / "s"
+    for run, kind in (("r", None), ("srv", "serve")):
+        (root / "logs" / run).mkdir(parents=True)
+        (root / "logs" / run / "job.json").write_text(json.dumps(
+            {"run": run, "scheduler": "local", "state": f"DONE{ESCAPES}", "job_id": f"local-1{ESCAPES}",
+             "submitted_at": ESCAPES, "exit_code": 0, **({"kind": kind, "endpoint": f"http://h{ESCAPES}"} if kind
+                                                          else {})}))
+    (root / "checkpoints" / "r").mkdir(parents=True)
+    (root / "checkpoints" / "r" / ".owner.json").write_text(json.dumps({"pid": ESCAPES, "host": ESCAPES}))
+    for args in (("jobs", "list", "--root", root), ("jobs", "status", "r", "--root", root),
+                 ("storage", "status", "--root", root)):
+        p = cli_inprocess(capsys, *args)
+        assert p.returncode == 0, (args, p.stderr)
+        assert "DONE" in p.stdout or "pid" in p.stdout, p.stdout
+        for c in ("\x1b", "\x07", "\x9b", "\u202e", "\r"):
+            assert c not in p.stdout + p.stderr, (args, c, p.stdout)
+    assert "DONE]52;c;cm0gLXJmIH4=|[2J[H|31m||" in cli_inprocess(capsys, "jobs", "list", "--root", root).stdout

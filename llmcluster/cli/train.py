@@ -16,7 +16,14 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from pathlib import Path
+
     from llmcluster.launch.ft_local import supervise
+    from llmcluster.launch.spec import LAUNCHES
+    from llmcluster.storage.owned import require_own_file
+
+    if args.config and Path(args.config).parent.parent.name == LAUNCHES:   # a launch's config: the caller's own
+        require_own_file(Path(args.config), "launch config")
 
     if (code := supervise(args)) is not None:   # ft.enabled: the Lighthouse and one world per replica group
         return code

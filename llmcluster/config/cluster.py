@@ -69,7 +69,7 @@ def is_duration(value: str) -> bool:
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 def _pattern(regex, allowed: str):

@@ -29,7 +29,8 @@ def check_run_name(name: str) -> str:
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    # every number finite (issue 50): an infinite duration rendered `sleep inf` and overflowed timedelta
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, populate_by_name=True)
 
 
 class RunConfig(Section):

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from llmcluster.console import terminal_text
 from llmcluster.errors import UserError
 from llmcluster.storage.job_record import read_record
 from llmcluster.launch.scheduler import ACTIVE_STATES, get
@@ -18,7 +19,7 @@ from llmcluster.storage.layout import Storage
 
 def _record(root: Path, run: str) -> tuple[Path, dict]:
     logs = Storage(root).run_logs(run)
-    rec = read_record(logs)
+    rec = read_record(logs, own=True, refuse=True)   # what status, logs and cancel act on: the caller's own only
     if rec is None:
         raise UserError(f"no launched job named {run!r} under {root / 'logs'} (see `llmcluster jobs list`)")
     return logs, {**rec, "run": run}
@@ -31,7 +32,7 @@ def state(logs: Path, rec: dict) -> dict:
 def list_jobs(root: Path, query: bool = True) -> int:
     from rich.table import Table
 
-    from llmcluster.console import console
+    from llmcluster.console import cell, console
 
     logs = root / "logs"
     runs = sorted(p for p in logs.iterdir() if (p / "job.json").is_file()) if logs.is_dir() else []
@@ -44,8 +45,8 @@ def list_jobs(root: Path, query: bool = True) -> int:
             st = state(p, rec)["state"] if query else rec.get("state", "")
         except UserError:
             st = "?"
-        table.add_row(p.name, rec.get("scheduler", "?"), str(rec.get("job_id") or "-"), str(rec.get("nodes")),
-                      str(rec.get("world_size")), st, rec.get("submitted_at", ""))
+        table.add_row(*map(cell, (p.name, rec.get("scheduler", "?"), rec.get("job_id") or "-", rec.get("nodes"),
+                                  rec.get("world_size"), st, rec.get("submitted_at", ""))))
     console().print(table) if runs else print(f"no launched jobs under {logs}")
     return 0
 
@@ -74,7 +75,7 @@ def status(root: Path, run: str, as_json: bool = False) -> int:
     if as_json:
         print(json.dumps(info))
     else:
-        print("  ".join(f"{k}={v}" for k, v in info.items() if v is not None))
+        print("  ".join(f"{k}={terminal_text(v)}" for k, v in info.items() if v is not None))
     return 0
 
 
@@ -112,5 +113,5 @@ def logs(root: Path, run: str, follow: bool = False) -> int:
 def cancel(root: Path, run: str) -> int:
     logdir, rec = _record(root, run)
     still = get(rec["scheduler"]).cancel(logdir, rec)    # a line when the job is still stopping
-    print(still or f"cancelled {run} ({rec['scheduler']} job {rec.get('job_id')})")
+    print(terminal_text(still or f"cancelled {run} ({rec['scheduler']} job {rec.get('job_id')})"))
     return 0

@@ -19,6 +19,7 @@ from llmcluster.errors import UserError
 from llmcluster.launch.scheduler import ACTIVE_STATES, get
 from llmcluster.launch.spec import LaunchSpec
 from llmcluster.storage.job_record import make_launch_dir, read_record, write_once, write_record
+from llmcluster.storage.owned import check_own_dir
 
 UMASK = 0o027
 
@@ -56,7 +57,9 @@ def launch(spec: LaunchSpec, *, dry_run: bool, apply: bool = False, force: bool 
         sys.stdout.write(text)            # exactly what would be submitted, and only that
         return 0
     logs = spec.logs
-    old = read_record(logs)
+    for d in (logs, spec.root / "checkpoints" / spec.run):   # the caller's own, or refused before anything is written
+        check_own_dir(d, "run folder")
+    old = read_record(logs, own=True)
     if not force:
         refuse_if_active(spec, old)
     os.umask(UMASK)                       # this process and what it starts: 0750 directories, 0640 files
@@ -67,7 +70,7 @@ def launch(spec: LaunchSpec, *, dry_run: bool, apply: bool = False, force: bool 
     record = {"run": spec.run, "scheduler": spec.scheduler, "launch": spec.launch_id, "artifact": str(artifact),
               "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "nodes": spec.job.nodes,
               "procs_per_node": spec.job.procs, "world_size": spec.job.world_size,
-              "code_version": code_version(), "cluster": spec.cluster}
+              "code_version": code_version(), "cluster": spec.cluster, "config_sha256": spec.config_sha256}
     if old and old.get("job_id"):
         record["previous_job_ids"] = old.get("previous_job_ids", []) + [old["job_id"]]
     return sched.submit(spec, artifact, record, lambda r: write_record(logs, r), apply=apply)

@@ -43,7 +43,7 @@ FREE_PORT = Program("import socket, sys\n"
 def render(spec: LaunchSpec) -> str:
     """The sbatch script (a pure function of the spec)."""
     j = spec.job
-    logs = str(spec.logs)
+    logs, config = str(spec.logs), shell_word(spec.config_path)
     head = [
         "#!/bin/bash",
         f"# llmcluster launch: run {comment_text(spec.run)}, {j.nodes} node(s) x {j.procs} process(es), "
@@ -71,6 +71,14 @@ def render(spec: LaunchSpec) -> str:
         "",
         "set -uo pipefail",
         "umask 027                                # run files 0640, directories 0750",
+        "# the config this launch recorded, unchanged (job.json's config_sha256), or no training: a queued or",
+        "# requeued job reads launches/<n>/config.yaml when it starts, long after the launch",
+        f"if [ \"$(sha256sum < {config} 2>/dev/null | cut -d ' ' -f 1)\" != {spec.config_sha256} ]; then",
+        "  echo " + shell_word(f"[llmcluster] refusing to train: {spec.config_path} is not the config launch "
+                               f"{spec.launch_id} recorded (sha256 {spec.config_sha256}): changed or replaced since")
+        + " >&2",
+        "  exit 2",
+        "fi",
     ]
     head += [shell_export(k, v) for k, v in spec.rank_env().items()]
     if j.secret_env:

@@ -62,6 +62,14 @@ class LaunchSpec:
         launch (a queued or requeued job re-reads it)."""
         return self.launch_dir / "config.yaml"
 
+    @property
+    def config_sha256(self) -> str:
+        """The sha256 of the config this launch writes (UTF-8): recorded in job.json, and checked by a queued
+        Slurm job before it trains (launch/slurm.py), so a config.yaml swapped after the launch is refused."""
+        import hashlib
+
+        return hashlib.sha256(self.config_yaml.encode("utf-8")).hexdigest()
+
     def rank_env(self) -> dict[str, str]:
         """The environment every rank gets from the launcher (secrets are not in it: they never are
         rendered; each scheduler passes job.secret_env its own way)."""

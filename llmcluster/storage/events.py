@@ -42,7 +42,14 @@ def process_start_time() -> float:
 # A line's shape (storage/records.py): `jobs goodput` computes with every one of these, so a line without them, or
 # with a non-finite time (1e400 parses as inf), is skipped rather than allowed to crash or poison the sums.
 REQUIRED = {"t": records.number(0), "attempt": records.integer(1), "event": records.TEXT, "step": records.integer(0)}
-OPTIONAL = {"ckpt": records.integer(0), "reason": records.TEXT}
+# Every other field a writer here puts in a line, by its name whatever the event (the ft lines' above, the
+# supervisor's), so that a hand-written `"group": [1]` is a bad line skipped with the note, never a TypeError.
+OPTIONAL = {"ckpt": records.integer(0), "reason": records.TEXT, "pid": records.integer(1),
+            "group": records.integer(0), "peer": records.integer(0), "previous": records.integer(0),
+            "bytes": records.number(0), "seconds": records.number(0), "side": records.TEXT,
+            "groups": records.integer(0), "replica_ids": records.LIST, "busy_s": records.number(0),
+            "median_s": records.number(0), "steps": records.integer(0), "pids": records.LIST,
+            "exit_code": records.integer(), "code": records.integer()}
 
 
 def read_events(path: Path, warn=records.note) -> list[dict]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from llmcluster.storage.owned import replace_atomically
+
 EXIT_DIR_ENV = "LLMCLUSTER_EXIT_DIR"
 REASONS = ("completed", "preempted", "failed", "fatal", "dropped")   # dropped: an ft group left as a straggler
 
@@ -23,8 +25,6 @@ def write(reason: str, detail: str = "") -> None:
     line = " ".join(f"{reason} {detail}".split())[:500]   # one line, whatever the exception said
     try:
         path = Path(where) / f"exit-rank{int(os.environ.get('RANK', '0'))}"
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(line + "\n")
-        os.replace(tmp, path)
+        replace_atomically(path, line + "\n")      # no planted temp name or link written through
     except (OSError, ValueError):
         pass   # the reason is advice: a missing one means "requeue", never a second failure

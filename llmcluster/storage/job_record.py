@@ -1,24 +1,29 @@
 """A job's record, logs/<name>/job.json: written by the launcher and `serve start`, read by `jobs`, monitor, tracking
 and storage status. One reader and one writer, here in storage (docs/architecture.md): reading a record never means
-importing the launcher. logs/ is shared, so the reader checks the record's shape (storage/records.py).
+importing the launcher. logs/ is shared, so the reader checks the record's shape (storage/records.py), and every
+file here is opened as the caller's own (storage/owned.py: no link followed, O_EXCL for what is created).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from llmcluster.errors import UserError
 from llmcluster.storage import records
+from llmcluster.storage.owned import check_own_dir, create_exclusive, read_text, replace_atomically
 
 RECORD = "job.json"
 
 
 def write_record(logs: Path, record: dict) -> None:
-    tmp = logs / f".{RECORD}.tmp"
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, logs / RECORD)        # readers never see half a record
+    """logs/<run>/job.json, in a folder of the caller's, replaced atomically (readers never see half a record)
+    through a temp file created with O_EXCL: a planted `.job.json.tmp` or link redirects nothing."""
+    check_own_dir(logs, "run folder")
+    try:
+        replace_atomically(logs / RECORD, json.dumps(record, indent=2) + "\n")
+    except OSError as e:
+        raise UserError(f"cannot write {logs / RECORD}: {e.strerror or e}") from None
 
 
 # job.json's shape (storage/records.py). logs/ is shared and the record user-writable: a record without its run and
@@ -31,18 +36,27 @@ RECORD_OPTIONAL = {"job_id": records.of_type(str, int, what="a string or an inte
                    "exit_code": records.integer(), "state": records.TEXT, "kind": records.TEXT,
                    "artifact": records.TEXT, "submitted_at": records.TEXT, "code_version": records.TEXT,
                    "cluster": records.TEXT, "endpoint": records.TEXT, "previous_job_ids": records.LIST,
-                   "k8s": records.OBJECT, "ft": records.OBJECT, "slo_ttft_p99_ms": records.number(0)}
+                   "k8s": records.OBJECT, "ft": records.OBJECT, "slo_ttft_p99_ms": records.number(0),
+                   "config_sha256": records.TEXT}
 
 
-def read_record(logs: Path) -> dict | None:
-    """logs/<run>/job.json if it is a record of ours (see RECORD_REQUIRED), its ill-typed fields left out."""
+def read_record(logs: Path, own: bool = False, refuse: bool = False) -> dict | None:
+    """logs/<run>/job.json if it is a record of ours (see RECORD_REQUIRED), its ill-typed fields left out. A link
+    is never followed; `own`: only the caller's own file (what a command acts on: the pid it signals, the job it
+    cancels), else any reader's view (`jobs list`, `storage status`, monitor). `refuse`: a file that is there but
+    cannot be used (a link, someone else's) is one line (UserError), not a note."""
     path = logs / RECORD
-    try:
-        rec = records.loads(path.read_text())
-    except FileNotFoundError:
+    text, why = read_text(path, own)
+    if text is None:
+        if why and refuse:
+            raise UserError(f"{path} {why}: not acted on")
+        if why:
+            records.note(f"{path} {why}: ignored")
         return None
-    except (OSError, ValueError, RecursionError) as e:
-        records.note(f"{path}: ignored: {e.strerror if isinstance(e, OSError) else 'not JSON'}")
+    try:
+        rec = records.loads(text)
+    except (ValueError, RecursionError):
+        records.note(f"{path}: ignored: not JSON")
         return None
     why = records.problem(rec, RECORD_REQUIRED)
     if why:
@@ -55,16 +69,26 @@ def read_record(logs: Path) -> dict | None:
 
 
 def write_once(path: Path, text: str, mode: int) -> None:
-    with open(path, "x") as f:            # "x": a launch directory is never written twice
-        f.write(text)
-    path.chmod(mode)
+    """A launch file (launches/<n>/...): created with O_EXCL and no link followed (a launch directory is never
+    written twice), `mode` set on the open file."""
+    try:
+        create_exclusive(path, text, mode)
+    except OSError as e:
+        raise UserError(f"cannot create {path}: {e.strerror or e}") from None
 
 
 def make_launch_dir(path: Path, what: str) -> None:
-    """logs/<name>/launches/<n>/, made once: of two launches that raced for the same number, the second is told."""
+    """logs/<name>/launches/<n>/, made once: of two launches that raced for the same number, the second is told.
+    logs/<name>/ and launches/ must be the caller's (checked before, and again after: one made in between by
+    someone else is refused too)."""
+    run_dir = path.parent.parent
+    for d in (run_dir, path.parent):
+        check_own_dir(d, "run folder")
     try:
         path.mkdir(parents=True)
     except FileExistsError:
         raise UserError(f"{path} exists: another {what} is under way; try again") from None
     except OSError as e:
         raise UserError(f"cannot create {path}: {e.strerror or e}") from None
+    for d in (run_dir, path.parent, path):
+        check_own_dir(d, "run folder")

@@ -86,11 +86,16 @@ class Storage:
         imports (>= 1 s in); the 0.5 s margin keeps a folder made by hand just before the launch out of the count."""
         from llmcluster.storage.events import process_start_time
 
+        from llmcluster.storage.owned import check_own_dir
+
         since = process_start_time() + 0.5
         dirs = (self.run_logs(run), self.run_checkpoints(run))
+        for d in dirs:                 # the caller's own (storage/owned.py), checked before anything is made
+            check_own_dir(d, "run folder")
         fresh = [d for d in dirs if not d.exists() or _empty_since(d, since)]
         for d in dirs:
             self.require_writable(d)
+            check_own_dir(d, "run folder")
         return fresh
 
     @staticmethod

@@ -53,7 +53,7 @@ def status_dict(root: Path) -> dict:
                      "latest_bytes": (marker or {}).get("bytes"),
                      "exported": (st.model_dir(run) / "config.json").is_file(),
                      # the one writer's lock (or a dead one's, until the next writer takes it over)
-                     "owner": read_owner(st.run_checkpoints(run)),
+                     "owner": _owner(st.run_checkpoints(run)),
                      # what interrupted attempts left (removed by the next writer, under its lock)
                      "leftovers": _dot_dirs(st.run_checkpoints(run), TMP_PREFIX),
                      # steps set aside by a roll-back, a rewrite or a failed verification: never resumed
@@ -73,6 +73,12 @@ def _serving_record(st: Storage, name: str) -> dict | None:
     return record
 
 
+def _owner(run_dir: Path) -> dict | None:
+    """The writer's lock record when it is an object (a file anyone who can write checkpoints/ can write)."""
+    owner = read_owner(run_dir)
+    return owner if isinstance(owner, dict) else None
+
+
 def _dot_dirs(run_dir: Path, prefix: str) -> list[str]:
     return sorted(d.name for d in run_dir.glob(f"{prefix}*") if d.is_dir()) if run_dir.is_dir() else []
 
@@ -90,7 +96,7 @@ def status(root: Path, as_json: bool = False) -> int:
 
     from rich.table import Table
 
-    from llmcluster.console import console
+    from llmcluster.console import cell, console
 
     if not root.is_dir():
         raise UserError(f"storage root {root} does not exist: run `llmcluster storage init --root {root}`")
@@ -113,18 +119,18 @@ def status(root: Path, as_json: bool = False) -> int:
             r.add_column(col)
         for name, v in info["runs"].items():
             owner = v["owner"]
-            r.add_row(name, str(v["checkpoints"]),
-                      "-" if v["latest_complete_step"] is None else str(v["latest_complete_step"]),
-                      ", ".join(f"step_{s}" for s in v["incomplete"]) or "-",
-                      f"pid {owner.get('pid')} on {owner.get('host')}" if owner else "-",
-                      ", ".join(v["leftovers"] + v["abandoned"]) or "-",
-                      "yes" if v["exported"] else "no")
+            r.add_row(*map(cell, (name, v["checkpoints"],
+                                  "-" if v["latest_complete_step"] is None else v["latest_complete_step"],
+                                  ", ".join(f"step_{s}" for s in v["incomplete"]) or "-",
+                                  f"pid {owner.get('pid')} on {owner.get('host')}" if owner else "-",
+                                  ", ".join(v["leftovers"] + v["abandoned"]) or "-",
+                                  "yes" if v["exported"] else "no")))
         c.print(r)
     if info["serving"]:
         s = Table(title="serving jobs (logs/<name>/; `jobs status NAME` asks the scheduler)")
         for col in ("job", "scheduler", "job id", "last recorded state", "endpoint"):
             s.add_column(col)
         for name, v in info["serving"].items():
-            s.add_row(name, *(str(v[k] or "-") for k in ("scheduler", "job_id", "state", "endpoint")))
+            s.add_row(*map(cell, (name, *(v[k] or "-" for k in ("scheduler", "job_id", "state", "endpoint")))))
         c.print(s)
     return 0

@@ -23,6 +23,7 @@ from pathlib import Path
 from llmcluster.errors import UserError
 from llmcluster.launch.scheduler import Command, get, under
 from llmcluster.storage import eval_log
+from llmcluster.storage.owned import replace_atomically
 
 PENDING = "pending"
 
@@ -129,7 +130,5 @@ class Downstream:
         except (OSError, subprocess.SubprocessError, UserError) as e:
             self.log(f"warning: eval: could not submit the evaluation of step {step}: {e}")
             return
-        tmp = folder / f".step_{step}.json.tmp"
-        tmp.write_text(json.dumps(rec) + "\n")
-        os.replace(tmp, folder / f"step_{step}.json")
+        replace_atomically(folder / f"step_{step}.json", json.dumps(rec) + "\n")   # storage/owned.py
         self.log(f"eval: step {step} submitted ({rec.get('job_id')}); results in {self.logs / 'eval.jsonl'}")
