@@ -209,13 +209,15 @@ def test_a_heal_payload_that_is_not_the_groups_state_restarts_the_group_in_one_l
     sender, so the payload is signed and only the check can refuse it). Group 1 refuses it in one line naming the
     key, exits, is started again by the supervisor, heals from the next payload, and both end bitwise equal."""
     run, steps = "ft-badheal", 30
-    items = ("ft.min_replicas=1", f"train.steps={steps}", "checkpoint.interval_steps=10")
+    # min_replicas 2: group 0 waits for group 1's restarts (with 1 it could finish first on a loaded machine, and
+    # group 1, back alone after the end, would rightly end without training: test_ft_end.py)
+    items = ("ft.min_replicas=2", f"train.steps={steps}", "checkpoint.interval_steps=10", "ft.quorum_timeout_s=5")
     env, go = _slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_BAD_HEAL="extra-key")
     with _supervised(tiny_root, run, items, env) as proc:
         _wait(lambda: _step(tiny_root, run) >= 4, proc, "step 4")
         for pid in _job(tiny_root, run)["ft"]["groups"][1]["pids"]:
             os.kill(pid, signal.SIGKILL)
-        _wait(lambda: any(e["event"] == "ft_heal" and e["group"] == 1 and e["step"] > 4
+        _wait(lambda: any(e["event"] == "ft_heal" and e["group"] == 1 and e["step"] >= 4
                           for e in _events(tiny_root, run)), proc, "group 1's heal", 180)
         go.touch()
         out, err = proc.communicate(timeout=300)

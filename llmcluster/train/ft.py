@@ -124,6 +124,10 @@ class QuorumNotFormed(Exception):
     """The Lighthouse formed no quorum with this group within ft.quorum_timeout_s: asked again (ft.py)."""
 
 
+class StopAsked(Exception):
+    """A stop signal came while the group waited for a quorum: the trainer checkpoints and exits (ft.py)."""
+
+
 class RunFinished(Exception):
     """The run reached its final step while this group was away: the group ends without training (ft.py)."""
 
@@ -312,6 +316,8 @@ class Replica:
                 return
             except QuorumNotFormed as e:   # the healthy groups wait for a slow restart; nothing crashes
                 self.manager._quorum_future = None
+                if t.preempt.set:   # a stop while waiting (the supervisor's SIGTERM, the Lighthouse lost)
+                    raise StopAsked() from None
                 waits += 1
                 self._end_if_finished()
                 if waits >= QUORUM_TRIES:

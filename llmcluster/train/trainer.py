@@ -337,6 +337,8 @@ class Trainer:
             except ft.RunFinished as e:   # an ft group back after the run ended (ft.py)
                 self.log(str(e))
                 return 0
+            except ft.StopAsked:          # a stop signal while an ft group waited for its quorum
+                return self._preempted(False)
             if self.ft and not self.ft.committed:   # not applied: the same batch again (ft.py), unless told to stop
                 if D.all_reduce_max(1.0 if self.preempt.set else 0.0, self.env) > 0:
                     return self._preempted(False)
