@@ -295,6 +295,25 @@ def vllm_server(tmp_path_factory):
     run_cli("jobs", "cancel", VLLM_JOB, "--root", root)
 
 
+# -- a cluster of network namespaces (issue 51: tests/netcluster.py) ------------------------------------------------
+@pytest.fixture(scope="module")
+def netcluster_module():
+    """Three nodes (n0 the head, n1, n2) and an outsider, made once per test module (~1 s)."""
+    from netcluster import make_cluster
+
+    cluster = make_cluster(3)
+    yield cluster
+    cluster.down()
+
+
+@pytest.fixture
+def netcluster(netcluster_module):
+    """The module's namespace cluster, every fault undone and every process it started stopped after the test."""
+    yield netcluster_module
+    netcluster_module.heal()
+    netcluster_module.stop_all()
+
+
 SLOW_LIST = Path(__file__).with_name("slow_tests.txt")
 
 
