@@ -105,3 +105,19 @@ def outsider_problems(cluster, node, found: list[tuple[tuple, Row]]) -> list[str
         else:
             problems.append(f"{where}: class {row.cls!r} is none of {CLASSES}")
     return problems
+
+
+def fence(cluster, job_nodes, open_ports=()) -> None:
+    """The site's fence (llmcluster.launch.fence) on each of the job's nodes, its peers the job's nodes."""
+    from llmcluster.launch.fence import render_nft
+
+    rules = render_nft([n.addr for n in job_nodes], list(open_ports))
+    for node in job_nodes:
+        cluster.fence(node, rules)
+
+
+def check(cluster, node, kind: str, named: dict[str, int]) -> list[str]:
+    """The inventory's verdict on `node` while a job of `kind` runs there: a line for each socket the table does
+    not name, then for each of the outsider's probes (by class) that got what it must not."""
+    found, problems = match(rows(), kind, cluster.listening(node), named, node.addr)
+    return problems + outsider_problems(cluster, node, found)

@@ -26,19 +26,6 @@ RDZV = 29400
 LIGHTHOUSE_BIN = str(Path(sys.executable).parent / "torchft_lighthouse")
 
 
-def _fence(cluster, job_nodes, open_ports=()) -> None:
-    rules = render_nft([n.addr for n in job_nodes], list(open_ports))
-    for node in job_nodes:
-        cluster.fence(node, rules)
-
-
-def _check(cluster, node, kind: str, named: dict[str, int]) -> list[str]:
-    """The inventory's verdict on `node` while a job of `kind` runs there: unnamed sockets, then the outsider's
-    probes by class."""
-    found, problems = inv.match(TABLE, kind, cluster.listening(node), named, node.addr)
-    return problems + inv.outsider_problems(cluster, node, found)
-
-
 # -- the table itself ---------------------------------------------------------------------------------------------
 
 def test_the_inventory_names_every_job_kind_with_one_of_three_classes():
@@ -97,13 +84,13 @@ def test_a_two_node_run_trains_behind_the_fence_and_names_every_socket(netcluste
     c = netcluster
     job = c.nodes[:2]
     root = fresh_root(fault_data, tmp_path)
-    _fence(c, job)                       # before the start: the run comes up behind it
+    inv.fence(c, job)                       # before the start: the run comes up behind it
     logs = [tmp_path / f"{n.name}.log" for n in job]
     procs = [_torchrun(c, n, root, 400, log) for n, log in zip(job, logs)]
     _wait_for_ranks(c, job, procs)
     problems = []
     for node in job:
-        problems += _check(c, node, "train", {"rdzv": RDZV})
+        problems += inv.check(c, node, "train", {"rdzv": RDZV})
     still_training = all(p.poll() is None for p in procs)
     rcs = [p.wait(240) for p in procs]
     assert problems == [], problems
@@ -122,13 +109,13 @@ def _exporter(cluster, node, port: int, *bind: str) -> subprocess.Popen:
 def test_the_exporter_on_loopback_and_bound_to_the_node_behind_the_fence(netcluster):
     c = netcluster
     _exporter(c, c.head, 9400)
-    assert _check(c, c.head, "monitor", {"--port": 9400}) == []
+    assert inv.check(c, c.head, "monitor", {"--port": 9400}) == []
     assert c.http_status(c.head, "http://127.0.0.1:9400/metrics") == 200
     c.stop_all()
     # bound to the node for a Prometheus elsewhere: fenced; a job node scrapes it, the outsider is cut off
-    _fence(c, c.nodes)
+    inv.fence(c, c.nodes)
     _exporter(c, c.head, 9401, "--bind", c.head.addr)
-    assert _check(c, c.head, "monitor", {"--port": 9401}) == []
+    assert inv.check(c, c.head, "monitor", {"--port": 9401}) == []
     assert c.http_status(c.nodes[2], f"http://n0:9401/metrics") == 200
 
 
@@ -141,9 +128,9 @@ def _lighthouse(cluster, node) -> subprocess.Popen:
 
 def test_the_lighthouse_on_the_head_node_answers_the_groups_and_not_the_outsider(netcluster):
     c = netcluster
-    _fence(c, c.nodes)
+    inv.fence(c, c.nodes)
     _lighthouse(c, c.head)
-    assert _check(c, c.head, "lighthouse", {"--bind": 29510}) == []
+    assert inv.check(c, c.head, "lighthouse", {"--bind": 29510}) == []
     assert c.http_status(c.nodes[1], f"http://n0.cluster.test:29510/") == 200       # a group's node
 
 
@@ -155,12 +142,12 @@ def test_one_listening_socket_more_fails_the_inventory(netcluster):
     extra = ("import socket,time\ns=socket.socket();s.bind(('0.0.0.0',4444));s.listen();time.sleep(600)")
     p = c.popen(c.head, ["/usr/bin/python3", "-c", extra])
     nc.wait_listening(c, c.head, 4444, p)
-    problems = _check(c, c.head, "monitor", {"--port": 9400})
+    problems = inv.check(c, c.head, "monitor", {"--port": 9400})
     assert len(problems) == 1 and "0.0.0.0:4444" in problems[0] and "does not name" in problems[0], problems
 
 
 def test_a_fenced_port_the_outsider_reaches_without_the_fence_fails_the_inventory(netcluster):
     c = netcluster
     _lighthouse(c, c.head)                  # no fence loaded
-    problems = _check(c, c.head, "lighthouse", {"--bind": 29510})
+    problems = inv.check(c, c.head, "lighthouse", {"--bind": 29510})
     assert len(problems) == 1 and "the outsider connects" in problems[0] and ":29510" in problems[0], problems
