@@ -129,8 +129,11 @@ class NetCluster:
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
 
     def _write_hosts(self, node: Node) -> None:
+        if not NETNS_ETC.exists():
+            NETNS_ETC.mkdir(parents=True)
+            self._made_etc.append(NETNS_ETC)      # removed last, if no one else's dir is in it by then
         d = NETNS_ETC / node.ns
-        d.mkdir(parents=True, exist_ok=False)
+        d.mkdir(exist_ok=False)
         self._made_etc.append(d)
         lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
         lines += [f"{n.addr}\t{n.fqdn} {n.name}" for n in self.all_nodes]
@@ -141,8 +144,14 @@ class NetCluster:
         self.stop_all()
         for ns in reversed(self._made_ns):
             _sh("ip", "netns", "delete", ns, check=False)
-        for d in self._made_etc:
-            shutil.rmtree(d, ignore_errors=True)
+        for d in reversed(self._made_etc):
+            if d == NETNS_ETC:
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
+            else:
+                shutil.rmtree(d, ignore_errors=True)
         self._made_ns, self._made_etc, self._procs = [], [], []
 
     def __enter__(self) -> "NetCluster":
