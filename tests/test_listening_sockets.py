@@ -35,7 +35,7 @@ def test_the_inventory_names_every_job_kind_with_one_of_three_classes():
     changing = [r for r in TABLE if r.changing]
     assert {r.kind for r in changing} == {"train ft"}
     assert any("ManagerServer" in r.socket for r in changing) and any("heal" in r.socket for r in changing)
-    assert [r.cls for r in TABLE if r.kind == "serve"] == ["authenticated"]
+    assert [r.cls for r in TABLE if r.kind == "serve"] == ["authenticated", "loopback"]
     # the fence the fenced rows rely on is named where the table is
     section = (REPO / "docs" / "security.md").read_text().split("## Listening sockets", 1)[1].split("\n## ")[0]
     assert "python -m llmcluster.launch.fence" in section

@@ -101,7 +101,7 @@ def objects(s: Serving) -> list[dict]:
         resources["cpu"] = str(s.cpus)
     if s.memory:
         resources["memory"] = _quantity(s.memory)
-    env = {**SERVE_ENV, **eng.OFFLINE_ENV}
+    env = {**SERVE_ENV, **eng.OFFLINE_ENV, **eng.LOOPBACK_ENV}
 
     def probe(period: int, failures: int):
         return c.V1Probe(http_get=c.V1HTTPGetAction(path="/health", port="http"), period_seconds=period,
