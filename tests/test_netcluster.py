@@ -103,22 +103,33 @@ def test_names_and_subnets_differ_per_xdist_worker(monkeypatch):
 
 
 def test_the_cluster_removes_exactly_what_it_made():
+    """Only this process's names are compared: other workers and sessions make and remove clusters meanwhile. A
+    namespace and /etc/netns dir of someone else's (a sentinel, named like a cluster's) must survive."""
+    mine = f"lct{nc.worker_index()}-{os.getpid()}-"
+
     def world():
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        etc = sorted(p.name for p in nc.NETNS_ETC.iterdir()) if nc.NETNS_ETC.exists() else []
-        return {ln.split()[0] for ln in names.splitlines() if ln.strip()}, set(etc)
-    before_ns, before_etc = world()
-    c = nc.make_cluster(1)
+        etc = {p.name for p in nc.NETNS_ETC.iterdir()} if nc.NETNS_ETC.exists() else set()
+        return ({n for ln in names.splitlines() if ln.strip() and (n := ln.split()[0]).startswith(mine)},
+                {n for n in etc if n.startswith(mine)})
+    sentinel = f"{mine}sentinel"
+    subprocess.run(["ip", "netns", "add", sentinel], check=True)
+    (nc.NETNS_ETC / sentinel).mkdir(parents=True)
     try:
-        ns, etc = world()
-        assert set(c.namespaces) == ns - before_ns and len(c.namespaces) == 3     # bridge, n0, outsider
-        assert etc - before_etc == {c.head.ns, c.outsider.ns}
-        c.popen(c.head, ["sleep", "600"])
+        before_ns, before_etc = world()
+        c = nc.make_cluster(1)
+        try:
+            ns, etc = world()
+            assert set(c.namespaces) == ns - before_ns and len(c.namespaces) == 3     # bridge, n0, outsider
+            assert etc - before_etc == {c.head.ns, c.outsider.ns}
+            c.popen(c.head, ["sleep", "600"])
+        finally:
+            c.down()
+        assert world() == (before_ns, before_etc)          # ours gone, the sentinel (someone else's) kept
+        assert sentinel in before_ns and sentinel in before_etc
     finally:
-        c.down()
-    after_ns, after_etc = world()
-    assert not set(c.namespaces) & after_ns and not {c.head.ns, c.outsider.ns} & after_etc
-    assert before_ns - after_ns == set()      # nobody else's namespace went with ours
+        subprocess.run(["ip", "netns", "delete", sentinel])
+        (nc.NETNS_ETC / sentinel).rmdir()
 
 
 @pytest.mark.parametrize("ci", ["", "true"])
