@@ -81,6 +81,8 @@ class NetCluster:
     manager, or call `up()` and `down()`."""
     n_nodes: int = 3
     prefix: str = ""
+    short_names: bool = True     # False: the hosts files carry FQDNs only (JobSet pods: a short hostname of a peer
+                                 # does not resolve, its FQDN through the headless Service does)
     nodes: list[Node] = field(default_factory=list)
     outsider: Node | None = None
     _made_ns: list[str] = field(default_factory=list)
@@ -136,7 +138,8 @@ class NetCluster:
         d.mkdir(exist_ok=False)
         self._made_etc.append(d)
         lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
-        lines += [f"{n.addr}\t{n.fqdn} {n.name}" for n in self.all_nodes]
+        lines += [f"{n.addr}\t{n.fqdn}" + (f" {n.name}" if self.short_names or n is node else "")
+                  for n in self.all_nodes]
         (d / "hosts").write_text("\n".join(lines) + "\n")
         (d / "hostname").write_text(node.name + "\n")
 
@@ -310,7 +313,7 @@ class NetCluster:
         self._faults = []
 
 
-def make_cluster(n_nodes: int = 3) -> NetCluster:
+def make_cluster(n_nodes: int = 3, **kw) -> NetCluster:
     """A NetCluster brought up, or the test's verdict when this machine cannot make one: a FAIL in CI or as root
     (a skipped cluster test would hide a broken fixture), a skip only for a developer who is not root."""
     ci = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -322,7 +325,7 @@ def make_cluster(n_nodes: int = 3) -> NetCluster:
         why = f"missing {', '.join(missing)} (scripts/install_system_deps.sh installs them)"
     if why is None:
         try:
-            return NetCluster(n_nodes).up()
+            return NetCluster(n_nodes, **kw).up()
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             why = f"cannot make the namespace cluster: {e}"
     if ci or os.geteuid() == 0:

@@ -86,7 +86,7 @@ def test_a_two_node_run_trains_behind_the_fence_and_names_every_socket(netcluste
     root = fresh_root(fault_data, tmp_path)
     inv.fence(c, job)                       # before the start: the run comes up behind it
     logs = [tmp_path / f"{n.name}.log" for n in job]
-    procs = [_torchrun(c, n, root, 400, log) for n, log in zip(job, logs)]
+    procs = [_torchrun(c, n, root, 200, log) for n, log in zip(job, logs)]
     _wait_for_ranks(c, job, procs)
     problems = []
     for node in job:
@@ -96,7 +96,7 @@ def test_a_two_node_run_trains_behind_the_fence_and_names_every_socket(netcluste
     assert problems == [], problems
     assert rcs == [0, 0], [log.read_text()[-2000:] for log in logs]
     assert still_training, "the run ended before the probes: the sockets were not checked while it trained"
-    assert "finished step 400" in logs[0].read_text()
+    assert "finished step 200" in logs[0].read_text()
 
 
 def _exporter(cluster, node, port: int, *bind: str) -> subprocess.Popen:
@@ -116,7 +116,7 @@ def test_the_exporter_on_loopback_and_bound_to_the_node_behind_the_fence(netclus
     inv.fence(c, c.nodes)
     _exporter(c, c.head, 9401, "--bind", c.head.addr)
     assert inv.check(c, c.head, "monitor", {"--port": 9401}) == []
-    assert c.http_status(c.nodes[2], f"http://n0:9401/metrics") == 200
+    assert c.http_status(c.nodes[2], "http://n0:9401/metrics") == 200
 
 
 def _lighthouse(cluster, node) -> subprocess.Popen:
@@ -131,7 +131,7 @@ def test_the_lighthouse_on_the_head_node_answers_the_groups_and_not_the_outsider
     inv.fence(c, c.nodes)
     _lighthouse(c, c.head)
     assert inv.check(c, c.head, "lighthouse", {"--bind": 29510}) == []
-    assert c.http_status(c.nodes[1], f"http://n0.cluster.test:29510/") == 200       # a group's node
+    assert c.http_status(c.nodes[1], "http://n0.cluster.test:29510/") == 200       # a group's node
 
 
 # -- the inventory test can fail ------------------------------------------------------------------------------------

@@ -54,6 +54,17 @@ def test_the_outsider_is_unprivileged_and_cannot_read_a_private_file(netcluster,
     assert "default" not in routes and str(c.subnet) in routes
 
 
+def test_hosts_files_with_fqdns_only_leave_a_peers_short_name_unresolved():
+    """short_names=False: the JobSet case, where a pod's peers resolve by FQDN (the headless Service) only."""
+    c = nc.make_cluster(1, short_names=False)
+    try:
+        assert c.run(c.head, ["getent", "hosts", "out"]).returncode == 2
+        assert c.run(c.head, ["getent", "hosts", c.outsider.fqdn]).stdout.split()[0] == c.outsider.addr
+        assert c.run(c.head, ["getent", "hosts", "n0"]).stdout.split()[0] == c.head.addr     # its own, as ever
+    finally:
+        c.down()
+
+
 def test_a_link_set_down_hangs_its_peers_without_a_reset(netcluster):
     c = netcluster
     _http_server(c, c.nodes[1], 8082)
@@ -85,7 +96,7 @@ def test_a_narrow_link_slows_a_transfer_to_its_rate(netcluster, tmp_path):
 
     def fetch_s() -> float:
         p = c.run(c.head, ["curl", "-s", "-o", "/dev/null", "-w", "%{time_total}", "-m", "30",
-                           f"http://n1:8084/blob"])
+                           "http://n1:8084/blob"])
         return float(p.stdout)
     fast = fetch_s()
     c.narrow(c.nodes[1], "2mbit")
