@@ -72,7 +72,7 @@ def match(table: list[Row], kind: str, sockets: list[tuple[str, int, str]], name
             found.append((sock, hits[0]))
         else:
             problems.append(f"{kind}: {proc} listens on {addr}:{port}, which docs/security.md's inventory "
-                            f"does not name")
+                            "does not name")
     return found, problems
 
 
