@@ -248,18 +248,12 @@ def vllm_python() -> str:
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory):
-    """One real vLLM server (the CPU engine) shared by the session's serving tests, LoRA enabled:
-    a demo-sized model (llm_tiny's shape) trained briefly on byte-tokenized chats and exported (its chat template
-    and end-of-turn token with it); a LoRA run that imports that export as its Hugging Face base
-    (train.init_from), exported; `serve start --scheduler local` of the LoRA export serves the base under its
-    name and the adapter under the run's."""
-    import time
-    from types import SimpleNamespace
-
+def vllm_exports(tmp_path_factory):
+    """The serving tests' models, trained and exported once per session: a demo-sized model (llm_tiny's shape)
+    trained briefly on byte-tokenized chats and exported (its chat template and end-of-turn token with it); a LoRA
+    run that imports that export as its Hugging Face base (train.init_from), exported. Returns the storage root."""
     from chat_helpers import chat_records
 
-    python = vllm_python()
     base = tmp_path_factory.mktemp("vllm")
     root = base / "storage"
     (base / "chat.jsonl").write_text(chat_records(60))
@@ -278,6 +272,20 @@ def vllm_server(tmp_path_factory):
             "--set", "train.lora={rank: 4, alpha: 8, targets: [q_proj, v_proj, down_proj]}", "--set", "train.lr=1e-2",
             "--set", "train.steps=10", "--set", f"run.name={VLLM_LORA}", check=True)
     run_cli("export", "--run", VLLM_LORA, "--root", root, check=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_exports):
+    """One real vLLM server (the CPU engine) shared by the session's serving tests, LoRA enabled:
+    `serve start --scheduler local` of vllm_exports' LoRA export serves the base under its name and the adapter
+    under the run's."""
+    import time
+    from types import SimpleNamespace
+
+    python = vllm_python()
+    root = vllm_exports
+    export = root / "models" / VLLM_BASE
     t0 = time.monotonic()
     p = run_cli("serve", "start", "--model", VLLM_LORA, "--name", VLLM_JOB, "--root", root, "--scheduler", "local",
                 "--engine-python", python, timeout=900)
@@ -295,6 +303,25 @@ def vllm_server(tmp_path_factory):
     run_cli("jobs", "cancel", VLLM_JOB, "--root", root)
 
 
+# -- a cluster of network namespaces (issue 51: tests/netcluster.py) ------------------------------------------------
+@pytest.fixture(scope="module")
+def netcluster_module():
+    """Three nodes (n0 the head, n1, n2) and an outsider, made once per test module (~1 s)."""
+    from netcluster import make_cluster
+
+    cluster = make_cluster(3)
+    yield cluster
+    cluster.down()
+
+
+@pytest.fixture
+def netcluster(netcluster_module):
+    """The module's namespace cluster, every fault undone and every process it started stopped after the test."""
+    yield netcluster_module
+    netcluster_module.heal()
+    netcluster_module.stop_all()
+
+
 SLOW_LIST = Path(__file__).with_name("slow_tests.txt")
 
 
@@ -305,7 +332,7 @@ def xdist_group(item) -> str | None:
     per worker: grouped, one server starts, not one per worker)."""
     if item.get_closest_marker("slurm"):
         return "slurm"
-    if "vllm_server" in getattr(item, "fixturenames", ()):
+    if {"vllm_server", "vllm_exports"} & set(getattr(item, "fixturenames", ())):
         return "vllm"
     return None
 

@@ -98,6 +98,7 @@ def test_k8s_objects_validate_strictly_and_are_hardened(hf_root):
     env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
     assert env["HOME"] == "/tmp" and env["HF_HOME"].startswith("/cache/") and env["VLLM_CACHE_ROOT"].startswith("/cache/")
     assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"
+    assert env["GLOO_SOCKET_IFNAME"] == "lo"     # the engine's own process groups on loopback (one pod)
     # the training pods' hardening
     assert spec["automountServiceAccountToken"] is False and "serviceAccountName" not in spec
     sc = spec["securityContext"]
@@ -202,6 +203,7 @@ def test_local_script_reads_the_key_at_run_time_and_no_auth_is_said(hf_root, tmp
     assert "s3cret" not in text
     out = subprocess.run(["bash", "-c", text], capture_output=True, text=True, timeout=30)
     assert "VLLM_API_KEY=s3cret-key" in out.stdout.splitlines(), out
+    assert "GLOO_SOCKET_IFNAME=lo" in out.stdout.splitlines()     # its process groups listen on loopback only
     (job.logs / "api_key").unlink()
     assert subprocess.run(["bash", "-c", text], capture_output=True, text=True, timeout=30).returncode != 0
     p = run_cli("serve", "start", "--model", "hfx", "--root", hf_root, "--scheduler", "local", "--no-auth",

@@ -27,6 +27,10 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ENGINE_ENV = "LLMCLUSTER_VLLM_PYTHON"
 # the environment the engine runs with: offline (a model directory, never the Hub) and no telemetry
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+# A served model runs on one node (one pod): the engine's own process groups (gloo, one listener per group, no
+# authentication) need no other address than loopback. Left to gloo, they bind the address the node's hostname
+# resolves to, where anyone on the cluster network connects (docs/security.md, "Listening sockets").
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo"}
 CPU_KVCACHE_GIB = "1"     # VLLM_CPU_KVCACHE_SPACE default (GiB of KV cache on the CPU build); the environment wins
 CPU_MAX_NUM_SEQS = 16     # a CPU core decodes a handful of sequences usefully, not vLLM's GPU default of 256
 PROBE = ("import importlib.util as u, importlib.metadata as m, json\n"
@@ -234,7 +238,7 @@ def argv(engine: Engine, target: Target, s: Sizing, served: str, host: str, port
 def environment(engine: Engine, environ=os.environ) -> dict[str, str]:
     # PYTHONSAFEPATH: `python -m` puts its working directory (logs/<name>/ locally) first on sys.path, ahead of
     # the launch directory the guard is imported from and of vLLM itself; 3.11+ leaves it off
-    env = {**OFFLINE_ENV, "PYTHONSAFEPATH": "1"}
+    env = {**OFFLINE_ENV, **LOOPBACK_ENV, "PYTHONSAFEPATH": "1"}
     if engine.cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
     return env

@@ -108,7 +108,7 @@ def objects(s: Serving) -> list[dict]:
         resources["cpu"] = str(s.cpus)
     if s.memory:
         resources["memory"] = _quantity(s.memory)
-    env = {**SERVE_ENV, **eng.OFFLINE_ENV}
+    env = {**SERVE_ENV, **eng.OFFLINE_ENV, **eng.LOOPBACK_ENV}
     if s.auth:     # the guard vLLM's --middleware imports: the ConfigMap's file, mounted read-only
         env["PYTHONPATH"] = GUARD_DIR
         mounts.append(c.V1VolumeMount(name="guard", mount_path=GUARD_DIR, read_only=True))
