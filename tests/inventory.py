@@ -21,10 +21,6 @@ class Row:
     bind: str            # `*`, `127.0.0.1`, `node`, or the flag that sets it
     cls: str
 
-    @property
-    def changing(self) -> bool:
-        return "(changing)" in self.socket
-
 
 def rows(text: str | None = None) -> list[Row]:
     """The table under "## Listening sockets" (backticks and emphasis stripped)."""

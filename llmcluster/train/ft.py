@@ -189,15 +189,15 @@ class Replica:
         self.group, self.groups = group()
         timeout = timedelta(seconds=cfg.ft.timeout_s)   # across groups: short (a hung group leaves the quorum)
         pg = ProcessGroupNCCL(timeout=timeout) if env.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        store = {}
-        if "MASTER_ADDR" not in os.environ:   # a group of one process without torchrun: a store of its own
-            from torch.distributed import TCPStore
-
-            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-            store = {"store_addr": "127.0.0.1", "store_port": self._store.port, "rank": 0, "world_size": 1}
         # Who belongs to the run, where the group listens, and a heal that carries data only (issue 49).
         key = RunKey(secret_from_env())
         address = own_address(os.environ.get(LIGHTHOUSE_ENV, "127.0.0.1"))
+        store = {}
+        if "MASTER_ADDR" not in os.environ:   # a group of one process without torchrun: a store of its own, at the
+            from torch.distributed import TCPStore   # address the other groups reach (a quorum's store may be ours)
+
+            self._store = TCPStore(address, 0, is_master=True, wait_for_workers=False)
+            store = {"store_addr": address, "store_port": self._store.port, "rank": 0, "world_size": 1}
         self.transport = SignedTransport(key, address, timeout, self._own_state, self._params, log=trainer.log)
         import torchft.manager
 

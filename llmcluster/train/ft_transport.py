@@ -237,6 +237,13 @@ class SignedTransport(CheckpointTransport):
             def log_message(self, *_a):   # no line per request on the rank's stderr
                 pass
 
+            def _refuse(self):   # any other method: no state, no proof asked
+                self.send_response(403)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_POST = do_PUT = do_DELETE = do_PATCH = _refuse
+
             def do_GET(self):
                 code, body, mac = transport._answer(self.path, self.headers.get(MAC_HEADER, ""))
                 self.send_response(code)
