@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Bring up a real 2-node Slurm on THIS machine, as root, without systemd or cgroups (tests, demos).
-# Debian's slurmctld/slurmd/munge packages; two slurmd daemons (`slurmd -N n1`, `-N n2`) emulate two
+# Bring up a real 3-node Slurm on THIS machine, as root, without systemd or cgroups (tests, demos).
+# Debian's slurmctld/slurmd/munge packages; one slurmd daemon per node (`slurmd -N n1`, `-N n2`, ...) emulates
 # nodes at NodeAddr=127.0.0.1. The names n1..nN resolve nowhere (no /etc/hosts entries), as on sites
 # where NodeName is not a hostname. Idempotent: running it again reconfigures what is already up.
-#   SLURM_NODES=N   number of emulated nodes (default 2)
+#   SLURM_NODES=N   number of emulated nodes (default 3: two for the 2-node jobs, and a spare for ft's
+#                   node-loss test, ft.spare_nodes). A cluster already up with more nodes is kept as it is
+#                   (changing the node count restarts the daemons, which ends every job on them).
 # Stop everything with scripts/slurm_down.sh (by PID file only).
 # Adapted from a recipe tested on Debian 12 / Slurm 22.05.
 set -euo pipefail
-NODES=${SLURM_NODES:-2}
+NODES=${SLURM_NODES:-3}
+if [ -s /run/slurmctld.pid ] && kill -0 "$(cat /run/slurmctld.pid)" 2>/dev/null; then
+  up=$(grep -c '^NodeName=n' /etc/slurm/slurm.conf 2>/dev/null) || true
+  [ "${up:-0}" -gt "$NODES" ] && NODES=$up
+fi
 CPUS=$(nproc)
 H=$(hostname -s)
 MEM_MB=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 8 / 10 / NODES ))

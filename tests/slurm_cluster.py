@@ -1,7 +1,7 @@
-"""A real 2-node Slurm on this machine for the launch tests: `from slurm_cluster import slurm  # noqa: F401`.
+"""A real 3-node Slurm on this machine for the launch tests: `from slurm_cluster import slurm  # noqa: F401`.
 
-scripts/slurm_up.sh installs Debian's slurm + munge if missing, starts munged, slurmctld and two slurmd
-(n1, n2 on 127.0.0.1), once per test module; scripts/slurm_down.sh stops them at the end. It needs root:
+scripts/slurm_up.sh installs Debian's slurm + munge if missing, starts munged, slurmctld and three slurmd
+(n1, n2, n3 on 127.0.0.1: the 2-node jobs run on n1-n2, n3 is ft's spare node), once per test module; scripts/slurm_down.sh stops them at the end. It needs root:
 when it cannot run, the tests FAIL (CI runs as root; a skipped Slurm test would hide a broken launcher).
 """
 

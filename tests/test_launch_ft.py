@@ -19,8 +19,9 @@ FT_FAKES = {
     # node names that resolve nowhere, every NodeAddr this machine's loopback (the stand-in Lighthouse binds it)
     "scontrol": """#!/bin/bash
 case "$1 $2" in
-  "show hostnames") printf 'gpu-a\\ngpu-b\\ngpu-c\\ngpu-d\\n' ;;
-  "show node") echo "NodeName=$4 NodeAddr=127.0.0.1 State=ALLOCATED" ;;
+  "show hostnames") printf '%s\\n' ${FAKE_NODES:-gpu-a gpu-b gpu-c gpu-d} ;;
+  "show node") [[ " ${FAKE_DOWN:-} " == *" $4 "* ]] && st=DOWN+NOT_RESPONDING || st=ALLOCATED
+               echo "NodeName=$4 NodeAddr=127.0.0.1 State=$st" ;;
   "requeue "*) echo "requeue $2" >> "$FAKE_LOG" ;;
 esac
 """,
@@ -45,6 +46,9 @@ n=$(( $(cat "$FAKE_LOG.runs-$g" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$FAK
 nl=${all##*--nodelist=}; nl=${nl%% *}
 ep=${all##*--rdzv-endpoint }; ep=${ep%% *}
 echo "group $g run $n nodes $nl rdzv $ep lighthouse $TORCHFT_LIGHTHOUSE of $LLMCLUSTER_FT_GROUPS" >> "$FAKE_LOG"
+for d in ${FAKE_DOWN:-}; do   # a DOWN node ends the step; under --no-kill srun says so and exits 0 (real Slurm)
+  [[ ",$nl," == *",$d,"* ]] && { sleep 0.5; echo "srun: error: Node failure on $d" >&2; exit 0; }
+done
 if [ "$g" = "${FAKE_FAIL_GROUP:-}" ] && [ "$n" -le "${FAKE_FAILS:-1}" ]; then
   [ -n "${FAKE_REASON:-}" ] && echo "$FAKE_REASON" > "$LLMCLUSTER_EXIT_DIR/exit-rank0"
   exit 1
@@ -155,3 +159,33 @@ def test_ft_with_a_running_lighthouse_starts_none(tmp_path):
 ])
 def test_ft_layouts_slurm_cannot_split_are_refused(tmp_path, flags, words):
     assert_one_line_error(dry(tmp_path / "s", *flags), *words)
+
+
+def test_ft_a_group_whose_node_is_down_is_relaunched_on_a_spare_node(tmp_path):
+    """Issue 54: --no-kill keeps the job when a node goes DOWN (srun then exits 0: not taken for a finish); the
+    group that lost it (gpu-c) comes back on the spare node after the groups' nodes (gpu-e) with its node still up
+    (gpu-d); group 0 is never touched."""
+    script = ft_script(tmp_path, "--set", "ft.spare_nodes=1")
+    assert "#SBATCH --nodes=5" in script and "#SBATCH --no-kill" in script
+    out, log = run_batch_script(tmp_path, script, fakes=FT_FAKES, FAKE_NODES="gpu-a gpu-b gpu-c gpu-d gpu-e",
+                                FAKE_DOWN="gpu-c", FAKE_STEP_S="4")
+    runs = sorted(ln.split(" rdzv ")[0] for ln in log.splitlines() if ln.startswith("group "))
+    assert runs == ["group 0 run 1 nodes gpu-a,gpu-b", "group 1 run 1 nodes gpu-c,gpu-d",
+                    "group 1 run 2 nodes gpu-e,gpu-d"], log
+    assert "group 1: node gpu-c is down: relaunching on spare node gpu-e" in out
+    assert "groups exited with 0" in out and "requeue" not in log
+
+
+def test_ft_a_lost_node_without_a_spare_leaves_the_other_groups_running(tmp_path):
+    script = ft_script(tmp_path)
+    assert "#SBATCH --nodes=4" in script and "#SBATCH --no-kill" in script
+    out, log = run_batch_script(tmp_path, script, fakes=FT_FAKES, FAKE_DOWN="gpu-d", FAKE_STEP_S="3")
+    assert "group 1: node gpu-d is down and no spare node is left (ft.spare_nodes): not relaunched" in out
+    assert [ln.split(" rdzv ")[0] for ln in log.splitlines() if ln.startswith("group 1")] == \
+        ["group 1 run 1 nodes gpu-c,gpu-d"], log
+    assert "group 0 finished" in out
+
+
+def test_ft_spare_nodes_are_for_slurm_only(tmp_path):
+    p = dry(tmp_path / "s", "--scheduler", "k8s", "--nodes", "2", *FT, "--set", "ft.spare_nodes=1")
+    assert_one_line_error(p, "ft.spare_nodes", "Slurm only")

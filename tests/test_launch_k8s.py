@@ -251,7 +251,8 @@ def test_every_form_passes_checkov(tmp_path):
     Deployment and Service too. One checkov run over a file per form (its start is ~5 s of CPU), judged per file."""
     assert CHECKOV.is_file(), f"{CHECKOV} missing: run `make checkov`"
     digest = "nvcr.io/nvidia/pytorch:24.07-py3@sha256:" + "a" * 64     # CKV_K8S_43: images by digest
-    forms = {k: (k, ()) for k in FORMS} | {"jobset-ft": ("jobset", FT)}
+    forms = {k: (k, ()) for k in FORMS} | {"jobset-ft": ("jobset", FT), "jobset-ft3": ("jobset", (  # issue 54
+        "--nodes", "3", "--set", "ft.enabled=true", "--set", "parallel.dp_replicate=3", "--set", "log.metrics_bind=0.0.0.0:9400"))}
     (tmp_path / "forms").mkdir()
     for name, (kind, extra) in forms.items():
         objects = render(tmp_path / name, kind, "--image", digest, "--namespace", "ml",

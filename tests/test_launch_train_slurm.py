@@ -216,3 +216,86 @@ def test_ft_two_groups_one_step_killed_relaunched_in_the_allocation(root):
     assert "group 1 step exited with" in out and "relaunching it (1 of 3)" in out, out
     assert "requeue" not in out and out.count("group 0: nodes n1") == 1
     assert max(m["step"] for m in metrics(root, "ft-kill")) == STEPS * 2
+
+
+DIGEST = re.compile(r"ft: group (\d) finished at step (\d+), weights sha256 ([0-9a-f]{16})")
+
+
+def launcher_lines(root: Path, run: str) -> str:
+    """What the batch script and srun said (not the ranks' chatter), then the usual tail."""
+    out = "\n".join(f.read_text() for f in (root / "logs" / run).glob("slurm-*.out"))
+    return "\n".join(ln for ln in out.splitlines() if ln.startswith(("[llmcluster]", "srun", "slurmstepd"))) + \
+        "\n" + log_tail(root, run)
+
+
+def lose_node(node: str, job: str) -> list[int]:
+    """A node lost as Slurm sees it (the test cluster's nodes are slurmd daemons of one host): its slurmd SIGKILLed
+    (scripts/slurm_up.sh's pid file) as power loss ends it, `scontrol update state=down` (alive, slurmd would
+    answer the controller's kill-step call and ReturnToService=2 would put the node back at once), then what it
+    ran: the slurmstepd of the job's steps there and its tasks (SLURMD_NODENAME=node: torchrun and the ranks)."""
+    steps = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %N"], capture_output=True, text=True).stdout
+    stepd = {f"[{ln.split()[0]}]".encode() for ln in steps.splitlines() if ln.split()[1:] == [node]}
+    slurmd = int(Path(f"/run/slurmd-{node}.pid").read_text())
+    os.kill(slurmd, signal.SIGKILL)
+    subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=llmcluster-test-node-lost"],
+                   check=True)
+    killed = [slurmd]
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"SLURMD_NODENAME={node}".encode() in env or (b"slurmstepd" in cmd and any(s in cmd for s in stepd)):
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+                killed.append(int(proc.name))
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+@pytest.mark.skipif(not (REPO / "llmcluster" / "train" / "ft.py").is_file(),
+                    reason="needs the trainer's ft side (llmcluster/train/ft.py)")
+def test_ft_a_lost_node_moves_its_group_to_the_spare_node_and_the_other_group_never_stops(root):
+    """Issue 54's Slurm acceptance: 2 replica groups of one node each and a spare node (ft.spare_nodes=1, the job
+    holds n1-n3 with --no-kill). Group 1's node n2 is lost as Slurm sees it (`scontrol update state=down`) and its
+    processes killed; group 0's step runs on untouched, group 1 is relaunched on n3, heals from group 0, and both
+    finish with bitwise equal weights; the job is never requeued."""
+    job = launch(root, "ft-node", "--set", f"train.steps={STEPS * 2}", "--set", "ft.enabled=true",
+                 "--set", "ft.spare_nodes=1", "--set", "ft.join_timeout_s=5", "--set", "parallel.dp_replicate=2",
+                 "--set", "parallel.dp_shard=1", "--set", "checkpoint.interval_steps=1000",
+                 "--set", "job.env.LLMCLUSTER_TESTING=1", "--set", "job.env.LLMCLUSTER_INJECT_SLEEP=0:1")
+    try:
+        wait_step(root, "ft-node", job, 3)
+        steps = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %N"], capture_output=True,
+                               text=True).stdout
+        group0 = [ln.split()[0] for ln in steps.splitlines() if ln.split()[1:] == ["n1"]
+                  and not ln.split()[0].endswith((".batch", ".extern"))]
+        assert len(lose_node("n2", job)) > 1, steps
+        deadline = time.monotonic() + 120       # group 1 back on n3: group 0's step is the one it always was
+        while "group 1: nodes n3," not in (root / "logs" / "ft-node" / f"slurm-{job}.out").read_text():
+            assert time.monotonic() < deadline and job_state(job) in ACTIVE, launcher_lines(root, "ft-node")
+            time.sleep(0.5)
+        now = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %N"], capture_output=True, text=True).stdout
+        assert set(group0) <= {ln.split()[0] for ln in now.splitlines() if ln.split()[1:] == ["n1"]}, (steps, now)
+        # what `jobs status` shows meanwhile: the job running on, the lost node gone from it, never restarted
+        st = json.loads(run_cli("jobs", "status", "ft-node", "--root", root, "--json", check=True).stdout)
+        assert (st["state"], st["nodes"], st["restarts"]) == ("RUNNING", "n[1,3]", 0), st
+        assert wait_for(job, ("COMPLETED",), timeout=400) == "COMPLETED", launcher_lines(root, "ft-node")
+    finally:     # the node back, for the tests after this one
+        subprocess.run(["slurmd", "-N", "n2"], capture_output=True)
+        subprocess.run(["scontrol", "update", "nodename=n2", "state=resume"], capture_output=True)
+    logs = root / "logs" / "ft-node"
+    out = "\n".join(f.read_text() for f in logs.glob("slurm-*.out"))
+    text = out + "\n".join(f.read_text() for f in logs.glob("ranks/**/*.log"))
+    assert "group 1: node n2 is down: relaunching on spare node n3" in out, out[-4000:]
+    assert "group 1: nodes n3," in out and "requeue" not in out and "attempt 1" not in out
+    # group 0 (the Lighthouse's node, the writer): one step from start to end, never relaunched
+    assert out.count("group 0: nodes n1") == 1 and "group 0 step exited" not in out and "group 0 finished" in out
+    assert len(group0) == 2, steps          # the Lighthouse's step and group 0's, both on n1
+    assert re.search(r"ft: group 1 healed from replica", text), text[-4000:]
+    digests = {int(g): (int(s), d) for g, s, d in DIGEST.findall(text)}
+    assert set(digests) == {0, 1} and digests[0] == digests[1] == (STEPS * 2, digests[0][1]), digests

@@ -351,6 +351,9 @@ class FtConfig(Section):
     # straggler_backoff_s and it heals from a peer. The writer group is never dropped (no hand-over yet).
     straggler_steps: int = Field(0, ge=0)
     straggler_backoff_s: float = Field(60.0, ge=0)
+    # Slurm: nodes allocated beyond the groups' (job.nodes), idle until a group loses a node; the group is then
+    # relaunched on one (the job is submitted with --no-kill, so a lost node ends only its own steps).
+    spare_nodes: int = Field(0, ge=0)
 
     @field_validator("lighthouse")
     @classmethod

@@ -49,9 +49,12 @@ def render(spec: LaunchSpec) -> str:
         f"# llmcluster launch: run {comment_text(spec.run)}, {j.nodes} node(s) x {j.procs} process(es), "
         f"world size {j.world_size}",
         f"#SBATCH --job-name={directive_value(spec.run, 'run name')}",
-        f"#SBATCH --nodes={j.nodes}",
+        f"#SBATCH --nodes={j.nodes + (spec.ft.spare_nodes if spec.ft else 0)}",
         "#SBATCH --ntasks-per-node=1",           # one torchrun agent per node; it starts the ranks
     ]
+    if spec.ft:   # a lost node ends its steps only: the dead group moves to a spare node (launch/slurm_ft.py)
+        head += [f"# ft: {spec.ft.spare_nodes} spare node(s) (ft.spare_nodes) after the groups' {j.nodes}",
+                 "#SBATCH --no-kill"]
     if j.gpus_per_node:
         head.append(f"#SBATCH --gpus-per-node={j.gpus_per_node}")
     if j.cpus_per_node:

@@ -7,6 +7,12 @@ Inside one allocation the script runs
     each a torchrun world with its own rendezvous (the group's first node, a port of its own), started by a
     shell function that relaunches the step when it dies, up to job.max_requeues times, with a line in the
     job's log. The other groups' steps are never touched: they keep committing steps in a smaller quorum;
+  * a node lost (issue 54): the job is submitted with --no-kill, so Slurm keeps the allocation when a node goes
+    DOWN (it ends only that node's steps), and ft.spare_nodes more nodes than the groups need, idle at the end
+    of the allocation. A group relaunched finds which of its nodes Slurm no longer calls up (DOWN, DRAIN, FAIL,
+    NOT_RESPONDING) and takes a spare in their place (claimed with an atomic mkdir: two groups never take the
+    same one); with none left it is not relaunched and the others finish without it. The batch host (group 0's
+    first node, the Lighthouse's) is not covered: Slurm ends the job with it, and the job requeues as before;
   * it ends when every group has ended (their worst status is the script's) or when the Lighthouse dies (the
     groups are stopped: without a quorum no step commits; the requeued job resumes from the last checkpoint).
 A group whose ranks wrote a `fatal` exit reason is not relaunched (a relaunch would repeat it); one whose ranks
@@ -50,6 +56,17 @@ def body(spec: LaunchSpec, srun: list[str], port_python: str, free_port: str, co
         "node_addr() {   # a node's NodeAddr (node names need not resolve)",
         '  local a; a=$(scontrol show node -o "$1" | tr " " "\\n" | sed -n "s/^NodeAddr=//p"); echo "${a:-$1}"',
         "}",
+        "node_up() {     # Slurm still calls the node up (a lost node is DOWN or NOT_RESPONDING, a drained one DRAIN);",
+        "                # no answer from the controller counts as up: a relaunch there fails and is tried again",
+        '  local s; s=$(scontrol show node -o "$1" | tr " " "\\n" | sed -n "s/^State=//p")',
+        '  [ -z "$s" ] || ! [[ "$s" =~ DOWN|DRAIN|FAIL|NOT_RESPONDING ]]',
+        "}",
+        f'spares=("${{nodes[@]:{n * k}}}")   # ft.spare_nodes: idle until a group loses a node',
+        'spare_claims="$ranks_dir/spare-claims"; mkdir -p "$spare_claims"',
+        "claim_spare() {  # the first spare node up that no group took yet (mkdir is atomic), or nothing",
+        '  local s; for s in "${spares[@]}"; do node_up "$s" && mkdir "$spare_claims/$s" 2>/dev/null && '
+        '{ echo "$s"; return 0; }; done; return 1',
+        "}",
         shell_export("LLMCLUSTER_FT_GROUPS", n),
         "# the run's secret (launch/ft_auth.py), made 0600 by `llmcluster launch` when it submitted the job",
         shell_export(SECRET_ENV, f"{spec.logs}/ft/{SECRET_FILE}"),
@@ -82,14 +99,14 @@ def body(spec: LaunchSpec, srun: list[str], port_python: str, free_port: str, co
     lines += [
         "",
         "run_group() {   # group $1 on its nodes, rendezvous port $2; its step relaunched when it dies",
-        "  local g=$1 gport=$2 gnodes ghead rc=0 relaunches=0 stop=0 srun_pid= fatal rejoin=0",
-        f'  gnodes=$(IFS=,; echo "${{nodes[*]:$(( g * {k} )):{k}}}")',
-        f'  ghead=$(node_addr "${{nodes[$(( g * {k} ))]}}")',
+        "  local g=$1 gport=$2 gnodes ghead rc=0 relaunches=0 stop=0 srun_pid= fatal rejoin=0 node spare",
+        f'  local mine=("${{nodes[@]:$(( g * {k} )):{k}}}") kept',
         "  trap 'stop=1; kill -USR2 \"$srun_pid\" 2>/dev/null' USR2",
         "  trap 'stop=1; kill -TERM \"$srun_pid\" 2>/dev/null' TERM",
         f'  export LLMCLUSTER_FT_GROUP="$g" {EXIT_DIR_ENV}="$ranks_dir/group-$g"',
         f'  mkdir -p "${EXIT_DIR_ENV}"',
         "  while :; do",
+        '    gnodes=$(IFS=,; echo "${mine[*]}"); ghead=$(node_addr "${mine[0]}")',
         f'    rm -f "${EXIT_DIR_ENV}"/exit-rank*   # this launch\'s reasons only (a rank killed outright writes none)',
         '    echo "[llmcluster] group $g: nodes $gnodes, rendezvous $ghead:$gport (relaunch $relaunches)"',
         f"    export {REJOIN_ENV}=$rejoin   # a relaunched group joins as a reader (train/ft_writer.py)",
@@ -97,6 +114,8 @@ def body(spec: LaunchSpec, srun: list[str], port_python: str, free_port: str, co
         "    srun_pid=$! rejoin=1",
         '    while :; do wait "$srun_pid"; rc=$?; [ "$rc" -gt 128 ] && kill -0 "$srun_pid" 2>/dev/null && continue;'
         " break; done",
+        "    # under --no-kill srun exits 0 when a node of its step fails (\"Node failure on ...\"): not a finish",
+        '    for node in "${mine[@]}"; do node_up "$node" || { [ "$rc" -eq 0 ] && rc=1; }; done',
         '    [ "$rc" -eq 0 ] && { echo "[llmcluster] group $g finished"; return 0; }',
         # a straggler the other groups left behind (ft.straggler_steps): back after the backoff, not a failure
         f'    if [ "$stop" = 0 ] && grep -qs "^dropped" "${EXIT_DIR_ENV}"/exit-rank*; then',
@@ -114,6 +133,15 @@ def body(spec: LaunchSpec, srun: list[str], port_python: str, free_port: str, co
         f'    echo "[llmcluster] group $g step exited with $rc: relaunching it ($relaunches of {j.max_requeues});'
         ' the other groups keep running"',
         f"    sleep {RELAUNCH_PAUSE_S}",
+        "    kept=()         # a node Slurm no longer calls up is replaced by a spare (--no-kill kept the job)",
+        '    for node in "${mine[@]}"; do',
+        '      if node_up "$node"; then kept+=("$node"); continue; fi',
+        '      spare=$(claim_spare) || { echo "[llmcluster] group $g: node $node is down and no spare node is left'
+        ' (ft.spare_nodes): not relaunched; the other groups go on without it"; return "$rc"; }',
+        '      echo "[llmcluster] group $g: node $node is down: relaunching on spare node $spare"',
+        '      kept+=("$spare")',
+        "    done",
+        '    mine=("${kept[@]}")',
         "  done",
         "}",
         "",

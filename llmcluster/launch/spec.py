@@ -154,10 +154,13 @@ def apply_flags(job: JobSpec, args) -> JobSpec:
         raise UserError(explain(err, Wrapped)) from None
 
 
-def ft_groups(cfg, job: JobSpec) -> int:
+def ft_groups(cfg, job: JobSpec, scheduler: str = "slurm") -> int:
     """The replica groups of an ft run: parallel.dp_replicate, which must be set and split the nodes evenly
     (each group is a torchrun world of whole nodes, restarted alone)."""
     groups = cfg.parallel.dp_replicate
+    if cfg.ft.spare_nodes and scheduler != "slurm":
+        raise UserError(f"ft.spare_nodes ({cfg.ft.spare_nodes}) is for Slurm only (Kubernetes reschedules a lost "
+                        f"node's pods itself), not scheduler {scheduler!r}")
     if groups == -1:
         raise UserError("ft.enabled needs parallel.dp_replicate set to the number of replica groups (not -1)")
     if job.nodes % groups:
@@ -208,6 +211,6 @@ def build_spec(cfg, args, root: Path, host_paths: list[str] | tuple[str, ...] = 
                       overrides=list(args.overrides), launch_id=launch_id, storage=storage,
                       metrics_port=cfg.log.metrics[1] if cfg.log.metrics else None, host_paths=tuple(host_paths),
                       cluster=cluster, ft=cfg.ft if cfg.ft.enabled else None,
-                      ft_groups=ft_groups(cfg, job) if cfg.ft.enabled and args.scheduler != "local" else 0)
+                      ft_groups=ft_groups(cfg, job, args.scheduler) if cfg.ft.enabled and args.scheduler != "local" else 0)
     sched.check(spec)
     return spec

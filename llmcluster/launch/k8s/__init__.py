@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from llmcluster.errors import UserError
-from llmcluster.launch.k8s import api, indexed_job, jobset, pod, pytorchjob, volcano
+from llmcluster.launch.k8s import api, crd, indexed_job, jobset, pod, pytorchjob, volcano
 from llmcluster.launch.k8s.pod import CONFIG_DIR, RUN_LABEL, area_claims, host_mounts  # noqa: F401
 from llmcluster.launch.scheduler import Scheduler
 from llmcluster.launch.spec import LaunchSpec
@@ -106,6 +106,8 @@ class Kubernetes(Scheduler):
             write_record({**record, "job_id": None, "state": "RENDERED"})
             print(f"rendered {len(objs)} object(s) to {artifact} (add --apply to create them)")
             return 0
+        if spec.ft:   # the JobSet controller must restart a group alone (k8s/crd.py): read its CRD first
+            crd.check_jobset(crd.read_jobset(api.connect()))
         api.apply(([pod.ft_secret(spec)] if spec.ft else []) + objs, spec.job.k8s.namespace, PLURALS)
         write_record({**record, "job_id": spec.run, "state": "SUBMITTED"})
         print(f"created {', '.join(o['kind'] + '/' + o['metadata']['name'] for o in objs)} "

@@ -57,7 +57,7 @@ def jobset(spec: LaunchSpec) -> dict:
         env = {"TORCHFT_LIGHTHOUSE": lighthouse_url(spec), "LLMCLUSTER_FT_GROUP": str(g),
                "LLMCLUSTER_FT_GROUPS": str(spec.ft_groups)}
         job_spec = to_dict(indexed_job.job_spec(spec, rdzv, spec.run, backoff=0, completions=spec.group_nodes,
-                                                extra_env=env))
+                                                extra_env=env, group=g))
         job_spec["template"]["spec"].pop("subdomain")                  # JobSet sets it from spec.network
         job_spec["template"]["metadata"]["labels"][GROUP_LABEL] = str(g)
         replicated.append({"name": name, "replicas": 1, "template": {"spec": job_spec}})

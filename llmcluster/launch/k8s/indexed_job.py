@@ -9,12 +9,12 @@ from llmcluster.render import K8sRef
 
 
 def job_spec(spec: LaunchSpec, rdzv: str, subdomain: str, backoff: int, completions: int | None = None,
-             extra_env: dict[str, str] | None = None):
+             extra_env: dict[str, str] | None = None, group: int = 0):
     """`completions` pods (all the job's nodes, or an ft group's), each a torchrun agent of one world."""
     c = client()
     n = completions or spec.job.nodes
     tpl = pod_template(spec, rdzv, subdomain=subdomain, node_rank=K8sRef("$(JOB_COMPLETION_INDEX)"),
-                       extra_env=extra_env)
+                       extra_env=extra_env, group=group)
     return c.V1JobSpec(
         completion_mode="Indexed", completions=n, parallelism=n,
         backoff_limit=backoff, template=tpl,

@@ -114,10 +114,18 @@ def tolerations(k) -> list | None:
             for t in k.tolerations] or None
 
 
+def metrics_ports(spec: LaunchSpec, group: int = 0) -> list[int]:
+    """The ports a pod's ranks serve metrics on, one per local rank: log.metrics' port plus train/ft.py's
+    port_slot, which with ft moves each replica group past the others' (group x procs: groups sharing a host
+    keep apart), so a group's pod declares its own."""
+    first = spec.metrics_port + (group * spec.job.procs if spec.ft else 0)
+    return [first + i for i in range(spec.job.procs)]
+
+
 def pod_template(spec: LaunchSpec, rdzv_endpoint: str, container: str = "trainer",
                  restart: str = "Never", subdomain: str | None = None, node_rank: str | None = None,
-                 extra_env: dict[str, str] | None = None):
-    """The rank pod; `extra_env` adds variables of this pod's kind (an ft replica group's)."""
+                 extra_env: dict[str, str] | None = None, group: int = 0):
+    """The rank pod; `extra_env` adds variables of this pod's kind (an ft replica group's, `group`)."""
     c = client()
     j, k = spec.job, spec.job.k8s
     # the kubelet expands $(VAR) in command, args and env values: ours are K8sRefs, every other '$' is doubled
@@ -167,8 +175,8 @@ def pod_template(spec: LaunchSpec, rdzv_endpoint: str, container: str = "trainer
             secret_key_ref=c.V1SecretKeySelector(name=ft_secret_name(spec.run), key=ft_auth.SECRET_FILE))))
     ports = [c.V1ContainerPort(container_port=k.rdzv_port, name="rdzv")]
     if spec.metrics_port:   # one per local rank; the first is named for `monitor config --kubernetes`
-        ports += [c.V1ContainerPort(container_port=spec.metrics_port + i, name=METRICS_PORT if i == 0 else None)
-                  for i in range(j.procs)]
+        ports += [c.V1ContainerPort(container_port=port, name=METRICS_PORT if i == 0 else None)
+                  for i, port in enumerate(metrics_ports(spec, group))]
     trainer = c.V1Container(
         # Always: a moved tag is never run from a node's stale cache (with a digest it only re-checks)
         name=container, image=j.image, image_pull_policy="Always", command=argv[:1], args=argv[1:],
@@ -196,16 +204,17 @@ def config_map(spec: LaunchSpec) -> dict:
 
 
 def network_policy(spec: LaunchSpec) -> dict:
-    """c10d and gloo listen unauthenticated: only this run's own pods may reach them. The metrics port,
-    when there is one, is open to scrapers in any namespace; egress (storage, DNS, NCCL) is not limited."""
+    """c10d and gloo listen unauthenticated: only this run's own pods may reach them. The metrics ports,
+    when there are some (every ft group's), are open to scrapers in any namespace; egress (storage, DNS, NCCL) is
+    not limited."""
     c = client()
     me = c.V1LabelSelector(match_labels={RUN_LABEL: spec.run})
     rules = [c.V1NetworkPolicyIngressRule(_from=[c.V1NetworkPolicyPeer(pod_selector=me)])]
     if spec.metrics_port:
         rules.append(c.V1NetworkPolicyIngressRule(
             _from=[c.V1NetworkPolicyPeer(namespace_selector=c.V1LabelSelector())],
-            ports=[c.V1NetworkPolicyPort(port=spec.metrics_port, end_port=spec.metrics_port + spec.job.procs - 1,
-                                         protocol="TCP")]))
+            ports=[c.V1NetworkPolicyPort(port=spec.metrics_port, protocol="TCP",
+                                         end_port=metrics_ports(spec, max(spec.ft_groups - 1, 0))[-1])]))
     return to_dict(c.V1NetworkPolicy(
         api_version="networking.k8s.io/v1", kind="NetworkPolicy", metadata=c.V1ObjectMeta(**meta(spec)),
         spec=c.V1NetworkPolicySpec(pod_selector=me, policy_types=["Ingress"], ingress=rules)))
