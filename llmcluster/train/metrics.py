@@ -116,3 +116,30 @@ def device_peak_flops(device: torch.device, precision: str) -> tuple[float, str]
            if precision != "fp32" else "")
     return measured_cpu_peak_flops(dtype, torch.get_num_threads()), \
         f"measured CPU {precision} matmul peak ({torch.get_num_threads()} threads, best seen on this machine{why})"
+
+
+def record_step(t, loss: float, norm: float, val: dict) -> None:
+    """One metrics record of trainer `t` (every rank takes part: the step-time gathers are collectives)."""
+    import statistics
+
+    from llmcluster.distributed import process_groups as D
+    from llmcluster.train.health import note_stragglers
+
+    cfg, env = t.cfg, t.env
+    # ft: the step's tokens are those of the groups that committed it (k of n), each group's on its own ranks
+    k, n = (t.ft.participants, t.ft.groups) if t.ft else (1, 1)
+    tps = t.global_batch * k / n * cfg.data.seq_len / t.dt
+    mfu = t.flops_per_token * tps / (t.peak_flops * env.world_size * k) if t.peak_flops else 0.0
+    times = D.gather_floats(statistics.median(t.step_times), env)
+    busy_times = D.gather_floats(statistics.median(t.busy), env)
+    t.step_times.clear()
+    t.busy.clear()
+    record = {"step": t.step, "loss": loss, "lr": t.lr_used,
+              "grad_norm": norm, "tokens_per_s": tps, "mfu": mfu, "step_time_s": t.dt,
+              "tokens_seen": (t.sampler.consumed - t.ft_skipped) * cfg.data.seq_len,
+              "tokens_by_source": t.sampler.tokens_by_source(),
+              "rank_step_time_s": times, "rank_busy_s": busy_times, "bad_steps": t.bad_total, **val}
+    if t.ft:
+        record["ft_groups"] = k   # the groups that committed this step
+    note_stragglers(busy_times, cfg.log.straggler_factor, t.metrics, t.log)
+    t.metrics.write(record)

@@ -39,11 +39,12 @@ from llmcluster.train.downstream import Downstream, pending_steps
 from llmcluster.train.gc_cadence import GarbageCollection
 from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
 from llmcluster.train.health import (BusyTimer, CollectiveFailure, FaultInjector, LossSpikeDetector, SampleLog,
-                                     is_collective_error, note_stragglers, young_daly_steps)
+                                     is_collective_error, young_daly_steps)
 from llmcluster.train.evaluate import Evaluator
 from llmcluster.train import ft
+from llmcluster.train.ft_quorum import RunFinished, StopAsked
 from llmcluster.storage.events import EventLog
-from llmcluster.train.metrics import device_peak_flops, peak_note
+from llmcluster.train.metrics import device_peak_flops, peak_note, record_step
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
 from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, step_context
 from llmcluster.train.resources import require_fit
@@ -138,8 +139,7 @@ class Trainer:
         self.inject = FaultInjector(env.rank)
         self.busy_timer = BusyTimer(env.device)   # straggler signal: device time on CUDA, host time on CPU
         self.ckpt.every = cfg.checkpoint.interval_steps  # interval=auto retunes it after each checkpoint
-        self.ft_skipped = 0   # ft: samples of the shards whose groups were not in a committed step (never trained)
-        # ft: one file per group and rank (every group has its own rank 0)
+        self.ft_skipped = 0   # ft: samples of shards whose groups were not in a committed step (never trained)
         self.sample_log = SampleLog(self.storage.run_logs(cfg.run.name), env.rank, ft.sample_log_tag(cfg)) \
             if cfg.log.sample_log else None
         if path is None and t.init_from:  # a checkpoint, when there is one, supersedes the starting weights
@@ -315,6 +315,11 @@ class Trainer:
         try:
             with GarbageCollection(self.cfg.train.gc_interval) as self.gc:  # at the same steps on every rank
                 return self._fit()
+        except RunFinished as e:   # an ft group back after the run ended (ft_quorum.py)
+            self.log(str(e))
+            return 0
+        except StopAsked:          # a stop signal while an ft group waited for its quorum
+            return self._preempted(False)
         except Exception as e:  # a hung (dist.timeout_s) or dead peer: one line naming step and rank
             if self.env.distributed and is_collective_error(e):
                 raise CollectiveFailure(self.step, self.env.rank, self.cfg.dist.timeout_s, e) from None
@@ -332,13 +337,7 @@ class Trainer:
         while self.step < last_step:
             t0 = time.perf_counter()
             self.gc.step(self.step + 1)
-            try:
-                loss, norm, applied = self.train_step()
-            except ft.RunFinished as e:   # an ft group back after the run ended (ft.py)
-                self.log(str(e))
-                return 0
-            except ft.StopAsked:          # a stop signal while an ft group waited for its quorum
-                return self._preempted(False)
+            loss, norm, applied = self.train_step()
             if self.ft and not self.ft.committed:   # not applied: the same batch again (ft.py), unless told to stop
                 if D.all_reduce_max(1.0 if self.preempt.set else 0.0, self.env) > 0:
                     return self._preempted(False)
@@ -385,25 +384,7 @@ class Trainer:
         self.events.heartbeat(self.step)   # a killed attempt's end, to within a step
 
     def _record(self, loss: float, norm: float, val: dict) -> None:
-        """One metrics record (every rank takes part: the step-time gathers are collectives)."""
-        cfg, env = self.cfg, self.env
-        # ft: the step's tokens are those of the groups that committed it (k of n), each group's on its own ranks
-        k, n = (self.ft.participants, self.ft.groups) if self.ft else (1, 1)
-        tps = self.global_batch * k / n * cfg.data.seq_len / self.dt
-        mfu = self.flops_per_token * tps / (self.peak_flops * env.world_size * k) if self.peak_flops else 0.0
-        times = D.gather_floats(statistics.median(self.step_times), env)
-        busy_times = D.gather_floats(statistics.median(self.busy), env)
-        self.step_times.clear()
-        self.busy.clear()
-        record = {"step": self.step, "loss": loss, "lr": self.lr_used,
-                  "grad_norm": norm, "tokens_per_s": tps, "mfu": mfu, "step_time_s": self.dt,
-                  "tokens_seen": (self.sampler.consumed - self.ft_skipped) * cfg.data.seq_len,
-                  "tokens_by_source": self.sampler.tokens_by_source(),
-                  "rank_step_time_s": times, "rank_busy_s": busy_times, "bad_steps": self.bad_total, **val}
-        if self.ft:
-            record["ft_groups"] = k   # the groups that committed this step
-        note_stragglers(busy_times, self.cfg.log.straggler_factor, self.metrics, self.log)
-        self.metrics.write(record)
+        record_step(self, loss, norm, val)
 
     def _checkpoint(self, final: bool) -> bool:
         """The checkpointer's cadence (checkpoint.interval_steps, retuned by interval=auto); True if saved."""

@@ -1,0 +1,140 @@
+"""An ft group's quorum on a cluster's terms (issues 49, 52): the address the group listens on, who may be in its
+quorum, waiting for one, and the end of the run seen from a group that was away. `self` below is train/ft.py's
+Replica."""
+
+from __future__ import annotations
+
+import time
+
+from llmcluster.errors import EXIT_FAILURE, RunFailure, UserError
+from llmcluster.launch.ft_auth import RunKey, shown
+
+
+def own_address(lighthouse_url: str) -> str:
+    """The address of this host on the network that reaches the Lighthouse (127.0.0.1 for a local run): what the
+    group's ManagerServer and heal server bind and advertise, instead of torchft's `[::]` and short host name
+    (which pods of a JobSet cannot resolve). No packet is sent: a UDP socket's connect only picks the route."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(lighthouse_url if "//" in lighthouse_url else f"http://{lighthouse_url}")
+    try:
+        info = socket.getaddrinfo(u.hostname, u.port or 1, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(info[0], socket.SOCK_DGRAM) as s:
+            s.connect(info[4])
+            return s.getsockname()[0]
+    except (OSError, TypeError, IndexError) as e:
+        raise UserError(f"ft: cannot find this host's address towards the Lighthouse {u.netloc!r}: {e}") from None
+
+
+class StrangerInQuorum(Exception):
+    """A quorum that holds a member this run's secret did not make: refused before torchft configures its process
+    group with it (raised in torchft's quorum thread, caught in Replica.start_step)."""
+
+
+class QuorumNotFormed(Exception):
+    """The Lighthouse formed no quorum with this group within ft.quorum_timeout_s: asked again (ft.py)."""
+
+
+class StopAsked(Exception):
+    """A stop signal came while the group waited for a quorum: the trainer checkpoints and exits (ft.py)."""
+
+
+class RunFinished(Exception):
+    """The run reached its final step while this group was away: the group ends without training (ft.py)."""
+
+
+QUORUM_TRIES = 10   # quorums not formed in a row before a group gives up (with the default 60 s: 10 minutes)
+
+
+class BoundManagerServer:
+    """torchft's ManagerServer, bound to the group's own address (torchft hard-codes `[::]`) and registered under a
+    replica id that proves the run's secret (launch/ft_auth.py). Put in place of the class only while the Manager
+    is built."""
+
+    def __init__(self, address: str, key: RunKey):
+        self.address, self.key = address, key
+
+    def __call__(self, *, replica_id: str, hostname: str, bind: str, **kw):
+        from torchft._torchft import ManagerServer
+
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return ManagerServer(replica_id=self.key.replica_id(replica_id), hostname=host,
+                             bind=f"{host}:{bind.rsplit(':', 1)[1]}", **kw)
+
+
+class QuorumTap:
+    """Delegates to torchft's ManagerClient and keeps the last quorum it answered (the replica ids and who heals
+    from whom, which the Manager does not expose): what ft_quorum / ft_heal record."""
+
+    def __init__(self, client, key: RunKey, groups: int):
+        self._inner, self.last, self._key, self._groups = client, None, key, groups
+
+    def _quorum(self, *a, **kw):
+        try:
+            q = self._inner._quorum(*a, **kw)
+        except (RuntimeError, TimeoutError) as e:   # no quorum within ft.quorum_timeout_s (< min_replicas groups)
+            raise QuorumNotFormed(" ".join(str(e).split())[:200]) from None
+        strangers = self._key.strangers(list(q.replica_ids), self._groups)
+        if strangers:
+            raise StrangerInQuorum(", ".join(sorted({shown(r) for r in strangers})))
+        self.last = q
+        return q
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def ask_quorum(self) -> None:
+    """torchft's quorum, refused while it holds a member that is not one of this run's groups: the step is not
+    started (no process group configured with the stranger, no heal from it, nothing sent to it) and the groups
+    ask again. A stranger that keeps joining for ft.quorum_timeout_s stops the run in one line: torchft's
+    Lighthouse cannot evict it, and a stranger inside the site's fence is an incident for a person, not a fault
+    to absorb (docs/security.md, "torchft")."""
+    t, said, since, waits = self.t, None, time.monotonic(), 0
+    while True:
+        try:
+            self.manager.start_quorum()
+            return
+        except QuorumNotFormed as e:   # the healthy groups wait for a slow restart; nothing crashes
+            self.manager._quorum_future = None
+            if t.preempt.set:   # a stop while waiting (the supervisor's SIGTERM, the Lighthouse lost)
+                raise StopAsked() from None
+            waits += 1
+            end_if_finished(self)
+            if waits >= QUORUM_TRIES:
+                raise RunFailure(f"ft: group {self.group}: no quorum of ft.min_replicas={t.cfg.ft.min_replicas} "
+                                 f"group(s) in {waits} tries of {t.cfg.ft.quorum_timeout_s:g} s "
+                                 f"(ft.quorum_timeout_s): {e}") from None
+            t.log(f"ft: step {t.step + 1}: no quorum of ft.min_replicas={t.cfg.ft.min_replicas} group(s) within "
+                  f"{t.cfg.ft.quorum_timeout_s:g} s (ft.quorum_timeout_s); waiting for the others ({waits} of "
+                  f"{QUORUM_TRIES})")
+        except StrangerInQuorum as e:
+            self.manager._quorum_future = None   # the next start_quorum must not re-raise this one
+            who = str(e)
+            if who != said:
+                t.log(f"ft: step {t.step + 1}: refused a quorum holding {who}, not a group of this run (no "
+                      "proof of the run's secret): nothing is exchanged with it; asking for a quorum again")
+                t.events.emit("ft_stranger", t.step, replica_ids=who)
+                said = who
+            if time.monotonic() - since > t.cfg.ft.quorum_timeout_s:
+                raise RunFailure(f"ft: replica {who} kept joining this run's quorum for "
+                                 f"{t.cfg.ft.quorum_timeout_s:g} s (ft.quorum_timeout_s) without the run's secret: "
+                                 "stopping; fence the Lighthouse's port to the run's nodes (docs/security.md)",
+                                 exit_code=EXIT_FAILURE) from None
+            time.sleep(0.5)
+
+
+def end_if_finished(self) -> None:
+    """A group that comes back after the run finished (the writer sealed the final step and left) must not
+    train the last steps again alone and write over the run's final checkpoints: it ends here. Decided by
+    the group's rank 0 and shared, so every rank of the group agrees."""
+    from llmcluster.checkpoint.checkpointer import COMPLETE_MARKER
+    from llmcluster.distributed import process_groups as D
+
+    t = self.t
+    final = t.storage.step_dir(t.cfg.run.name, t.cfg.train.steps) / COMPLETE_MARKER
+    if D.all_reduce_max(1.0 if t.env.rank == 0 and final.is_file() else 0.0, t.env) > 0:
+        raise RunFinished(f"ft: group {self.group}: the run finished at step {t.cfg.train.steps} while this "
+                          f"group was away (at step {t.step}): it ends without training; the final checkpoint "
+                          "stays the writer's")
