@@ -39,6 +39,7 @@ from llmcluster.checkpoint.verify import (first_error as _first_error, gather_ob
                                                 newest_verified_checkpoint, owner_rank, verify_checkpoint,
                                                 verify_share)
 from llmcluster.distributed.process_groups import control_group
+from llmcluster.checkpoint.fingerprint import foreign_resume_error, is_own_checkpoint
 from llmcluster.checkpoint.ownership import RunLock
 from llmcluster.checkpoint.rng import rng_state, set_rng_state
 from llmcluster.checkpoint.safe_load import TRAIN_STATE, UnsafeCheckpoint, load_state
@@ -402,15 +403,18 @@ class Checkpointer:
                 shutil.rmtree(d, ignore_errors=True)
 
     # -- load --------------------------------------------------------------------------------------
-    def find_resume(self, resume: str) -> Path | None:
+    def find_resume(self, resume: str, foreign_ok: bool = False) -> Path | None:
         """'never' -> None; 'auto' -> newest step_<N> that verifies; else that directory (refused if it does
-        not verify). Collective: each rank verifies its own share of the files."""
+        not verify, or if it is another run's and `foreign_ok` (--init-from-checkpoint) is not given). Collective:
+        each rank verifies its own share of the files."""
         if resume == "never":
             return None
         if resume != "auto":
             p = Path(resume)
             if not p.is_dir():
                 raise UserError(f"--resume {resume}: no such checkpoint directory")
+            if not foreign_ok and not is_own_checkpoint(self.storage, self.run, p):
+                raise foreign_resume_error(self.run, resume)
             problem = _first_error(verify_share(p, self.rank, self.world))
             if problem:
                 raise UserError(f"--resume {resume}: {problem}")

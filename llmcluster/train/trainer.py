@@ -34,7 +34,8 @@ from llmcluster.config.cluster_load import storage_root
 from llmcluster.storage.layout import Storage, sha256_file
 from llmcluster.distributed import process_groups as D
 from llmcluster.train.batch import resume_batch
-from llmcluster.checkpoint.checkpointer import TRAIN_STATE, Checkpointer
+from llmcluster.checkpoint.checkpointer import Checkpointer
+from llmcluster.checkpoint.fingerprint import checked_state, run_fingerprint
 from llmcluster.train.downstream import Downstream, pending_steps
 from llmcluster.train.gc_cadence import GarbageCollection
 from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
@@ -58,11 +59,10 @@ class BadStepLimit(UserError):
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, root: Path, resume: str = "auto"):
+    def __init__(self, cfg: JobConfig, root: Path, resume: str = "auto", foreign_ok: bool = False):
         resolve_model_config(cfg, root)  # train.init_from's config.json; vocab_size from the tokenizer
         self.cfg = cfg
         self.storage = Storage(root)
-        self.dims: D.ParallelDims | None = None
         world = int(os.environ.get("WORLD_SIZE", 1))
         self.dims = D.ParallelDims.from_config(ft.group_config(cfg), world)  # ft: the group's own world
         self.env = D.init_distributed(cfg, need_group=self.dims.needs_group)
@@ -95,7 +95,7 @@ class Trainer:
         env.writer = self.ckpt.claim()   # ft: False in a group that reads (train/ft_writer.py)
         self.events = EventLog(self.storage.run_logs(cfg.run.name), env.is_main)
         try:
-            self._build(resume)
+            self._build(resume, foreign_ok)
         except BaseException as e:
             self.ckpt.close()
             # refused: no trace in a new run, a no-op start in an existing one (not an attempt for goodput)
@@ -104,11 +104,9 @@ class Trainer:
             self.storage.remove_if_empty(fresh if env.is_main else [])
             raise
 
-    def _build(self, resume: str) -> None:
+    def _build(self, resume: str, foreign_ok: bool) -> None:
         cfg, env, dims, root, t = self.cfg, self.env, self.dims, self.storage.root, self.cfg.train
-        path = self.ckpt.find_resume(resume)
-        if path is not None:  # before the model and the pipeline schedule are built for a grad_accum
-            self._keep_global_batch(json.loads((path / TRAIN_STATE).read_text()))
+        path = self.ckpt.find_resume(resume, foreign_ok)
         self.dataset, sampler = open_training_data(root, cfg.data, cfg.run.seed, verify=env.is_main,
                                                    max_vocab=cfg.model.vocab_size)
         self.sampler = Prefetcher(sampler)  # steps gathered ahead on a thread; position as trained
@@ -117,6 +115,11 @@ class Trainer:
         digests = [sha256_file(d / META) for _, d, _ in data_sources(root, cfg.data)]
         self.dataset_digest = (digests[0] if len(digests) == 1
                                else hashlib.sha256(" ".join(digests).encode()).hexdigest())
+        self.fingerprint = run_fingerprint(cfg, sha256_file(data_sources(root, cfg.data)[0][1] / "tokenizer.json")[:16])
+        if path is not None:  # the one check before any weight is loaded; the global batch before the model and PP
+            saved, notes = checked_state(path, self.fingerprint, self.storage, cfg.run.name)
+            self.notes += notes   # a start from another run's checkpoint, a resharded layout
+            self._keep_global_batch(saved)
 
         # Same seed on every rank: identical initial weights without a broadcast, whatever the mesh.
         torch.manual_seed(cfg.run.seed)
@@ -130,9 +133,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t, env.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.scaler = grad_scaler(env.device, t.precision == "fp16", self.pipe)
-        self.step = 0
-        self.bad_in_row = 0
-        self.bad_total = 0
+        self.step = self.bad_in_row = self.bad_total = 0
         self.resumed_from = None
         self.spikes = LossSpikeDetector(t.spike_window, t.spike_zscore)
         self.inject = FaultInjector(env.rank)
@@ -225,7 +226,7 @@ class Trainer:
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
                 "bad_steps": self.bad_total, "loss_window": self.spikes.state_dict(),
                 "config": saved_config_dict(self.cfg), "dataset_digest": self.dataset_digest,  # job.env redacted
-                "parallel": self.dims.describe(), "global_batch": self.global_batch}
+                "parallel": self.dims.describe(), "global_batch": self.global_batch, "fingerprint": self.fingerprint}
 
     # -- one optimizer step ------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float, bool]:
@@ -474,11 +475,9 @@ class Trainer:
 
 def train_cli(args, cfg: JobConfig) -> int:   # cfg: loaded from args by cli/train.py, before torch
     root = storage_root(args.root, cfg.run.storage)
-    trainer = None
-    ok = False
-    reason, detail = "failed", ""
+    trainer, ok, reason, detail = None, False, "failed", ""
     try:
-        trainer = Trainer(cfg, root, resume=args.resume)
+        trainer = Trainer(cfg, root, resume=args.resume, foreign_ok=getattr(args, "init_from_checkpoint", False))
         code = trainer.fit()
         ok = True
         reason = {EXIT_PREEMPTED: "preempted", EXIT_FT_DROPPED: "dropped"}.get(code, "completed")
