@@ -12,6 +12,7 @@ start (pure Python: no torch here)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from llmcluster.errors import UserError
@@ -93,10 +94,26 @@ def _config_fingerprint(cfg) -> dict:
 def preflight(cfg, root: Path, resume: str, foreign_ok: bool) -> None:
     """The refusals the config and the storage decide, in the CLI process before ranks, torch or a run directory:
     `--resume never` over existing checkpoints, a foreign `--resume PATH` without --init-from-checkpoint, and a
-    fingerprint mismatch with the checkpoint a resume would start from (for `auto`, the newest complete one)."""
+    fingerprint mismatch with the checkpoint a resume would start from (for `auto`, the newest complete one).
+    In an existing run the refusal is recorded as a no-op start, as the trainer's own refusals are."""
+    from llmcluster.storage.events import EVENTS, EventLog
     from llmcluster.storage.layout import Storage
 
-    storage, run = Storage(root), cfg.run.name
+    storage = Storage(root)
+    try:
+        _preflight(cfg, storage, resume, foreign_ok)
+    except UserError as e:
+        try:
+            logs = storage.run_logs(cfg.run.name)
+            if (logs / EVENTS).is_file() and int(os.environ.get("RANK", "0")) == 0:   # one writer: rank 0
+                EventLog(logs, True).discard(str(e))
+        except (OSError, UserError, ValueError):
+            pass   # the refusal's line matters more than its record
+        raise
+
+
+def _preflight(cfg, storage, resume: str, foreign_ok: bool) -> None:
+    run = cfg.run.name
     if resume in ("never", "auto"):
         try:
             complete = [(s, d) for s, d, ok in storage.checkpoint_steps(run) if ok]
