@@ -78,6 +78,10 @@ def run_bench(cfg: JobConfig, root: Path, steps: int, warmup: int) -> dict:
     torch.manual_seed(cfg.run.seed)
     pipe = build_pipeline(cfg, dims, env, None, ce) if dims.pp > 1 else None
     model = pipe.model if pipe else build_parallel_model(cfg, dims, env, None)[0]
+    if env.is_main:
+        from llmcluster.train.attention import attention_line
+
+        print(attention_line(cfg, env.device), flush=True)
     optimizer = build_optimizer(model, t, env.device)
     # Random tokens, different per data-parallel rank, identical across a TP group (TP ranks share input).
     gen = torch.Generator().manual_seed(cfg.run.seed + dims.dp_rank(env.rank))

@@ -33,6 +33,7 @@ from llmcluster.model.llama import cross_entropy_sum
 from llmcluster.config.cluster_load import storage_root
 from llmcluster.storage.layout import Storage, sha256_file
 from llmcluster.distributed import process_groups as D
+from llmcluster.train.attention import attention_line
 from llmcluster.train.batch import resume_batch
 from llmcluster.checkpoint.checkpointer import Checkpointer
 from llmcluster.checkpoint.fingerprint import checked_state, run_fingerprint
@@ -69,9 +70,8 @@ class Trainer:
         env, dims = self.env, self.dims
         env.writer = ft.is_writer(cfg)   # ft: one group writes checkpoints, events and metrics
         self.notes: list[str] = []  # said once the run starts (after every input check passed)
-        if not D.native_low_precision(env.device, cfg.train.precision):
-            self.notes.append(f"warning: train.precision={cfg.train.precision} is emulated on this CPU (no "
-                              "native support): computing in fp32")
+        if not D.native_low_precision(env.device, cfg.train.precision):   # said once, with the reason
+            self.notes.append("precision " + D.precision_note(env.device, cfg.train.precision))
             cfg.train.precision = "fp32"
         self.dp_rank, self.dp_size = ft.data_shard(cfg, dims.dp_rank(env.rank), dims.dp)
         t = cfg.train
@@ -84,9 +84,8 @@ class Trainer:
             raise UserError("data.seq_len exceeds model.max_seq_len")
         # Before any allocation or run folder: a job that cannot fit is one line, not an OOM per rank.
         self.notes += require_fit(cfg, dims, env.device, env.local_world_size)
-
-        # Storage and data first: bad input fails before any expensive work.
-        fresh = self.storage.require_run_dirs(cfg.run.name)  # removed again by rank 0 (if still empty) when refused
+        # Storage and data first: bad input fails before any expensive work; the run's folders are removed again
+        fresh = self.storage.require_run_dirs(cfg.run.name)  # by rank 0 (if still empty) when refused
         self.metrics = None
         # One writer per run, decided before anything expensive: a second one is refused within seconds.
         self.ckpt = ft.checkpointer(cfg, Checkpointer(self.storage, cfg.run.name, env.rank, env.world_size,
@@ -359,6 +358,7 @@ class Trainer:
         self.log(f"run {cfg.run.name}: {self.dims.describe()}, device {self.env.device}, {t.precision}, "
                  f"{param_count(cfg.model) / 1e6:.2f}M params, global batch {self.global_batch} × {cfg.data.seq_len} "
                  f"tokens; MFU vs {peak_note(self.peak_flops, self.peak_source)}{bubble_note(self.dims, self.cfg.train.grad_accum)}")
+        self.log(attention_line(cfg, self.env.device))   # the run's summary: after every refusal had its chance
         if self.step == 0:  # the baseline the validation curve is read against
             self.log(f"step 0 val {self.evaluate():.4f} (untrained; a uniform guess over the vocabulary "
                      f"scores {math.log(cfg.model.vocab_size):.4f})")
