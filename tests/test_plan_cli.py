@@ -255,3 +255,14 @@ def test_a_plan_whose_own_layout_does_not_fit_exits_3_with_the_reason_first():
     assert run_cli("plan", *unfit, "--search").returncode == 0
     r = json.loads(run_cli("plan", "plans/seed-a100-7b.yaml", "--json", check=True).stdout)
     assert r["fits"] is True and r["reason"].startswith("fits: ")
+
+
+def test_search_rows_differ_in_a_column_they_show():
+    """Issue 53: with pp > 1 the trainer never reshards after forward, and the search listed both settings as two
+    rows alike in every column the table shows (report.render_search's)."""
+    shown = ("tp", "pp", "pp_schedule", "pp_virtual_stages", "dp_replicate", "dp_shard", "zero",
+             "activation_checkpoint", "micro_batch", "grad_accum")
+    for plan in ("seed-a100-70b", "h100-70b-1024"):
+        rows = json.loads(run_cli("plan", f"plans/{plan}.yaml", "--search", "--json", check=True).stdout)["search"]
+        keys = [tuple(r[c] for c in shown) for r in rows]
+        assert len(set(keys)) == len(keys), (plan, keys)
