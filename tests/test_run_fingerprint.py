@@ -48,6 +48,28 @@ def test_a_shape_change_on_two_ranks_is_one_line_before_any_rank_starts(fp_root)
     assert "[rank" not in proc.stdout + proc.stderr
 
 
+def _rewrite_state(step: Path, change) -> None:
+    """Edit a checkpoint's train_state.json and reseal its COMPLETE.json (as a checkpoint of that content)."""
+    state = json.loads((step / "train_state.json").read_text())
+    change(state)
+    (step / "train_state.json").write_text(json.dumps(state))
+    marker = json.loads((step / "COMPLETE.json").read_text())
+    marker["files"]["train_state.json"] = hashlib.sha256((step / "train_state.json").read_bytes()).hexdigest()
+    (step / "COMPLETE.json").write_text(json.dumps(marker))
+
+
+def test_what_only_the_trainer_sees_is_one_line_on_two_ranks(fp_root):
+    """The tokenizer's digest needs the dataset (the CLI's check reads the config alone): the trainer's check, on
+    every rank before any weight is loaded, still ends in one line and exit 2."""
+    shutil.copytree(fp_root / "checkpoints" / "fp", fp_root / "checkpoints" / "tok")
+    _rewrite_state(fp_root / "checkpoints" / "tok" / "step_2",
+                   lambda s: s["fingerprint"].update(tokenizer="0123456789abcdef"))
+    proc = _train(fp_root, "tok", "train.steps=3", args=("--procs-per-node", "2"))
+    assert_one_line_error(proc, "tokenizer.json sha256 0123456789abcdef -> ")
+    assert "[rank" not in proc.stdout + proc.stderr
+    assert sorted(p.name for p in (fp_root / "checkpoints" / "tok").iterdir() if p.name.startswith("step")) == ["step_2"]
+
+
 def test_the_trainer_compares_every_field_but_the_layout():
     saved = {"fingerprint": {"d_model": 64, "tokenizer": "ab", "pipeline_stages": 2, "base_precision": "bf16"}}
     with pytest.raises(UserError, match=r"tokenizer.json sha256 ab -> cd; base_precision bf16 -> fp32"):
@@ -61,13 +83,7 @@ def test_the_trainer_compares_every_field_but_the_layout():
 def test_a_checkpoint_without_a_fingerprint_still_resumes(fp_root):
     old = fp_root / "checkpoints" / "old"
     shutil.copytree(fp_root / "checkpoints" / "fp", old)
-    step = old / "step_2"
-    state = json.loads((step / "train_state.json").read_text())
-    del state["fingerprint"]
-    (step / "train_state.json").write_text(json.dumps(state))
-    marker = json.loads((step / "COMPLETE.json").read_text())
-    marker["files"]["train_state.json"] = hashlib.sha256((step / "train_state.json").read_bytes()).hexdigest()
-    (step / "COMPLETE.json").write_text(json.dumps(marker))
+    _rewrite_state(old / "step_2", lambda s: s.pop("fingerprint"))
     proc = _train(fp_root, "old", "train.steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "(step 2)" in proc.stdout

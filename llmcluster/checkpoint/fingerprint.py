@@ -54,7 +54,7 @@ def check_fingerprint(path: Path, state: dict, now: dict, run: str) -> str | Non
     diff = _differences(saved, now, [k for k in now if k not in LAYOUT])
     if diff:
         raise UserError(f"run {run}: checkpoint {path} is of another model than the config asks for "
-                        f"({'; '.join(diff)}; checkpoint -> config): train the new shape under another run.name, "
+                        f"({'; '.join(diff)}; checkpoint -> config): train the new model under another run.name, "
                         "or set the config back to the checkpoint's")
     layout = _differences(saved, now, LAYOUT)
     return f"resharding {path}: {'; '.join(layout)}" if layout else None
