@@ -41,8 +41,11 @@ vllm:
 
 # lm-evaluation-harness for `llmcluster eval` and the lmeval tests: a keyed venv of its own outside the clone
 # (scripts/engine_venv.sh says why), built once per machine.
-lmeval:
+# The harness's task index is built here too (~10-20 s once per install, cached under ~/.cache/llmcluster), so
+# that `eval --tasks NAME` refuses an unknown name at once from the first run on.
+lmeval: venv
 	bash scripts/lmeval_venv.sh >/dev/null
+	$(PY) -c "from llmcluster.eval.harness import harness_python; from llmcluster.eval.tasks import harness_task_names; harness_task_names(harness_python())"
 
 # Debian packages the tests use for real: Slurm + munge (launch), Prometheus/promtool (monitor).
 sysdeps:
