@@ -84,6 +84,9 @@ def test_a_checkpoint_without_a_fingerprint_still_resumes(fp_root):
     old = fp_root / "checkpoints" / "old"
     shutil.copytree(fp_root / "checkpoints" / "fp", old)
     _rewrite_state(old / "step_2", lambda s: s.pop("fingerprint"))
+    # another shape is refused all the same: the saved config (in every train state) gives the model's
+    assert_one_line_error(_train(fp_root, "old", "train.steps=3", "model.ffn_hidden=96"),
+                          "model.ffn_hidden 128 -> 96")
     proc = _train(fp_root, "old", "train.steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "(step 2)" in proc.stdout

@@ -4,7 +4,8 @@ another shape is refused in one line naming each field and both values, instead 
 
 The layout (data parallel, FSDP, TP, pipeline stages, ft replica groups) is recorded too but never refused: DCP
 reshards it (tests/test_train_resume_world.py, tests/test_pipeline.py resume a PP run on one rank and as FSDP).
-A checkpoint written before fingerprints existed has none and loads as before.
+A checkpoint written before fingerprints existed has none: the config saved in its train state gives the model's
+shape, compared the same way; one that matches loads as before.
 
 `preflight` runs the checks that the config and the storage decide in the CLI process, before torchrun or torch
 start (pure Python: no torch here)."""
@@ -49,8 +50,8 @@ def check_fingerprint(path: Path, state: dict, now: dict, run: str) -> str | Non
     """Before any weight is loaded: a checkpoint of another model is refused (one line, exit 2). Returns a note
     when only the layout changed (DCP reshards it), else None."""
     saved = state.get(FINGERPRINT)
-    if not isinstance(saved, dict):
-        return None   # written before fingerprints: loads as before
+    if not isinstance(saved, dict):   # written before fingerprints: its saved config still gives the model's shape
+        saved = _shape_of_saved_config(state.get("config"))
     diff = _differences(saved, now, [k for k in now if k not in LAYOUT])
     if diff:
         raise UserError(f"run {run}: checkpoint {path} is of another model than the config asks for "
@@ -58,6 +59,17 @@ def check_fingerprint(path: Path, state: dict, now: dict, run: str) -> str | Non
                         "or set the config back to the checkpoint's")
     layout = _differences(saved, now, LAYOUT)
     return f"resharding {path}: {'; '.join(layout)}" if layout else None
+
+
+def _shape_of_saved_config(config) -> dict:
+    """The model fields of a checkpoint's saved config (every train_state.json has one: the resolved config)."""
+    model = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(model, dict):
+        return {}
+    shape = {k: model[k] for k in MODEL if k in model}
+    if "n_heads" in model and model.get("n_kv_heads") is None:
+        shape["n_kv_heads"] = model["n_heads"]
+    return shape
 
 
 def checked_state(path: Path, now: dict, storage, run: str) -> tuple[dict, list[str]]:
