@@ -33,3 +33,27 @@ def test_export_of_a_missing_step_lists_the_steps_there_are_and_every_file_gets_
         os.umask(old)
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (tmp_path / "m").iterdir() if f.is_file()}
     assert modes["model.safetensors"] == modes["config.json"] == 0o644, modes   # safetensors alone wrote 0600
+
+
+def test_a_two_rank_run_says_its_precision_once_and_the_kernel_in_its_summary(tiny_root, tmp_path):
+    """Issue 53, one line per fact: fp16 on a CPU without native fp16 computes in fp32 and says so once (not once
+    per rank, nor again as a warning); the attention kernel follows the run's summary line."""
+    import shutil
+
+    import torch
+
+    from conftest import overrides
+    from llmcluster.distributed.process_groups import native_low_precision
+
+    if native_low_precision(torch.device("cpu"), "fp16"):
+        import pytest
+        pytest.skip("this CPU runs fp16 natively: there is nothing to say")
+    root = tmp_path / "storage"
+    shutil.copytree(tiny_root, root, symlinks=True)
+    proc = run_cli("train", "-c", "llm_tiny", "--root", root, "--procs-per-node", "2",
+                   *overrides("run.name=once", "train.precision=fp16", "train.steps=1", "log.eval_interval=100"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert sum("fp16" in ln and "emulated" in ln for ln in lines) == 1, lines
+    summary = next(i for i, ln in enumerate(lines) if ln.startswith("run once: "))
+    assert lines[summary + 1].startswith("attention: SDPA ") and sum(ln.startswith("attention:") for ln in lines) == 1
