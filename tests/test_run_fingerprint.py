@@ -114,7 +114,9 @@ def test_a_foreign_resume_is_refused_and_moves_nothing_then_starts_with_the_flag
     proc = _train(fp_root, "mine", "train.steps=4", args=("--resume", str(foreign)))
     assert_one_line_error(proc, "not a checkpoint of run mine", "--init-from-checkpoint")
     assert sorted(p.name for p in mine.iterdir()) == before
+    run_cli("export", "--run", "mine", "--root", fp_root, check=True)   # of step_4, which the start sets aside
     proc = _train(fp_root, "mine", "train.steps=3", args=("--resume", str(foreign), "--init-from-checkpoint"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "starting from another run's checkpoint" in proc.stdout and "finished step 3" in proc.stdout
+    assert "is the export of step_4, set aside with them" in proc.stdout, proc.stdout
     assert (mine / "step_3" / "COMPLETE.json").is_file()

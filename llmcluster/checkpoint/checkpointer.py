@@ -215,13 +215,22 @@ class Checkpointer:
                     for _s, d in higher:
                         os.rename(d, aside / d.name)
                     _fsync_dir(self.dir)
-                    self.log(f"set aside {names} (failed verification) in {aside}" if resume == "auto" else
-                             f"rolled back to step {start}: moved {names} to {aside}")
+                    self.log((f"set aside {names} (failed verification) in {aside}" if resume == "auto" else
+                              f"rolled back to step {start}: moved {names} to {aside}") + self._stale_export([s for s, _ in higher]))
                 except OSError as e:
                     error = f"cannot set aside the checkpoints above step {start} in {self.dir}: {e.strerror or e}"
         error = _broadcast_obj(error)
         if error:
             raise UserError(error)
+
+    def _stale_export(self, moved: list[int]) -> str:
+        """'; ...' when the run's export (models/<run>/, its llmcluster.json) was made from a step just set aside."""
+        try:
+            step = json.loads((self.storage.model_dir(self.run) / "llmcluster.json").read_text()).get("step")
+        except (OSError, ValueError, AttributeError):
+            return ""
+        return (f"; {self.storage.model_dir(self.run)} is the export of step_{step}, set aside with them: export "
+                "again once the run has trained on") if step in moved else ""
 
     # -- save --------------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, train_state: dict, deadline: float | None = None,
