@@ -5,17 +5,24 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
 
-.PHONY: venv sysdeps checkov vllm lmeval demo test test-fast test-compat bench clean-storage
+.PHONY: venv venv-test sysdeps checkov vllm lmeval demo test test-fast test-compat bench clean-storage
 
-# torch first and pinned, so pip never resolves a multi-GB CUDA build on a CPU machine.
+# What `make demo` needs: torch (first and pinned, so pip never resolves a multi-GB CUDA build on a CPU machine)
+# and the package with its own dependencies, nothing of the test extras.
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e .
+	@touch $@
+
+# What the tests (and `make bench`: transformers) add on top: the test extras.
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[test]"
 	@touch $@
 
 venv: $(VENV)/.installed
+venv-test: $(VENV)/.installed-test
 
 # checkov (the Kubernetes policy scanner the launch tests run) pins packaging<24 and python-dateutil<3,
 # which pytest and the kubernetes client cannot use: it gets a venv of its own.
@@ -34,8 +41,11 @@ vllm:
 
 # lm-evaluation-harness for `llmcluster eval` and the lmeval tests: a keyed venv of its own outside the clone
 # (scripts/engine_venv.sh says why), built once per machine.
-lmeval:
+# The harness's task index is built here too (~10-20 s once per install, cached under ~/.cache/llmcluster), so
+# that `eval --tasks NAME` refuses an unknown name at once from the first run on.
+lmeval: venv
 	bash scripts/lmeval_venv.sh >/dev/null
+	$(PY) -c "from llmcluster.eval.harness import harness_python; from llmcluster.eval.tasks import harness_task_names; harness_task_names(harness_python())"
 
 # Debian packages the tests use for real: Slurm + munge (launch), Prometheus/promtool (monitor).
 sysdeps:
@@ -56,7 +66,7 @@ demo: venv
 # they run as a stream of their own beside the workers (scripts/test_suite.sh says why and how).
 TEST_WORKERS ?= 2
 TEST_FAST_WORKERS ?= 2
-test: venv sysdeps checkov vllm lmeval
+test: venv-test sysdeps checkov vllm lmeval
 	bash scripts/test_suite.sh $(PY) $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The distributed training tests (DDP, FSDP, HSDP, TP, resume, resharding, meta init, export, every preset's layer
@@ -75,8 +85,8 @@ test-compat:
 	  && PYTHONPATH=$(CURDIR) $$py -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) $(PYTEST_ARGS)
 
 # <= 3 minutes on a quiet 2-core machine (issue 33): its slowest tests are printed to keep it so.
-test-fast: venv checkov
+test-fast: venv-test checkov
 	$(PY) -m pytest -q --durations=10 -n $(TEST_FAST_WORKERS) --dist loadgroup -m "not slow and not slurm and not prometheus and not vllm and not lmeval" $(PYTEST_ARGS)
 
-bench: venv
+bench: venv-test
 	$(PY) benchmarks/train_throughput.py

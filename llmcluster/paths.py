@@ -56,6 +56,8 @@ def locate_shipped(kind: str, ref: str | Path, what: str) -> Path:
     p = Path(ref).expanduser()
     if p.is_file():
         return p
+    if p.is_dir():
+        raise UserError(f"{what} {ref} is a directory: give a {what} file (a .yaml) in it, or a shipped {what}'s name")
     shipped = shipped_file(kind, str(ref))
     if shipped is not None:
         return shipped

@@ -24,15 +24,13 @@ else
 fi
 
 step "3/5 training llm_tiny with $NPROC ranks (gloo, CPU)"
-# Which precision this machine computes in, and why (bf16 where the CPU has native bf16, else fp32), on stderr;
-# the run's name (`--set run.name=...` trains, exports and samples another run) on stdout.
+# The run's name (`--set run.name=...` trains, exports and samples another run). Which precision this machine
+# computes in, and why, the trainer says once (bf16 where the CPU has native bf16, else fp32).
 RUN=$("$VENV/bin/python" - "$CONFIG" "$@" <<'PY'
-import sys, torch
+import sys
 from llmcluster.config.load import load_job_config
-from llmcluster.distributed.process_groups import precision_note
 args = sys.argv[2:]
 cfg = load_job_config(sys.argv[1], [a for i, a in enumerate(args) if i and args[i - 1] == "--set"])
-print("precision", precision_note(torch.device("cpu"), cfg.train.precision), file=sys.stderr)
 print(cfg.run.name)
 PY
 )

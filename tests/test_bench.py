@@ -65,3 +65,14 @@ def test_pipelined_bench_records_the_bubble_and_calibration_divides_it_out(tmp_p
     gpu.write_text(json.dumps({**rec, "device_name": "NVIDIA H100 80GB HBM3"}))
     [row] = bench_rows([str(gpu)])
     assert abs(row.efficiency - min(1.0, rec["mfu"] / 0.8)) < 1e-12
+
+
+def test_tensor_parallel_bench_prints_no_library_warning(tmp_path):
+    """Issue 53: TP on CPU printed DTensor's raw UserWarning (a site-packages path) about its random operators,
+    which only draw bench's throughput-only weights: filtered where they are drawn (train/bench.py says why)."""
+    proc = run_cli("bench", "--procs-per-node", "2", "--root", tmp_path / "s", *SMALL, "--set", "train.precision=fp32",
+                   "--set", "parallel.tp=2", "--set", "parallel.dp_shard=1", "--steps", "1", "--warmup", "0",
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Warning" not in proc.stdout + proc.stderr and "site-packages" not in proc.stderr, proc.stderr
+    assert (proc.stdout + proc.stderr).count("attention: SDPA ") == 1

@@ -69,3 +69,13 @@ def test_a_plot_path_that_is_not_a_directory_is_one_line_before_work(capsys, tmp
         assert_one_line_error(cli_inprocess(capsys, "eval", "--compare", "r", "--root", tmp_path, "--plot", plot),
                               "--plot", needle)
     assert a_file.read_text() == "mine"
+
+
+def test_eval_prints_the_same_interval_as_the_compare_table():
+    """Issue 53: `eval` printed ± stderr where `eval --compare` shows ± the 95% interval for the same score."""
+    from llmcluster.eval.evaluate import summary_lines
+
+    lines = summary_lines({"step": 3, "tokens": 100, "run": "r", "endpoint": None, "backend": "hf", "wall_s": 3,
+                           "tasks": {"t": {"metrics": {"acc": 0.4}, "stderr": {"acc": 0.05}, "n": 40}},
+                           "harness": {"results": "/x/y/z.json"}})
+    assert "0.4000 ± 0.0980" in lines[1] and "95% confidence interval" in lines[0]   # 1.96 × 0.05, as --compare

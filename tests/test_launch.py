@@ -415,3 +415,19 @@ def test_a_rank_aborted_by_a_signal_leaves_its_python_stacks_beside_the_flight_r
     assert proc.returncode == -6, proc.stderr
     stacks = (dump.parent / "python_rank_3.txt").read_text()
     assert "Fatal Python error: Aborted" in stacks and "waiting_in_a_collective" in stacks
+
+
+def test_a_refused_slurm_launch_leaves_no_launch_directory(tmp_path):
+    """Issue 53: `launch --scheduler slurm` on a machine without sbatch is one line, and logs/<run>/launches/ is not
+    left behind (nothing was submitted); an existing run's earlier launches stay."""
+    (tmp_path / "bin").mkdir()
+    env = cli_env(PATH=str(tmp_path / "bin"))   # no sbatch (nor git: the record's code_version is then null)
+    root = tmp_path / "storage"
+    proc = run_cli("launch", "--scheduler", "slurm", "--root", root, "-c", "llm_tiny", "--set", "run.name=nosb", env=env)
+    assert_one_line_error(proc, "'sbatch' not found")
+    assert not (root / "logs" / "nosb").exists()
+    earlier = root / "logs" / "kept" / "launches" / "1"
+    earlier.mkdir(parents=True)
+    proc = run_cli("launch", "--scheduler", "slurm", "--root", root, "-c", "llm_tiny", "--set", "run.name=kept", env=env)
+    assert_one_line_error(proc, "'sbatch' not found")
+    assert sorted(p.name for p in (root / "logs" / "kept" / "launches").iterdir()) == ["1"]

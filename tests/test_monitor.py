@@ -432,3 +432,15 @@ def test_real_nvml_on_a_gpu_machine():
             assert value(f, "DCGM_FI_DEV_POWER_USAGE", UUID=uuid) > 0
     finally:
         gpus.close()
+
+
+def test_watch_shows_a_run_before_its_first_step_and_refuses_a_target_that_is_no_host_port():
+    """Issue 53: a starting run (metrics served, no step yet) had no row; `--targets garbage` was a DOWN row."""
+    m = TrainMetrics("fresh-run", 0, 0)
+    try:
+        out = run_cli("monitor", "watch", "--once", "--targets", f"127.0.0.1:{m.port}",
+                      env=cli_env(COLUMNS="200"), check=True).stdout
+        assert "fresh-run" in out and "starting" in out, out
+    finally:
+        m.close()
+    assert_one_line_error(run_cli("monitor", "watch", "--once", "--targets", "garbage"), "'garbage' is not HOST:PORT")

@@ -91,8 +91,9 @@ def two_rank_runs(root, reference) -> dict[str, str]:
         run_args(root, "fsdp", *mesh(1, 2), "--set", "parallel.activation_checkpoint=selective",
                  "--set", "parallel.ac_every=1", "--set", "checkpoint.interval_steps=5"),
         run_args(root, "ddp", *mesh(2, 1), "--set", "train.stop_at=7",
-                 "--resume", str(root / "checkpoints" / "fsdp" / "step_5")),
-        run_args(root, "tp", *mesh(1, 1, tp=2), "--resume", str(root / "checkpoints" / "ddp" / "step_7"))])
+                 "--resume", str(root / "checkpoints" / "fsdp" / "step_5"), "--init-from-checkpoint"),
+        run_args(root, "tp", *mesh(1, 1, tp=2), "--resume", str(root / "checkpoints" / "ddp" / "step_7"),
+                 "--init-from-checkpoint")])
     return dict(zip(("fsdp", "ddp", "tp"), outputs))
 
 
@@ -115,7 +116,7 @@ def test_fsdp_two_ranks_with_selective_ac_matches_one_process(root, reference, f
 
 def test_resume_fsdp_checkpoint_on_one_rank_with_full_ac(root, reference, fsdp_run):
     proc = train(root, "one", 1, *mesh(1, 1), "--set", "parallel.activation_checkpoint=full",
-                 "--resume", str(root / "checkpoints" / fsdp_run / "step_5"))
+                 "--resume", str(root / "checkpoints" / fsdp_run / "step_5"), "--init-from-checkpoint")
     assert "(step 5)" in proc.stdout
     assert_matches(reference, losses(root, "one"), range(6, 11))
 

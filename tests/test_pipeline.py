@@ -55,7 +55,8 @@ def two_rank_runs(root, reference) -> dict[str, str]:
         run_args(root, "pp", *pp_mesh(2), "--set", "parallel.activation_checkpoint=selective",
                  "--set", "checkpoint.interval_steps=4"),
         run_args(root, "pp_int", *pp_mesh(2, schedule="interleaved_1F1B")),
-        run_args(root, "pp_fsdp", *pp_mesh(1, dp_shard=2), "--resume", str(root / "checkpoints" / "pp" / "step_4"))])
+        run_args(root, "pp_fsdp", *pp_mesh(1, dp_shard=2), "--resume", str(root / "checkpoints" / "pp" / "step_4"),
+                 "--init-from-checkpoint")])
     return dict(zip(("pp", "pp_int", "pp_fsdp"), outputs))
 
 
@@ -97,7 +98,8 @@ def test_interleaved_matches_1f1b(root, reference, pp_run, two_rank_runs):
 
 
 def test_pp_checkpoint_resumes_on_one_rank(root, reference, pp_run):
-    proc = train(root, "pp_one", 1, *pp_mesh(1), "--resume", str(root / "checkpoints" / pp_run / "step_4"))
+    proc = train(root, "pp_one", 1, *pp_mesh(1), "--resume", str(root / "checkpoints" / pp_run / "step_4"),
+                 "--init-from-checkpoint")
     assert "(step 4)" in proc.stdout, proc.stdout
     assert_matches(reference, losses(root, "pp_one"), range(5, 9))
 

@@ -183,8 +183,9 @@ def test_plan_on_a_cluster_file_needs_no_cluster_section(tmp_path):
     (tmp_path / "cluster.yaml").write_text((REPO / "clusters" / "rtx4090-box.yaml").read_text())
     local = json.loads(run_cli("plan", plan, "--json", cwd=tmp_path, check=True).stdout)   # ./cluster.yaml
     assert local["parallel"]["world"] == 2
-    # --cluster wins over the plan's own cluster: section
-    assert plan_json(REPO / "plans" / "seed-a100-7b.yaml", "--cluster", "rtx4090-box")["parallel"]["world"] == 2
+    # --cluster wins over the plan's own cluster: section (2 GPUs: the 7B does not fit, exit 3)
+    box = run_cli("plan", REPO / "plans" / "seed-a100-7b.yaml", "--cluster", "rtx4090-box", "--json")
+    assert box.returncode == 3 and json.loads(box.stdout)["parallel"]["world"] == 2
 
 
 def test_plan_names_its_cluster_file_relative_to_itself(tmp_path):
@@ -238,3 +239,30 @@ def test_plan_with_ft_prints_goodput_with_and_without_it():
     assert off["ft"]["enabled"] is False and off["time"]["goodput"] == off["ft"]["goodput_restart"]
     assert_one_line_error(run_cli("plan", plan, *preset_args(plan), "--set", "ft.enabled=true", "--set",
                                   "parallel.dp_replicate=8"), "4 nodes", "8 replica groups")
+
+
+def test_a_plan_whose_own_layout_does_not_fit_exits_3_with_the_reason_first():
+    """Issue 53: `plan` of a layout that does not fit exits 3 (errors.EXIT_DOES_NOT_FIT), the verdict on its first
+    line; --search answers another question (which layouts fit) and exits 0; --json carries `fits` and `reason`."""
+    unfit = ("plans/seed-a100-7b.yaml", "--set", "parallel.micro_batch=16")
+    proc = run_cli("plan", *unfit)
+    assert proc.returncode == 3, (proc.returncode, proc.stderr)
+    first = proc.stdout.splitlines()[:3]
+    assert first[0].startswith("DOES NOT FIT: ") and "GiB per GPU" in first[0] and "A100-80GB" in first[0], first
+    proc = run_cli("plan", *unfit, "--json")
+    r = json.loads(proc.stdout)
+    assert proc.returncode == 3 and r["fits"] is False and r["reason"].startswith("DOES NOT FIT"), r["reason"]
+    assert run_cli("plan", *unfit, "--search").returncode == 0
+    r = json.loads(run_cli("plan", "plans/seed-a100-7b.yaml", "--json", check=True).stdout)
+    assert r["fits"] is True and r["reason"].startswith("fits: ")
+
+
+def test_search_rows_differ_in_a_column_they_show():
+    """Issue 53: with pp > 1 the trainer never reshards after forward, and the search listed both settings as two
+    rows alike in every column the table shows (report.render_search's)."""
+    shown = ("tp", "pp", "pp_schedule", "pp_virtual_stages", "dp_replicate", "dp_shard", "zero",
+             "activation_checkpoint", "micro_batch", "grad_accum")
+    for plan in ("seed-a100-70b", "h100-70b-1024"):
+        rows = json.loads(run_cli("plan", f"plans/{plan}.yaml", "--search", "--json", check=True).stdout)["search"]
+        keys = [tuple(r[c] for c in shown) for r in rows]
+        assert len(set(keys)) == len(keys), (plan, keys)

@@ -116,7 +116,7 @@ def test_demo_script_exports_and_samples_the_run_it_trained(tmp_path):
                for c in calls), calls
     assert any(c.startswith("llmcluster export --run llm-tiny-fp32 ") for c in calls), calls
     assert any(c.startswith("llmcluster generate --model llm-tiny-fp32 ") for c in calls), calls
-    assert "precision fp32" in proc.stderr
+    assert "precision" not in proc.stderr   # the trainer says it, once (issue 53)
 
 
 def test_cpu_peak_is_the_best_seen_on_this_machine_and_thread_count(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
 """Checkpoints as one room: the atomic DCP write and its marker (checkpointer), verification before a
 checkpoint is chosen (verify), data-only loading (safe_load; its DCP reader in safe_reader, imported on a read only), pinned host staging for async saves (staging), the run's
-one-writer lock (ownership) and the RNG state saved with each step (rng). Imported by train, export and eval; imports
+one-writer lock (ownership), the RNG state saved with each step (rng) and the run's fingerprint, checked before a
+resume loads anything (fingerprint, pure Python: the CLI checks it before torch starts). Imported by train, export and eval; imports
 no training loop (docs/architecture.md)."""

@@ -39,6 +39,7 @@ from llmcluster.checkpoint.verify import (first_error as _first_error, gather_ob
                                                 newest_verified_checkpoint, owner_rank, verify_checkpoint,
                                                 verify_share)
 from llmcluster.distributed.process_groups import control_group
+from llmcluster.checkpoint.fingerprint import foreign_resume_error, is_own_checkpoint
 from llmcluster.checkpoint.ownership import RunLock
 from llmcluster.checkpoint.rng import rng_state, set_rng_state
 from llmcluster.checkpoint.safe_load import TRAIN_STATE, UnsafeCheckpoint, load_state
@@ -214,13 +215,22 @@ class Checkpointer:
                     for _s, d in higher:
                         os.rename(d, aside / d.name)
                     _fsync_dir(self.dir)
-                    self.log(f"set aside {names} (failed verification) in {aside}" if resume == "auto" else
-                             f"rolled back to step {start}: moved {names} to {aside}")
+                    self.log((f"set aside {names} (failed verification) in {aside}" if resume == "auto" else
+                              f"rolled back to step {start}: moved {names} to {aside}") + self._stale_export([s for s, _ in higher]))
                 except OSError as e:
                     error = f"cannot set aside the checkpoints above step {start} in {self.dir}: {e.strerror or e}"
         error = _broadcast_obj(error)
         if error:
             raise UserError(error)
+
+    def _stale_export(self, moved: list[int]) -> str:
+        """'; ...' when the run's export (models/<run>/, its llmcluster.json) was made from a step just set aside."""
+        try:
+            step = json.loads((self.storage.model_dir(self.run) / "llmcluster.json").read_text()).get("step")
+        except (OSError, ValueError, AttributeError):
+            return ""
+        return (f"; {self.storage.model_dir(self.run)} is the export of step_{step}, set aside with them: export "
+                "again once the run has trained on") if step in moved else ""
 
     # -- save --------------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, train_state: dict, deadline: float | None = None,
@@ -402,15 +412,18 @@ class Checkpointer:
                 shutil.rmtree(d, ignore_errors=True)
 
     # -- load --------------------------------------------------------------------------------------
-    def find_resume(self, resume: str) -> Path | None:
+    def find_resume(self, resume: str, foreign_ok: bool = False) -> Path | None:
         """'never' -> None; 'auto' -> newest step_<N> that verifies; else that directory (refused if it does
-        not verify). Collective: each rank verifies its own share of the files."""
+        not verify, or if it is another run's and `foreign_ok` (--init-from-checkpoint) is not given). Collective:
+        each rank verifies its own share of the files."""
         if resume == "never":
             return None
         if resume != "auto":
             p = Path(resume)
             if not p.is_dir():
                 raise UserError(f"--resume {resume}: no such checkpoint directory")
+            if not foreign_ok and not is_own_checkpoint(self.storage, self.run, p):
+                raise foreign_resume_error(self.run, resume)
             problem = _first_error(verify_share(p, self.rank, self.world))
             if problem:
                 raise UserError(f"--resume {resume}: {problem}")

@@ -24,6 +24,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    """Exit 0, or EXIT_DOES_NOT_FIT (3) when the plan's own layout does not fit and nothing else was asked for
+    (`--search`, `--emit-config` and `--calibrate` answer their own question: exit 0)."""
+    from llmcluster.errors import EXIT_DOES_NOT_FIT
     from llmcluster.storage import records
     from llmcluster.plan.analyse import analyse
     from llmcluster.plan.calibration import bench_rows
@@ -49,11 +52,14 @@ def run(args) -> int:
         from llmcluster.plan.plots import plot
 
         result["plots"] = [str(p) for p in plot(result, args.plot)]
-    if args.json:   # one JSON object, never NaN/Infinity (a non-finite figure is null)
+    code = 0 if result["fits"] or args.search or args.emit_config or args.calibrate else EXIT_DOES_NOT_FIT
+    if args.json:   # one JSON object, never NaN/Infinity (a non-finite figure is null); `fits` and `reason` on top
         print(records.dumps(result))
-        return 0
+        return code
     from llmcluster.plan.report import render, render_search
 
+    if not result["fits"]:   # the verdict first, before 60 lines of what it would cost
+        print(result["reason"])
     render(result)
     if args.search:
         render_search(result["search"])
@@ -61,4 +67,4 @@ def run(args) -> int:
         print(f"wrote {result['emitted_config']}: {train_command(result['emitted_config'])}")
     if args.plot:
         print(f"wrote {', '.join(result['plots'])}")
-    return 0
+    return code

@@ -8,7 +8,7 @@ from llmcluster.serve import VLLM_IMAGE
 
 
 def register(sub) -> None:
-    actions = add_actions(sub, "serve", "size vLLM serving of a model on the cluster's GPUs", dest="action")
+    actions = add_actions(sub, "serve", "serve a model with vLLM: size it on the cluster's GPUs (plan), start it as a job (start), measure it (bench)", dest="action")
     plan = actions.add_parser("plan", help="TP degree, dtype/quantization, context and concurrency that fit")
     plan.add_argument("--model", required=True, metavar="RUN_OR_PATH_OR_PRESET",
                       help="an HF Llama directory (config.json; weights optional), a run's export, or a preset")

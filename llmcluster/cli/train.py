@@ -11,19 +11,34 @@ def register(sub) -> None:
     add_root_arg(p)
     add_procs_arg(p)
     p.add_argument("--resume", default="auto", metavar="auto|never|PATH",
-                   help="auto: newest complete checkpoint of the run (default); never; or a step directory")
+                   help="auto: newest complete checkpoint of the run (default); never; or a step directory of the run")
+    p.add_argument("--init-from-checkpoint", action="store_true",
+                   help="with --resume PATH of another run: start this run from that checkpoint (its weights, "
+                        "optimizer and data position); this run's checkpoints above its step are set aside")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from pathlib import Path
 
+    from llmcluster.checkpoint.fingerprint import preflight
+    from llmcluster.config.cluster_load import storage_root
+    from llmcluster.config.load import load_job_config, require_named_run
     from llmcluster.launch.ft_local import supervise
     from llmcluster.launch.spec import LAUNCHES
     from llmcluster.storage.owned import require_own_file
 
     if args.config and Path(args.config).parent.parent.name == LAUNCHES:   # a launch's config: the caller's own
         require_own_file(Path(args.config), "launch config")
+    # The job config and the refusals it and the storage decide, before ranks, torch or the trainer's imports
+    # (seconds): bad input is refused at once, in one line, in this process.
+    cfg = load_job_config(args.config, args.overrides)
+    require_named_run(cfg, args.config)
+    if args.init_from_checkpoint and args.resume in ("auto", "never"):
+        from llmcluster.errors import UserError
+
+        raise UserError("--init-from-checkpoint starts this run from another run's checkpoint: give it with --resume PATH")
+    preflight(cfg, storage_root(args.root, cfg.run.storage), args.resume, args.init_from_checkpoint)
 
     if (code := supervise(args)) is not None:   # ft.enabled: the Lighthouse and one world per replica group
         return code
@@ -32,10 +47,6 @@ def run(args) -> int:
     from llmcluster.floor import require_torch
 
     require_torch()
-    from llmcluster.config.load import load_job_config
-
-    # The job config before the trainer's imports (torch and more, seconds): bad input is refused at once.
-    cfg = load_job_config(args.config, args.overrides)
     from llmcluster.train.trainer import train_cli
 
     return train_cli(args, cfg)

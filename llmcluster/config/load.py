@@ -189,6 +189,16 @@ def load_job_config(name_or_path: str | None, overrides: list[str] | None = None
     return validate(data, JobConfig, source)
 
 
+def require_named_run(cfg, name_or_path: str | None) -> None:
+    """A job config that trains names its run: an empty file, or one without run.name (nor --set run.name), would
+    otherwise train into the default run's checkpoints (the demo's llm-tiny) and resume or refuse them."""
+    if "name" in cfg.run.model_fields_set:
+        return
+    what = f"{name_or_path} is empty" if not cfg.model_fields_set else f"{name_or_path} names no run"
+    raise UserError(f"{what}: a training job needs run.name (`run: {{name: NAME}}` in the file, or --set "
+                    "run.name=NAME); configs/llm_tiny.yaml is a complete example")
+
+
 def config_to_dict(cfg: BaseModel) -> dict[str, Any]:
     return cfg.model_dump(mode="json", by_alias=True)
 

@@ -331,7 +331,6 @@ def resolve_precision(cfg: JobConfig, env: DistEnv) -> str:
     """Set cfg.train.precision to what will really run here (fp32 where bf16/fp16 would be emulated)."""
     if not native_low_precision(env.device, cfg.train.precision):
         if env.is_main:
-            print(f"warning: train.precision={cfg.train.precision} is emulated on this CPU (no native "
-                  f"support): computing in fp32", file=sys.stderr)
+            print("precision " + precision_note(env.device, cfg.train.precision), file=sys.stderr)
         cfg.train.precision = "fp32"
     return cfg.train.precision

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from llmcluster.errors import UserError
 from llmcluster.eval import harness
+from llmcluster.eval.compare import Z95
 from llmcluster.eval.tasks import check_harness_tasks, resolve, write_include_dir
 from llmcluster.storage import eval_log
 from llmcluster.storage.eval_log import EVAL_LOG
@@ -178,12 +179,12 @@ def summary_lines(record: dict) -> list[str]:
     step = "?" if record["step"] is None else record["step"]
     tokens = "" if record["tokens"] is None else f" ({record['tokens']:,} tokens)"
     lines = [f"eval {record['run']} step {step}{tokens} via {record['endpoint'] or record['backend']}: "
-             f"{record['wall_s']:.0f} s"]
+             f"{record['wall_s']:.0f} s (± : 95% confidence interval, as `eval --compare` shows)"]
     for task, r in sorted(record["tasks"].items()):
         parts = []
         for metric, v in sorted(r.get("metrics", {}).items()):
             se = r.get("stderr", {}).get(metric)
-            parts.append(f"{metric} {v:.4f}" + (f" ± {se:.4f}" if isinstance(se, (int, float)) else ""))
+            parts.append(f"{metric} {v:.4f}" + (f" ± {Z95 * se:.4f}" if isinstance(se, (int, float)) else ""))
         chance = f" (chance {r['chance']:g})" if r.get("chance") else ""
         lines.append(f"  {task}: {', '.join(parts)}{chance}  n={r.get('n')}")
     lines.append(f"results in {Path(record['harness']['results']).parent}/, one line in "

@@ -146,4 +146,5 @@ def check_harness_tasks(tasks: list[Task], python: str) -> None:
     unknown = [n for n in asked if known is not None and n not in known]
     if unknown:
         raise UserError(f"--tasks {', '.join(unknown)}: not a shipped task ({', '.join(shipped())}), a task file "
-                        f"or one of the harness's {len(known)} tasks, groups and tags (`lm_eval ls tasks`)")
+                        f"or one of the harness's {len(known)} tasks, groups and tags (`{Path(python).parent / 'lm_eval'} ls "
+                        "tasks` lists them: the harness's venv, not on PATH)")

@@ -92,6 +92,9 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
     else:
         ckpt = st.step_dir(run, step)
         problem = verify_checkpoint(ckpt) if ckpt.is_dir() else "no such checkpoint"
+        if not ckpt.is_dir():   # name the ones there are
+            steps = [s for s, _d, ok in st.checkpoint_steps(run) if ok]
+            problem += f" (run {run}'s complete steps: {', '.join(map(str, steps))})" if steps else f" (run {run} has none)"
         if problem:
             raise UserError(f"cannot export {ckpt}: {problem}")
     step, cfg = _train_state(ckpt)
@@ -147,6 +150,8 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
         save_file(to_hf_names(state, cfg.model.tie_embeddings), str(tmp / "model.safetensors"),
                   metadata={"format": "pt", "source": f"llmcluster {run} step {step}"})
         _write(tmp / "tokenizer.json", tok_src.read_bytes())
+        # safetensors writes its file 0600 whatever the umask; the export's files all get the umask's mode
+        shutil.copymode(tmp / "tokenizer.json", tmp / "model.safetensors")
         if hf_conf is not None:  # an HF model's tokenizer: its own files, verbatim (+ the template it was tuned on)
             for name in HF_TOKENIZER_FILES:
                 if (tok_dir / name).is_file():

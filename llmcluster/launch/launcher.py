@@ -63,7 +63,29 @@ def launch(spec: LaunchSpec, *, dry_run: bool, apply: bool = False, force: bool 
     if not force:
         refuse_if_active(spec, old)
     os.umask(UMASK)                       # this process and what it starts: 0750 directories, 0640 files
+    made = [d for d in (spec.launch_dir.parent.parent, spec.launch_dir.parent) if not d.exists()]
     make_launch_dir(spec.launch_dir, f"launch of {spec.run}")
+    written: list[dict] = []
+    try:
+        return _submit(spec, sched, text, old, lambda r: (written.append(r), write_record(logs, r)), apply)
+    except BaseException:
+        if not written:   # refused before anything was submitted (no sbatch, a missing secret): leave nothing
+            _remove_launch_dir(spec.launch_dir, made)
+        raise
+
+
+def _remove_launch_dir(launch_dir: Path, made: list[Path]) -> None:
+    import shutil
+
+    shutil.rmtree(launch_dir, ignore_errors=True)
+    for d in reversed(made):              # logs/<run>/launches, then logs/<run>, when this launch made them
+        try:
+            d.rmdir()
+        except OSError:
+            pass                          # not empty: something else lives there
+
+
+def _submit(spec: LaunchSpec, sched, text: str, old: dict | None, write_record, apply: bool) -> int:
     artifact = spec.launch_dir / sched.artifact
     write_once(artifact, text, 0o400)            # the submitter's own: no one else has a reason to read it
     write_once(spec.config_path, spec.config_yaml, 0o440)
@@ -73,4 +95,4 @@ def launch(spec: LaunchSpec, *, dry_run: bool, apply: bool = False, force: bool 
               "code_version": code_version(), "cluster": spec.cluster, "config_sha256": spec.config_sha256}
     if old and old.get("job_id"):
         record["previous_job_ids"] = old.get("previous_job_ids", []) + [old["job_id"]]
-    return sched.submit(spec, artifact, record, lambda r: write_record(logs, r), apply=apply)
+    return sched.submit(spec, artifact, record, write_record, apply=apply)

@@ -132,11 +132,13 @@ def render(snaps: list[Snapshot], prev: dict[str, Snapshot]) -> Group:
             iused = None if files is None or ffree is None else 100 * (1 - ffree / files)
             disks.add_row(s.target, lb["area"], _pct(used), _f(None if avail is None else avail / 2**30, "{:.1f}"),
                           _pct(iused))
-        for lb, step in s.get("llmcluster_train_step"):
+        # every training process from its start (start_timestamp is set at once; step only after the first one)
+        for lb, _start in s.get("llmcluster_train_start_timestamp_seconds"):
             key = {"run": lb["run"], "rank": lb["rank"]}
+            step = s.one("llmcluster_train_step", **key)
             mfu = s.one("llmcluster_train_mfu", **key)
             straggler = s.one("llmcluster_train_straggler_rank", **key)
-            train.add_row(s.target, lb["run"], lb["rank"], _f(step), _f(s.one("llmcluster_train_loss", **key), "{:.4f}"),
+            train.add_row(s.target, lb["run"], lb["rank"], _f(step, missing="starting"), _f(s.one("llmcluster_train_loss", **key), "{:.4f}"),
                           _f(s.one("llmcluster_train_tokens_per_second", **key)),
                           _f(None if mfu is None else 100 * mfu, "{:.1f}"),
                           _f(s.one("llmcluster_train_step_time_seconds", **key), "{:.3f}"),
@@ -157,6 +159,13 @@ def _pct(v: float | None) -> str:
 def watch(targets: list[str], interval: float, once: bool) -> int:
     if not targets:
         raise UserError("--targets is empty")
+    for t in targets:   # HOST:PORT each, before any scrape (`--targets garbage` was a DOWN row, not an error)
+        from llmcluster.monitor.serve_targets import scrape_target
+
+        host, _, port = t.rpartition(":")
+        if not port.isdigit():
+            raise UserError(f"--targets: {t!r} is not HOST:PORT (e.g. 127.0.0.1:9400)")
+        scrape_target(host, int(port), "--targets")
     if interval <= 0:
         raise UserError(f"--interval must be > 0 (got {interval})")
     console = piped_or_terminal()

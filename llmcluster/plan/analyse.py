@@ -61,6 +61,7 @@ def analyse(plan: PlanSpec, bench: list[CalRow] | None = None) -> dict[str, Any]
     pw = power(c, pr_pue)
     co = cost(plan, pw, gpu_hours, wall_s / 86400)
     return {
+        "fits": mem.fits, "reason": fit_reason(mem, c.gpu),
         "model": {"name": m.name, "params": n, "flops_per_token": flops_per_token(m),
                   "n_layers": m.n_layers, "d_model": m.d_model, "seq_len": m.seq_len,
                   "params_from_dims": count_params(m).total},
@@ -119,6 +120,17 @@ def analyse(plan: PlanSpec, bench: list[CalRow] | None = None) -> dict[str, Any]
                                                    for u, row in co.sensitivity.items()},
                  "advice": co.advice, "serving": co.serving},
     }
+
+
+def fit_reason(mem, gpu: str) -> str:
+    """Why the plan's own layout fits or not, in one line (`plan`'s first line when it does not: exit 3)."""
+    gib = 1024 ** 3
+    verdict = "fits" if mem.fits else "DOES NOT FIT"
+    parts = ", ".join(f"{k} {v / gib:,.1f}" for k, v in (("weights", mem.weights), ("gradients", mem.gradients),
+                                                          ("optimizer", mem.optimizer), ("activations", mem.activations),
+                                                          ("buffers", mem.buffers)))
+    return (f"{verdict}: {mem.total / gib:,.1f} GiB per GPU ({mem.stage} stage: {parts} GiB) of the {gpu}'s "
+            f"{mem.capacity / gib:,.1f} GiB" + ("" if mem.fits else "; `--search` ranks layouts that fit"))
 
 
 def run_checkpoint(plan: PlanSpec, st: StepTime):

@@ -43,7 +43,9 @@ def _data_parallel(dp: int, tp: int, pp: int, gpus_per_node: int) -> list[tuple[
     inside = gpus_per_node // tp  # HSDP: shard over the data-parallel ranks of one node
     if 1 < inside < dp and dp % inside == 0:
         out += [(dp // inside, inside, True), (dp // inside, inside, False)]
-    return out
+    # With pp > 1 the trainer never reshards after forward (ZeRO-2-like): the True twin would be the same
+    # layout, a row that differs from its neighbour in no column the table shows.
+    return [o for o in out if not (pp > 1 and o[1] > 1 and o[2])]
 
 
 def _schedules(pp: int, n_layers: int) -> list[tuple[str, int]]:

@@ -98,6 +98,9 @@ def status(root: Path, as_json: bool = False) -> int:
 
     from llmcluster.console import cell, console
 
+    if root.exists() and not root.is_dir():
+        raise UserError(f"storage root {root} is a file, not a directory: give the storage root (the directory "
+                        "`llmcluster storage init` laid out)")
     if not root.is_dir():
         raise UserError(f"storage root {root} does not exist: run `llmcluster storage init --root {root}`")
     info = status_dict(root)

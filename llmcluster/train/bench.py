@@ -20,6 +20,7 @@ import os
 import resource
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -76,8 +77,18 @@ def run_bench(cfg: JobConfig, root: Path, steps: int, warmup: int) -> dict:
     # Throughput does not need the host-independent seeded draw (model/init.py, tens of seconds of CPU at 8B
     # width): weights drawn in place on the device from the global generator, seeded here.
     torch.manual_seed(cfg.run.seed)
-    pipe = build_pipeline(cfg, dims, env, None, ce) if dims.pp > 1 else None
-    model = pipe.model if pipe else build_parallel_model(cfg, dims, env, None)[0]
+    with warnings.catch_warnings():
+        # TP on CPU: DTensor warns that its random operators "may not have complete support on cpu device mesh"
+        # (a raw UserWarning with a site-packages path). These are throughput-only weights, never trained or
+        # compared (the trainer's seeded init draws on the host), so how DTensor draws them changes nothing here.
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support",
+                                category=UserWarning)
+        pipe = build_pipeline(cfg, dims, env, None, ce) if dims.pp > 1 else None
+        model = pipe.model if pipe else build_parallel_model(cfg, dims, env, None)[0]
+    if env.is_main:
+        from llmcluster.train.attention import attention_line
+
+        print(attention_line(cfg, env.device), flush=True)
     optimizer = build_optimizer(model, t, env.device)
     # Random tokens, different per data-parallel rank, identical across a TP group (TP ranks share input).
     gen = torch.Generator().manual_seed(cfg.run.seed + dims.dp_rank(env.rank))

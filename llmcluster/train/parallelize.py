@@ -235,7 +235,6 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims, env: DistEnv,
     drawn: a 70B model never exists whole anywhere. Seeded weights do not depend on the mesh (see
     `Llama.init_weights`), so runs at different meshes start from the same point."""
     from llmcluster.model.llama import build_model
-    from llmcluster.train.attention import attention_line
 
     raw = build_model(cfg.model, device="meta")
     if cfg.train.lora is not None:  # adapters exist before sharding, so FSDP shards them with their block
@@ -247,8 +246,6 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims, env: DistEnv,
         if env.is_main:
             print(f"float8 ({cfg.train.float8.recipe}{', emulated' if cfg.train.float8.emulate else ''}): "
                   f"{n} Linear layers converted (the LM head stays in {cfg.train.precision})", flush=True)
-    if env.is_main:
-        print(attention_line(cfg, env.device), flush=True)
     sharded = dims.fsdp or dims.tp > 1
     model = parallelize(raw, cfg, dims, env) if sharded else raw
     raw.to_empty(device=env.device)

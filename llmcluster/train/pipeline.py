@@ -32,7 +32,6 @@ from llmcluster.config.stages import stage_layers
 from llmcluster.model.llama import build_model, document_mask
 from llmcluster.distributed.compat import pp_schedule_kwargs
 from llmcluster.distributed.process_groups import DistEnv, ParallelDims
-from llmcluster.train.attention import attention_line
 from llmcluster.train.parallelize import (_fill_own_shard, apply_fsdp, apply_tp_ac_compile, fsdp_mesh, plain,
                                           step_context)
 
@@ -147,8 +146,6 @@ def build_pipeline(cfg: JobConfig, dims: ParallelDims, env: DistEnv, seed: int |
     else:
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn,
                                            **pp_schedule_kwargs(ScheduleInterleaved1F1B))
-    if env.is_main:
-        print(attention_line(cfg, env.device), flush=True)
     return Pipeline(schedule, stages, model, pp_group, 0 in mine, n_stages - 1 in mine, m,
                     step_context(dims, env.device))
 

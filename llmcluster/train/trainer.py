@@ -33,8 +33,10 @@ from llmcluster.model.llama import cross_entropy_sum
 from llmcluster.config.cluster_load import storage_root
 from llmcluster.storage.layout import Storage, sha256_file
 from llmcluster.distributed import process_groups as D
+from llmcluster.train.attention import attention_line
 from llmcluster.train.batch import resume_batch
-from llmcluster.checkpoint.checkpointer import TRAIN_STATE, Checkpointer
+from llmcluster.checkpoint.checkpointer import Checkpointer
+from llmcluster.checkpoint.fingerprint import checked_state, run_fingerprint
 from llmcluster.train.downstream import Downstream, pending_steps
 from llmcluster.train.gc_cadence import GarbageCollection
 from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
@@ -59,20 +61,18 @@ class BadStepLimit(UserError):
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, root: Path, resume: str = "auto"):
+    def __init__(self, cfg: JobConfig, root: Path, resume: str = "auto", foreign_ok: bool = False):
         resolve_model_config(cfg, root)  # train.init_from's config.json; vocab_size from the tokenizer
         self.cfg = cfg
         self.storage = Storage(root)
-        self.dims: D.ParallelDims | None = None
         world = int(os.environ.get("WORLD_SIZE", 1))
         self.dims = D.ParallelDims.from_config(ft.group_config(cfg), world)  # ft: the group's own world
         self.env = D.init_distributed(cfg, need_group=self.dims.needs_group)
         env, dims = self.env, self.dims
         env.writer = ft.is_writer(cfg)   # ft: one group writes checkpoints, events and metrics
         self.notes: list[str] = []  # said once the run starts (after every input check passed)
-        if not D.native_low_precision(env.device, cfg.train.precision):
-            self.notes.append(f"warning: train.precision={cfg.train.precision} is emulated on this CPU (no "
-                              "native support): computing in fp32")
+        if not D.native_low_precision(env.device, cfg.train.precision):   # said once, with the reason
+            self.notes.append("precision " + D.precision_note(env.device, cfg.train.precision))
             cfg.train.precision = "fp32"
         self.dp_rank, self.dp_size = ft.data_shard(cfg, dims.dp_rank(env.rank), dims.dp)
         t = cfg.train
@@ -85,9 +85,8 @@ class Trainer:
             raise UserError("data.seq_len exceeds model.max_seq_len")
         # Before any allocation or run folder: a job that cannot fit is one line, not an OOM per rank.
         self.notes += require_fit(cfg, dims, env.device, env.local_world_size)
-
-        # Storage and data first: bad input fails before any expensive work.
-        fresh = self.storage.require_run_dirs(cfg.run.name)  # removed again by rank 0 (if still empty) when refused
+        # Storage and data first: bad input fails before any expensive work; the run's folders are removed again
+        fresh = self.storage.require_run_dirs(cfg.run.name)  # by rank 0 (if still empty) when refused
         self.metrics = None
         # One writer per run, decided before anything expensive: a second one is refused within seconds.
         self.ckpt = ft.checkpointer(cfg, Checkpointer(self.storage, cfg.run.name, env.rank, env.world_size,
@@ -96,7 +95,7 @@ class Trainer:
         env.writer = self.ckpt.claim()   # ft: False in a group that reads (train/ft_writer.py)
         self.events = EventLog(self.storage.run_logs(cfg.run.name), env.is_main)
         try:
-            self._build(resume)
+            self._build(resume, foreign_ok)
         except BaseException as e:
             self.ckpt.close()
             # refused: no trace in a new run, a no-op start in an existing one (not an attempt for goodput)
@@ -105,11 +104,9 @@ class Trainer:
             self.storage.remove_if_empty(fresh if env.is_main else [])
             raise
 
-    def _build(self, resume: str) -> None:
+    def _build(self, resume: str, foreign_ok: bool) -> None:
         cfg, env, dims, root, t = self.cfg, self.env, self.dims, self.storage.root, self.cfg.train
-        path = self.ckpt.find_resume(resume)
-        if path is not None:  # before the model and the pipeline schedule are built for a grad_accum
-            self._keep_global_batch(json.loads((path / TRAIN_STATE).read_text()))
+        path = self.ckpt.find_resume(resume, foreign_ok)
         self.dataset, sampler = open_training_data(root, cfg.data, cfg.run.seed, verify=env.is_main,
                                                    max_vocab=cfg.model.vocab_size)
         self.sampler = Prefetcher(sampler)  # steps gathered ahead on a thread; position as trained
@@ -118,6 +115,11 @@ class Trainer:
         digests = [sha256_file(d / META) for _, d, _ in data_sources(root, cfg.data)]
         self.dataset_digest = (digests[0] if len(digests) == 1
                                else hashlib.sha256(" ".join(digests).encode()).hexdigest())
+        self.fingerprint = run_fingerprint(cfg, sha256_file(data_sources(root, cfg.data)[0][1] / "tokenizer.json")[:16])
+        if path is not None:  # the one check before any weight is loaded; the global batch before the model and PP
+            saved, notes = checked_state(path, self.fingerprint, self.storage, cfg.run.name)
+            self.notes += notes   # a start from another run's checkpoint, a resharded layout
+            self._keep_global_batch(saved)
 
         # Same seed on every rank: identical initial weights without a broadcast, whatever the mesh.
         torch.manual_seed(cfg.run.seed)
@@ -131,9 +133,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t, env.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.scaler = grad_scaler(env.device, t.precision == "fp16", self.pipe)
-        self.step = 0
-        self.bad_in_row = 0
-        self.bad_total = 0
+        self.step = self.bad_in_row = self.bad_total = 0
         self.resumed_from = None
         self.spikes = LossSpikeDetector(t.spike_window, t.spike_zscore)
         self.inject = FaultInjector(env.rank)
@@ -230,7 +230,7 @@ class Trainer:
                 "bad_steps": self.bad_total, "loss_window": self.spikes.state_dict(),
                 "ft_skipped_samples": self.ft_skipped,
                 "config": saved_config_dict(self.cfg), "dataset_digest": self.dataset_digest,  # job.env redacted
-                "parallel": self.dims.describe(), "global_batch": self.global_batch}
+                "parallel": self.dims.describe(), "global_batch": self.global_batch, "fingerprint": self.fingerprint}
 
     # -- one optimizer step ------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float, bool]:
@@ -369,6 +369,7 @@ class Trainer:
         self.log(f"run {cfg.run.name}: {self.dims.describe()}, device {self.env.device}, {t.precision}, "
                  f"{param_count(cfg.model) / 1e6:.2f}M params, global batch {self.global_batch} × {cfg.data.seq_len} "
                  f"tokens; MFU vs {peak_note(self.peak_flops, self.peak_source)}{bubble_note(self.dims, self.cfg.train.grad_accum)}")
+        self.log(attention_line(cfg, self.env.device))   # the run's summary: after every refusal had its chance
         if self.step == 0:  # the baseline the validation curve is read against
             self.log(f"step 0 val {self.evaluate():.4f} (untrained; a uniform guess over the vocabulary "
                      f"scores {math.log(cfg.model.vocab_size):.4f})")
@@ -471,11 +472,9 @@ class Trainer:
 
 def train_cli(args, cfg: JobConfig) -> int:   # cfg: loaded from args by cli/train.py, before torch
     root = storage_root(args.root, cfg.run.storage)
-    trainer = None
-    ok = False
-    reason, detail = "failed", ""
+    trainer, ok, reason, detail = None, False, "failed", ""
     try:
-        trainer = Trainer(cfg, root, resume=args.resume)
+        trainer = Trainer(cfg, root, resume=args.resume, foreign_ok=getattr(args, "init_from_checkpoint", False))
         code = trainer.fit()
         ok = True
         reason = {EXIT_PREEMPTED: "preempted", EXIT_FT_DROPPED: "dropped"}.get(code, "completed")
