@@ -153,10 +153,11 @@ def test_young_daly_interval():
     assert ck.write_s == pytest.approx(c)
     assert ck.optimal_interval_s == pytest.approx(math.sqrt(2 * c * m))
     assert ck.goodput == pytest.approx(1 - (c / ck.optimal_interval_s + (ck.optimal_interval_s / 2 + 15 * 60) / m))
-    # by default each failure also waits out the 10-minute NCCL timeout, and stragglers take a share
+    # by default each failure also waits out the 10-minute NCCL timeout; no straggler share is fitted
+    # (no fit run is measured on the goodput basis: plan/data/step_model.yaml), so none is charged
     default = checkpoint(_plan(cluster=cluster), 1e9, step_s=20.0)
     assert default.badput["failure"] == pytest.approx((10 + 600) / m)
-    assert default.badput["hang_or_straggler"] > 0
+    assert default.badput["hang_or_straggler"] == 0.0
     assert default.goodput == pytest.approx(1 - sum(default.badput.values()))
 
 
