@@ -306,16 +306,15 @@ def fit_step_model(grid: dict = GRID) -> dict:
             "straggler_per_node_doubling": straggler, "fit_runs": len(fit)}
 
 
+def run_error(r: Run) -> dict:
+    """One run predicted with the fitted constants: its error on its basis and where the step goes."""
+    residual = fitted_residual(r.plan.cluster.gpu)[0]
+    st = step_time(r.plan, residual)
+    return {"run": r.label, "role": r.role, "source": r.source, "measure": r.measure, "basis": r.basis,
+            "published": r.published, "predicted": predict(r, residual), "error": _error(r, residual),
+            "mfu": st.mfu, "breakdown_s": st.breakdown()}
+
+
 def published_errors() -> list[dict]:
     """Every published run predicted with the fitted constants: the planner's known error (docs/planning.md)."""
-    out = []
-    for r in runs():
-        residual = fitted_residual(r.plan.cluster.gpu)[0]
-        st = step_time(r.plan, residual)
-        out.append({"run": r.label, "role": r.role, "source": r.source, "measure": r.measure,
-                    "published": r.published, "predicted": predict(r, residual), "error": _error(r, residual),
-                    "mfu": st.mfu, "breakdown_s": {"gemm": st.gemm_s, "memory_bound": st.memory_s,
-                                                   "optimizer": st.optimizer_s, "tp_comm": st.tp_s,
-                                                   "dp_comm": st.dp_s, "pp_bubble": st.bubble_s,
-                                                   "pp_p2p": st.p2p_s}})
-    return out
+    return [run_error(r) for r in runs()]

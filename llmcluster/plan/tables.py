@@ -43,3 +43,8 @@ def step_model_constants() -> dict[str, Any]:
 def validation_runs() -> dict[str, Any]:
     """Validation-only runs (plan/validation.py); the step model's fit never reads this file."""
     return _read(str(DATA_DIR / "validation_runs.yaml"))
+
+
+def attention_kernels() -> dict[str, Any]:
+    """Published attention-kernel rates (plan/attention.py)."""
+    return _read(str(DATA_DIR / "attention_kernels.yaml"))

@@ -9,8 +9,7 @@ beside calibration.published_errors' rows, and the layout band of Meta's runs (`
 
 from __future__ import annotations
 
-from llmcluster.plan.calibration import Run, _error, _inline_plan, foundry_plan, predict, runs
-from llmcluster.plan.compute import step_time
+from llmcluster.plan.calibration import Run, _error, _inline_plan, foundry_plan, run_error, runs
 from llmcluster.plan.spec import ModelSpec, ParallelSpec, PlanCluster, PlanSpec
 from llmcluster.plan.step_model import fitted_residual
 from llmcluster.plan.tables import published_runs, validation_runs as _data
@@ -47,20 +46,6 @@ def validation_runs() -> list[Run]:
     return out
 
 
-def breakdown(st) -> dict[str, float]:
-    return {"gemm": st.gemm_s, "attention": getattr(st, "attention_s", 0.0), "memory_bound": st.memory_s,
-            "optimizer": st.optimizer_s, "tp_comm": st.tp_s, "dp_comm": st.dp_s, "pp_bubble": st.bubble_s,
-            "pp_p2p": st.p2p_s}
-
-
-def run_error(r: Run) -> dict:
-    residual = fitted_residual(r.plan.cluster.gpu)[0]
-    st = step_time(r.plan, residual)
-    return {"run": r.label, "role": r.role, "source": r.source, "measure": r.measure, "basis": r.basis,
-            "published": r.published, "predicted": predict(r, residual), "error": _error(r, residual),
-            "mfu": st.mfu, "breakdown_s": breakdown(st)}
-
-
 def validation_errors() -> list[dict]:
     return [run_error(r) for r in validation_runs()]
 
@@ -88,3 +73,53 @@ def layout_band(tps: tuple[int, ...] = (2, 4, 8)) -> list[dict]:
         out.append({"run": run.label, "role": run.role, "assumed_tp": run.plan.parallel.tp,
                     "error": _error(run, fitted_residual(run.plan.cluster.gpu)[0]), "band": errors})
     return out
+
+
+def _fmt(e: dict) -> tuple[str, str]:
+    unit = {"tokens_per_s_per_gpu": ("tok/s/GPU", "{:,.0f}"), "tflops_per_gpu": ("TFLOP/s/GPU", "{:,.0f}"),
+            "gpu_hours": ("GPU-h", "{:,.0f}"), "seconds_per_step": ("s/step", "{:,.2f}")}[e["measure"]]
+    return f"{unit[1].format(e['published'])} {unit[0]}", unit[1].format(e["predicted"])
+
+
+def _where(b: dict) -> str:
+    total = sum(b.values())
+    top = sorted(((v / total, k) for k, v in b.items() if v / total >= 0.005), reverse=True)
+    return ", ".join(f"{k} {x:.0%}" for x, k in top)
+
+
+def markdown() -> str:
+    """docs/planning.md's validation tables: every run with its error on its basis, the summary by group,
+    Meta's layout band."""
+    from llmcluster.plan.calibration import published_errors
+
+    rows = published_errors() + validation_errors()
+    out = ["| role | run | basis | published | planner | error | MFU | where the step goes |",
+           "|---|---|---|---|---|---|---|---|"]
+    for e in rows:
+        pub, pred = _fmt(e)
+        out.append(f"| {e['role']} | {e['run']} | {e['basis']} | {pub} | {pred} | {e['error']:+.1%} | "
+                   f"{e['mfu']:.1%} | {_where(e['breakdown_s'])} |")
+    out += ["", "| run (`tp: fit`) | assumed TP | error | TP 2 | TP 4 | TP 8 |", "|---|---|---|---|---|---|"]
+    for b in layout_band():
+        cells = [f"{b['band'][t]:+.1%}" if t in b["band"] else "does not fit / divide" for t in (2, 4, 8)]
+        out.append(f"| {b['run']} | {b['assumed_tp']} | {b['error']:+.1%} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    """`python -m llmcluster.plan.validation [--fit]`: the tables docs/planning.md shows; with --fit, the fit
+    rerun from its own rows (what it reads listed) beside plan/data/step_model.yaml."""
+    import sys
+
+    from llmcluster.plan.calibration import fit_step_model
+    from llmcluster.plan.step_model import fitted
+
+    if "--fit" in sys.argv:
+        print("fit reads plan/data/calibration.yaml (rows) and plan/data/published_runs.yaml (role: fit):")
+        print("\n".join(f"  {r.label}" for r in runs("fit")))
+        print("refit:", fit_step_model(), "\nstored:", fitted())
+    print(markdown())
+
+
+if __name__ == "__main__":
+    main()
