@@ -145,7 +145,7 @@ def test_validation_runs_within_15_percent_or_the_documented_miss():
     term gives 183)."""
     errors = {e["run"].split(",")[0]: e["error"] for e in calibration.published_errors() if e["role"] == "validate"}
     assert set(errors) == set(VALIDATION)
-    documented = {"Llama-2-7B": -0.192, "Llama-2-13B": -0.254, "Llama-2-70B": -0.078, "BLOOM-176B": -0.230}
+    documented = {"Llama-2-7B": -0.192, "Llama-2-13B": -0.254, "Llama-2-70B": -0.078, "BLOOM-176B": -0.243}
     for run, error in errors.items():
         assert error == pytest.approx(documented[run], abs=0.01), run
 

@@ -162,6 +162,10 @@ class ParallelSpec(ParallelKeys):
     # TP collectives overlapped with the GEMMs (torchtitan's async TP, Megatron's tp_comm_overlap); the 2022
     # Megatron runs had none.
     tp_overlap: bool = False
+    # The framework fuses the memory-bound ops (Megatron-LM's defaults: fused layernorm, bias-GeLU,
+    # bias-dropout-add, scale-mask-softmax): they move the byte table's bytes once (memory_passes 1) instead of
+    # the fitted memory_passes of eager PyTorch.
+    fused_kernels: bool = False
     # Sequence parallelism with TP (Korthikanti et al.): norms, dropout and residuals sharded along the sequence.
     # false: Megatron's layouts before it (TP only, norms replicated; the published no-SP activation figures),
     # as the trainer's parallel.sequence_parallel.

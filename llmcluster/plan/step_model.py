@@ -159,7 +159,8 @@ def step_terms(plan: PlanSpec, hardware_flops_per_token: float, residual: float)
     per_model = sum(f + b for f, b in ends.values())  # pp > 1: the last rank's (the head's side is the larger)
     # memory_passes: how many times real kernels move the table's bytes (1: perfectly fused; eager
     # PyTorch upcasts norms and softmax to fp32 and runs them as several kernels). Fitted.
-    memory = tokens * (layers * per_layer + per_model) * fitted().get("memory_passes", 1.0) / bw
+    passes = 1.0 if p.fused_kernels else fitted().get("memory_passes", 1.0)
+    memory = tokens * (layers * per_layer + per_model) * passes / bw
     shard = stage_params(count_params(m), p.tp, p.pp, True, layers)
     if plan.zero_stage >= 1:
         shard /= plan.shard_degree
