@@ -104,6 +104,8 @@ def step_time(plan: PlanSpec, efficiency: float) -> StepTime:
     t = lambda kind: collective_time(kind, dp, grad_bytes, links.dp.busbw_GBps, links.dp.latency_s)  # noqa: E731
     backward = per_micro * 2 / 3  # gradients are reduced in buckets while backward runs
     zero = plan.zero_stage
+    # dp_overlap: per bucket (Megatron-LM's floor of 40M parameters): one bucket of each collective waits
+    bucket = min(1.0, 40e6 * p.tp * p.pp / count_params(m).total) if p.dp_overlap else 1.0
     if zero == 3:
         # FSDP: all-gather before forward and before backward, reduce-scatter after, every micro-batch,
         # prefetched one block ahead: only what exceeds the compute, plus the first block, is exposed.
@@ -111,6 +113,10 @@ def step_time(plan: PlanSpec, efficiency: float) -> StepTime:
         dp_s = n_micro * max(0.0, per_micro_comm - per_micro) + per_micro_comm / layers
     elif zero == 2:
         dp_s = n_micro * max(0.0, t("reduce_scatter") - backward) + t("all_gather")
+    elif zero == 1 and p.dp_overlap:
+        forward = per_micro / 3
+        dp_s = (max(0.0, t("reduce_scatter") - backward) + max(0.0, t("all_gather") - forward)
+                + bucket * (t("reduce_scatter") + t("all_gather")))
     elif zero == 1:
         dp_s = max(0.0, t("reduce_scatter") - backward) + t("all_gather")
     else:

@@ -166,6 +166,12 @@ class ParallelSpec(ParallelKeys):
     # bias-dropout-add, scale-mask-softmax): they move the byte table's bytes once (memory_passes 1) instead of
     # the fitted memory_passes of eager PyTorch.
     fused_kernels: bool = False
+    # ZeRO-1 (Megatron-LM's distributed optimizer) traffic overlapped per bucket (its overlap_grad_reduce +
+    # overlap_param_gather):
+    # gradients reduced while the last backward runs, parameters gathered under the next step's first forward;
+    # only the last (first) bucket waits. Off: the gradient reduction overlaps the backward, the ZeRO
+    # parameter all-gather is exposed whole.
+    dp_overlap: bool = False
     # Sequence parallelism with TP (Korthikanti et al.): norms, dropout and residuals sharded along the sequence.
     # false: Megatron's layouts before it (TP only, norms replicated; the published no-SP activation figures),
     # as the trainer's parallel.sequence_parallel.
