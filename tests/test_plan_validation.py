@@ -121,3 +121,12 @@ def test_dp_overlap_hides_the_zero1_all_gather_under_the_first_forward():
     on = step_time(plan(dp_overlap=True, **kw), 0.87)
     assert 0 < on.dp_s < off.dp_s
     assert on.step_s - on.dp_s == pytest.approx(off.step_s - off.dp_s)
+
+
+def test_the_tables_script_prints_every_run_and_the_band(capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["validation"])
+    validation.main()
+    out = capsys.readouterr().out
+    assert out.count("| validate | Korthikanti") == 8 and out.count("| fit |") == 21
+    assert "| BLOOM-176B, 366B tokens, 384x A100-80GB | goodput |" in out.replace("| validate ", "")
+    assert "| run (`tp: fit`) | assumed TP | error | TP 2 | TP 4 | TP 8 |" in out
