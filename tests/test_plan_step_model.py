@@ -109,7 +109,7 @@ def test_the_validation_file_is_never_read_by_the_fit(monkeypatch):
     from llmcluster.plan import tables, validation
 
     rows = validation.validation_runs()
-    assert len(rows) == 8 + 9 and {r.role for r in rows} == {"validate"}
+    assert len(rows) == 8 + 32 and {r.role for r in rows} == {"validate"}
     fit_labels = {r.label for r in calibration.runs("fit")}
     assert not fit_labels & {r.label for r in rows}
 
@@ -145,7 +145,7 @@ def test_validation_runs_within_15_percent_or_the_documented_miss():
     term gives 183)."""
     errors = {e["run"].split(",")[0]: e["error"] for e in calibration.published_errors() if e["role"] == "validate"}
     assert set(errors) == set(VALIDATION)
-    documented = {"Llama-2-7B": -0.192, "Llama-2-13B": -0.254, "Llama-2-70B": -0.078, "BLOOM-176B": -0.243}
+    documented = {"Llama-2-7B": -0.190, "Llama-2-13B": -0.251, "Llama-2-70B": -0.076, "BLOOM-176B": -0.237}
     for run, error in errors.items():
         assert error == pytest.approx(documented[run], abs=0.01), run
 

@@ -86,10 +86,12 @@ def test_foundry_long_sequences_as_documented():
     """llm-foundry's 16k-64k rows, never fitted: FlashAttention-2's published rate is faster than the rows
     imply at 32k-64k (the planner is optimistic there)."""
     errors = {e["run"]: e["error"] for e in validation.validation_errors() if e["run"].startswith("MPT")}
-    assert len(errors) == 9
-    assert errors["MPT-7b seq 16384, 8x A100-80GB"] == pytest.approx(-0.079, abs=0.01)
-    assert errors["MPT-7b seq 65536, 8x A100-80GB"] == pytest.approx(-0.301, abs=0.01)
-    assert errors["MPT-7b seq 65536, 8x H100"] == pytest.approx(-0.311, abs=0.01)
+    assert len(errors) == 32
+    assert errors["MPT-7b seq 16384, 8x A100-80GB"] == pytest.approx(-0.086, abs=0.01)
+    assert errors["MPT-7b seq 65536, 8x A100-80GB"] == pytest.approx(-0.312, abs=0.01)
+    assert errors["MPT-7b seq 65536, 8x H100"] == pytest.approx(-0.319, abs=0.01)
+    assert errors["MPT-350m seq 65536, 8x A100-80GB"] == pytest.approx(-0.378, abs=0.01)
+    assert max(errors.values()) < 0   # every row: the planner is optimistic
 
 
 def test_layout_band_spans_tp_2_4_8_where_they_fit():

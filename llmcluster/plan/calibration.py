@@ -46,8 +46,11 @@ def foundry_plan(row: list) -> PlanSpec:
     cal = calibration()
     shape = cal["shapes"][model]
     return PlanSpec(
+        # NumParams counts MPT's learned position embeddings (max_seq_len x d_model, a lookup like the token
+        # embedding: no matmul FLOPs); they grow with the sequence (7B at 64k: 260M), so they are left out
         model=ModelSpec(name=f"mpt-{model}", **shape, ffn_hidden=4 * shape["d_model"], ffn_type="gelu",
-                        vocab_size=50368, seq_len=seq, tie_embeddings=True, params=n_params),
+                        vocab_size=50368, seq_len=seq, tie_embeddings=True,
+                        params=n_params - seq * shape["d_model"]),
         cluster=PlanCluster(gpu=gpu, nodes=max(1, gpus // 8), gpus_per_node=min(8, gpus),
                             fabric=cal["fabric"][gpu]),
         parallel=ParallelSpec(dp_shard=-1, activation_checkpoint="full" if ckpt else "none", micro_batch=micro,
