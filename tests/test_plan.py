@@ -66,8 +66,10 @@ def test_llm_foundry_7b_mfu_from_its_throughput():
     model = foundry_plan(row).model
     n, seq = 6_658_859_008, 2048
     foundry = (3 * 2 * n * seq + 3 * 32 * 4 * 4096 * seq**2) / seq
-    assert flops_per_token(model) == foundry
-    assert round(100 * mfu(flops_per_token(model), 37130, 8, 312), 2) == 64.23
+    assert round(100 * mfu(foundry, 37130, 8, 312), 2) == 64.23
+    # the planner's count leaves out MPT's learned position embeddings (seq x d_model, a lookup) that
+    # NumParams includes: 6 x 2048 x 4096 FLOPs per token fewer (0.1% at 2k; 4% for 7B at 64k)
+    assert flops_per_token(model) == foundry - 6 * seq * 4096
 
 
 def test_nccl_tests_busbw_example():
@@ -153,10 +155,11 @@ def test_young_daly_interval():
     assert ck.write_s == pytest.approx(c)
     assert ck.optimal_interval_s == pytest.approx(math.sqrt(2 * c * m))
     assert ck.goodput == pytest.approx(1 - (c / ck.optimal_interval_s + (ck.optimal_interval_s / 2 + 15 * 60) / m))
-    # by default each failure also waits out the 10-minute NCCL timeout, and stragglers take a share
+    # by default each failure also waits out the 10-minute NCCL timeout; no straggler share is fitted
+    # (no fit run is measured on the goodput basis: plan/data/step_model.yaml), so none is charged
     default = checkpoint(_plan(cluster=cluster), 1e9, step_s=20.0)
     assert default.badput["failure"] == pytest.approx((10 + 600) / m)
-    assert default.badput["hang_or_straggler"] > 0
+    assert default.badput["hang_or_straggler"] == 0.0
     assert default.goodput == pytest.approx(1 - sum(default.badput.values()))
 
 

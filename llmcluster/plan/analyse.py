@@ -84,10 +84,9 @@ def analyse(plan: PlanSpec, bench: list[CalRow] | None = None) -> dict[str, Any]
                     "tflops_per_gpu": st.tflops_per_gpu, "mfu": st.mfu, "efficiency": eff,
                     "efficiency_source": eff_source,
                     "gemm_efficiency": st.gemm_efficiency,
-                    # per optimizer step; the terms add up to step_time_s ("compute" = gemm + memory_bound)
-                    "breakdown_s": {"compute": st.compute_s, "gemm": st.gemm_s, "memory_bound": st.memory_s,
-                                    "optimizer": st.optimizer_s, "tp_comm": st.tp_s, "dp_comm": st.dp_s,
-                                    "pp_bubble": st.bubble_s, "pp_p2p": st.p2p_s},
+                    # per optimizer step; the terms add up to step_time_s
+                    # ("compute" = gemm + attention + memory_bound)
+                    "breakdown_s": {"compute": st.compute_s, **st.breakdown()},
                     "links_GBps": {"tp": links.tp.busbw_GBps, "dp": links.dp.busbw_GBps,
                                    "pp": links.pp.busbw_GBps}},
         "time": {"tokens": plan.training.tokens, "goodput": goodput, "wall_s": wall_s,

@@ -46,8 +46,11 @@ def foundry_plan(row: list) -> PlanSpec:
     cal = calibration()
     shape = cal["shapes"][model]
     return PlanSpec(
+        # NumParams counts MPT's learned position embeddings (max_seq_len x d_model, a lookup like the token
+        # embedding: no matmul FLOPs); they grow with the sequence (7B at 64k: 260M), so they are left out
         model=ModelSpec(name=f"mpt-{model}", **shape, ffn_hidden=4 * shape["d_model"], ffn_type="gelu",
-                        vocab_size=50368, seq_len=seq, tie_embeddings=True, params=n_params),
+                        vocab_size=50368, seq_len=seq, tie_embeddings=True,
+                        params=n_params - seq * shape["d_model"]),
         cluster=PlanCluster(gpu=gpu, nodes=max(1, gpus // 8), gpus_per_node=min(8, gpus),
                             fabric=cal["fabric"][gpu]),
         parallel=ParallelSpec(dp_shard=-1, activation_checkpoint="full" if ckpt else "none", micro_batch=micro,
@@ -198,9 +201,10 @@ class Run:
     label: str
     role: str          # fit | validate
     source: str
-    measure: str       # tokens_per_s_per_gpu | tflops_per_gpu | gpu_hours
+    measure: str       # tokens_per_s_per_gpu | tflops_per_gpu | gpu_hours | seconds_per_step
     published: float
     plan: PlanSpec
+    basis: str = "steps"   # steps: steady training throughput; goodput: wall clock over the run (badput in)
 
 
 def runs(role: str | None = None) -> list[Run]:
@@ -216,7 +220,7 @@ def runs(role: str | None = None) -> list[Run]:
             plan = load_plan(locate_shipped("plans", r["plan_file"], "plan"), r.get("set"))
         else:
             plan = _inline_plan(r["plan"])
-        out.append(Run(r["label"], r["role"], r["source"], measure, float(r[measure]), plan))
+        out.append(Run(r["label"], r["role"], r["source"], measure, float(r[measure]), plan, r.get("basis", "steps")))
     return [r for r in out if role is None or r.role == role]
 
 
@@ -240,7 +244,9 @@ def _inline_plan(d: dict) -> PlanSpec:
 
 
 def predict(run: Run, residual: float) -> float:
-    """The run's published measure as the planner predicts it at this residual."""
+    """The run's published measure as the planner predicts it at this residual, on the run's basis: GPU-hours
+    of steady steps alone (`basis: steps`: tokens over the step throughput) or of the whole run (`goodput`:
+    steps plus the modelled restarts, checkpoints, evaluation and stragglers)."""
     from llmcluster.plan.analyse import run_checkpoint, run_goodput, run_wall_s
 
     st = step_time(run.plan, residual)
@@ -248,6 +254,10 @@ def predict(run: Run, residual: float) -> float:
         return st.tokens_per_s_per_gpu
     if run.measure == "tflops_per_gpu":
         return st.tflops_per_gpu
+    if run.measure == "seconds_per_step":
+        return st.step_s
+    if run.basis == "steps":
+        return run.plan.training.tokens / st.tokens_per_s_per_gpu / 3600
     goodput = run_goodput(run.plan, run_checkpoint(run.plan, st))[0]
     return run_wall_s(run.plan, st, goodput) / 3600 * run.plan.world
 
@@ -255,7 +265,7 @@ def predict(run: Run, residual: float) -> float:
 def _error(run: Run, residual: float) -> float:
     """Signed relative error of the predicted *time* (GPU-hours, or 1 / throughput) against the published."""
     p = predict(run, residual)
-    return p / run.published - 1 if run.measure == "gpu_hours" else run.published / p - 1
+    return p / run.published - 1 if run.measure in ("gpu_hours", "seconds_per_step") else run.published / p - 1
 
 
 GRID = {"d_half": tuple(range(0, 1025, 32)), "memory_passes": (1.0, 1.5, 2.0, 2.5, 3.0, 4.0),
@@ -293,22 +303,21 @@ def fit_step_model(grid: dict = GRID) -> dict:
             if best is None or total < best[0]:
                 best = (total, d_half, passes, residual)
     _, d_half, passes, residual = best
-    end_to_end = [r for r in fit if r.measure == "gpu_hours"]
+    end_to_end = [r for r in fit if r.basis == "goodput"]   # none today: the fit's GPU-hours are steps only
     straggler = min(grid["straggler"], key=lambda x: fit_loss(end_to_end, d_half, passes, residual, x))
     return {"d_half": d_half, "memory_passes": passes, "residual": residual,
             "straggler_per_node_doubling": straggler, "fit_runs": len(fit)}
 
 
+def run_error(r: Run) -> dict:
+    """One run predicted with the fitted constants: its error on its basis and where the step goes."""
+    residual = fitted_residual(r.plan.cluster.gpu)[0]
+    st = step_time(r.plan, residual)
+    return {"run": r.label, "role": r.role, "source": r.source, "measure": r.measure, "basis": r.basis,
+            "published": r.published, "predicted": predict(r, residual), "error": _error(r, residual),
+            "mfu": st.mfu, "breakdown_s": st.breakdown()}
+
+
 def published_errors() -> list[dict]:
     """Every published run predicted with the fitted constants: the planner's known error (docs/planning.md)."""
-    out = []
-    for r in runs():
-        residual = fitted_residual(r.plan.cluster.gpu)[0]
-        st = step_time(r.plan, residual)
-        out.append({"run": r.label, "role": r.role, "source": r.source, "measure": r.measure,
-                    "published": r.published, "predicted": predict(r, residual), "error": _error(r, residual),
-                    "mfu": st.mfu, "breakdown_s": {"gemm": st.gemm_s, "memory_bound": st.memory_s,
-                                                   "optimizer": st.optimizer_s, "tp_comm": st.tp_s,
-                                                   "dp_comm": st.dp_s, "pp_bubble": st.bubble_s,
-                                                   "pp_p2p": st.p2p_s}})
-    return out
+    return [run_error(r) for r in runs()]

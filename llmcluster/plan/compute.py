@@ -1,8 +1,10 @@
 """Step time, throughput and MFU: the step model's compute terms plus the communication left exposed.
 
-    step = GEMM + memory-bound + optimizer + exposed TP all-reduces + exposed DP/ZeRO traffic + PP bubble + PP sends
+    step = GEMM + attention + memory-bound + optimizer + exposed TP collectives + exposed DP/ZeRO traffic
+           + PP bubble + PP sends
 
-GEMM, memory-bound and optimizer time come from bytes and shapes (`step_model.py`). `efficiency` is the
+GEMM, memory-bound and optimizer time come from bytes and shapes (`step_model.py`); the attention core
+from its kernel's published rate (`attention.py`). `efficiency` is the
 residual factor on the GEMMs' achievable rate (the GPU's MAMF x the shape efficiency): fitted once on
 published runs (`calibration.fit_step_model`), or inverted from `llmcluster bench` records of this very
 cluster or from a given `training.mfu`.
@@ -36,6 +38,13 @@ def hardware_flops_per_token(m: ModelSpec, recomputed_share: float) -> float:
     return flops_per_token(m) * (1 + recomputed_share / 3)
 
 
+def gemm_flops_per_token(m: ModelSpec, recomputed_share: float) -> float:
+    """The linear layers' share of `hardware_flops_per_token`: without the attention core's 12·L·H·Q·T
+    (priced on its own, attention.py)."""
+    return hardware_flops_per_token(m, recomputed_share) - 12 * m.n_layers * m.attn_dim * m.seq_len * (
+        1 + recomputed_share / 3)
+
+
 def mfu(flops_per_token_: float, tokens_per_s: float, gpus: int, peak_tflops: float) -> float:
     return flops_per_token_ * tokens_per_s / (gpus * peak_tflops * 1e12)
 
@@ -43,8 +52,9 @@ def mfu(flops_per_token_: float, tokens_per_s: float, gpus: int, peak_tflops: fl
 @dataclass
 class StepTime:
     step_s: float
-    compute_s: float          # GEMM + memory-bound (what the pipeline bubble idles a share of)
+    compute_s: float          # GEMM + attention + memory-bound (what the pipeline bubble idles a share of)
     gemm_s: float
+    attention_s: float
     memory_s: float
     optimizer_s: float
     tp_s: float
@@ -57,6 +67,12 @@ class StepTime:
     efficiency: float
     gemm_efficiency: float    # the blocks' shape efficiency (fraction of the GPU's achievable matmul rate)
 
+    def breakdown(self) -> dict[str, float]:
+        """The step's terms, in seconds per optimizer step: they add up to step_s."""
+        return {"gemm": self.gemm_s, "attention": self.attention_s, "memory_bound": self.memory_s,
+                "optimizer": self.optimizer_s, "tp_comm": self.tp_s, "dp_comm": self.dp_s,
+                "pp_bubble": self.bubble_s, "pp_p2p": self.p2p_s}
+
 
 def step_time(plan: PlanSpec, efficiency: float) -> StepTime:
     m, c, p = plan.model, plan.cluster, plan.parallel
@@ -65,25 +81,31 @@ def step_time(plan: PlanSpec, efficiency: float) -> StepTime:
     tokens_step = plan.global_batch * m.seq_len
     peak = c.spec.peak_tflops(p.precision) * 1e12
     # The slowest pipeline rank sets the pace (uneven stages: the one with the most blocks).
-    terms = step_terms(plan, hardware_flops_per_token(m, p.recomputed_share), efficiency)
-    compute = terms.gemm_s + terms.memory_s
+    terms = step_terms(plan, gemm_flops_per_token(m, p.recomputed_share), efficiency)
+    compute = terms.gemm_s + terms.attention_s + terms.memory_s
     layers = max(plan.stage_layer_counts)
     per_micro = compute / n_micro
     act_bytes = 2 * m.seq_len * p.micro_batch * m.d_model  # one layer's input/output, 16-bit
 
     # TP: two all-reduces forward, two backward per layer (the same volume as SP's all-gather +
-    # reduce-scatter); full recompute repeats the forward's two. On the critical path: not overlapped.
+    # reduce-scatter); full recompute repeats the forward's two. On the critical path unless the plan
+    # overlaps them with the GEMMs (`parallel.tp_overlap`: torchtitan's async TP, Megatron's
+    # tp_comm_overlap), where only what exceeds the GEMM time stays exposed.
     tp = 0.0
     if p.tp > 1:
         per_layer = 4 + 2 * p.recomputed_share
         tp = n_micro * layers * per_layer * collective_time("all_reduce", p.tp, act_bytes, links.tp.busbw_GBps,
                                                             links.tp.latency_s)
+        if p.tp_overlap:
+            tp = max(0.0, tp - terms.gemm_s)
 
     # DP / ZeRO over the dp group, on the 16-bit gradients and parameters of this GPU's shard.
     grad_bytes = (4 if p.precision == "fp32" else 2) * stage_params(count_params(m), p.tp, p.pp, True, layers)
     t = lambda kind: collective_time(kind, dp, grad_bytes, links.dp.busbw_GBps, links.dp.latency_s)  # noqa: E731
     backward = per_micro * 2 / 3  # gradients are reduced in buckets while backward runs
     zero = plan.zero_stage
+    # dp_overlap: per bucket (Megatron-LM's floor of 40M parameters): one bucket of each collective waits
+    bucket = min(1.0, 40e6 * p.tp * p.pp / count_params(m).total) if p.dp_overlap else 1.0
     if zero == 3:
         # FSDP: all-gather before forward and before backward, reduce-scatter after, every micro-batch,
         # prefetched one block ahead: only what exceeds the compute, plus the first block, is exposed.
@@ -91,6 +113,10 @@ def step_time(plan: PlanSpec, efficiency: float) -> StepTime:
         dp_s = n_micro * max(0.0, per_micro_comm - per_micro) + per_micro_comm / layers
     elif zero == 2:
         dp_s = n_micro * max(0.0, t("reduce_scatter") - backward) + t("all_gather")
+    elif zero == 1 and p.dp_overlap:
+        forward = per_micro / 3
+        dp_s = (max(0.0, t("reduce_scatter") - backward) + max(0.0, t("all_gather") - forward)
+                + bucket * (t("reduce_scatter") + t("all_gather")))
     elif zero == 1:
         dp_s = max(0.0, t("reduce_scatter") - backward) + t("all_gather")
     else:
@@ -102,13 +128,18 @@ def step_time(plan: PlanSpec, efficiency: float) -> StepTime:
     if p.pp > 1:
         v = p.virtual_stages
         bubble = (p.pp - 1) / (v * n_micro) * (compute + tp)
-        sent = act_bytes / p.tp if p.sequence_parallel else act_bytes  # SP: each TP rank sends its slice
-        p2p = 2 * n_micro * v * (sent / (links.pp.busbw_GBps * 1e9) + links.pp.latency_s)
+        # Scatter/gather (Narayanan et al. 2021, arXiv 2104.04473, section 4.1): each TP rank sends its
+        # 1/tp slice across the stage boundary; without SP the receiving stage all-gathers it over the TP link.
+        sent = act_bytes / p.tp
+        gather = 0.0 if p.sequence_parallel else collective_time("all_gather", p.tp, act_bytes,
+                                                                 links.tp.busbw_GBps, links.tp.latency_s)
+        p2p = 2 * n_micro * v * (sent / (links.pp.busbw_GBps * 1e9) + links.pp.latency_s + gather)
 
     step = compute + terms.optimizer_s + tp + dp_s + bubble + p2p
     tps = tokens_step / step / world
     f = flops_per_token(m)
-    return StepTime(step_s=step, compute_s=compute, gemm_s=terms.gemm_s, memory_s=terms.memory_s,
+    return StepTime(step_s=step, compute_s=compute, gemm_s=terms.gemm_s, attention_s=terms.attention_s,
+                    memory_s=terms.memory_s,
                     optimizer_s=terms.optimizer_s, tp_s=tp, dp_s=dp_s, bubble_s=bubble, p2p_s=p2p,
                     tokens_per_s_per_gpu=tps, tflops_per_gpu=f * tps / 1e12, mfu=f * tps / peak,
                     efficiency=efficiency, gemm_efficiency=terms.gemm_efficiency)

@@ -213,7 +213,7 @@ def plan_memory(plan: PlanSpec) -> MemoryReport:
     m, c, p = plan.model, plan.cluster, plan.parallel
     pc = count_params(m)
     per_layer = checkpointed_layer_bytes(m, m.seq_len, p.micro_batch, p.tp, p.recomputed_share,
-                                         p.flash_attention, p.sequence_parallel)
+                                         p.flash_attention or p.attention_recompute, p.sequence_parallel)
     blocks = plan.stage_layer_counts  # per pp rank: uneven splits allowed
     unit = pc.largest_layer / p.tp if p.memory_convention == "deepspeed" else pc.per_layer / p.tp
     schedule = "interleaved" if p.pp_schedule == "interleaved_1F1B" else "1f1b"

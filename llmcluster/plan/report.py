@@ -10,8 +10,8 @@ from rich.table import Table
 from llmcluster.console import console as piped_or_terminal
 
 GB = 1e9
-# compute.breakdown_s's terms, in the order a step spends them ("compute" is gemm + memory_bound)
-BREAKDOWN = (("gemm", "GEMM"), ("memory_bound", "memory-bound ops"), ("optimizer", "optimizer + clipping"),
+# compute.breakdown_s's terms, in the order a step spends them ("compute" is gemm + attention + memory_bound)
+BREAKDOWN = (("gemm", "GEMM"), ("attention", "attention core"), ("memory_bound", "memory-bound ops"), ("optimizer", "optimizer + clipping"),
              ("tp_comm", "TP comm"), ("dp_comm", "DP comm (exposed)"), ("pp_bubble", "PP bubble"),
              ("pp_p2p", "PP sends"))
 

@@ -153,6 +153,25 @@ class ParallelSpec(ParallelKeys):
     global_batch: int | None = Field(None, ge=1)  # sequences per optimizer step; None: micro x accum x dp
     zero: Literal[0, 1, 2, 3] | None = None       # None: what the keys above give (see `zero_stage`)
     flash_attention: bool = True
+    # The attention kernel whose published fwd+bwd rate prices the attention core (plan/attention.py):
+    # auto is FlashAttention-2 with flash_attention, else the unfused math path.
+    attention_kernel: Literal["auto", "fa1", "fa2", "fa3", "cudnn", "math"] = "auto"
+    # Korthikanti et al.'s selective recompute: the attention core (QK^T, softmax, PV) is recomputed in
+    # backward and its scores are never kept (not the trainer's `selective`, which recomputes whole blocks).
+    attention_recompute: bool = False
+    # TP collectives overlapped with the GEMMs (torchtitan's async TP, Megatron's tp_comm_overlap); the 2022
+    # Megatron runs had none.
+    tp_overlap: bool = False
+    # The framework fuses the memory-bound ops (Megatron-LM's defaults: fused layernorm, bias-GeLU,
+    # bias-dropout-add, scale-mask-softmax): they move the byte table's bytes once (memory_passes 1) instead of
+    # the fitted memory_passes of eager PyTorch.
+    fused_kernels: bool = False
+    # ZeRO-1 (Megatron-LM's distributed optimizer) traffic overlapped per bucket (its overlap_grad_reduce +
+    # overlap_param_gather):
+    # gradients reduced while the last backward runs, parameters gathered under the next step's first forward;
+    # only the last (first) bucket waits. Off: the gradient reduction overlaps the backward, the ZeRO
+    # parameter all-gather is exposed whole.
+    dp_overlap: bool = False
     # Sequence parallelism with TP (Korthikanti et al.): norms, dropout and residuals sharded along the sequence.
     # false: Megatron's layouts before it (TP only, norms replicated; the published no-SP activation figures),
     # as the trainer's parallel.sequence_parallel.

@@ -1,6 +1,7 @@
-"""A training step's compute from bytes and shapes: GEMM time, memory-bound time, the optimizer step.
+"""A training step's compute from bytes and shapes: GEMM time, attention time, memory-bound time, the optimizer step.
 
-    GEMM time    = hardware matmul FLOPs / (achievable matmul rate x shape efficiency x residual)
+    GEMM time    = hardware matmul FLOPs of the linear layers / (achievable matmul rate x shape efficiency x residual)
+    attention    = the attention core at its kernel's published rate (plan/attention.py; not fitted)
     memory time  = bytes the non-GEMM ops move / HBM bandwidth          (norms, RoPE, activation, residual
                                                                           adds, softmax/CE over the vocabulary)
     optimizer    = bytes of params, grads and AdamW states (+ clipping) / HBM bandwidth, once per step
@@ -63,8 +64,8 @@ def achievable_tflops(plan: PlanSpec) -> float:
 def gemms(m: ModelSpec, tp: int) -> list[tuple[str, float, float]]:
     """(name, forward FLOPs per token, smallest non-token dimension on one GPU) of one block's matmuls.
 
-    q, k, v are one fused GEMM (Megatron's); the attention core (QK^T, PV: PaLM's 4·H·Q·T per token
-    forward, causal mask not halved) runs at the projections' rate: flash attention tiles it over heads.
+    q, k, v are one fused GEMM (Megatron's). The attention core (QK^T, PV) is not among them: it is priced
+    at its kernel's own rate (plan/attention.py).
     """
     d, hq, kvq = m.d_model, m.attn_dim, m.kv_heads * m.head_dim
     f_in = (2 if m.ffn_type == "swiglu" else 1) * m.ffn_hidden
@@ -72,8 +73,6 @@ def gemms(m: ModelSpec, tp: int) -> list[tuple[str, float, float]]:
            ("attn_out", 2 * hq * d / tp, min(d, hq / tp)),
            ("mlp_in", 2 * d * f_in / tp, min(d, f_in / tp)),
            ("mlp_out", 2 * m.ffn_hidden * d / tp, min(d, m.ffn_hidden / tp))]
-    lin = sum(f for _, f, _ in out)
-    out.append(("attention", 4 * hq * m.seq_len / tp, sum(f * dim for _, f, dim in out) / lin))
     return out
 
 
@@ -130,13 +129,17 @@ def optimizer_bytes_per_param(convention: str) -> int:
 @dataclass
 class Terms:
     gemm_s: float        # per optimizer step, the slowest pipeline rank, recomputation included
+    attention_s: float   # the attention core (QK^T, softmax, PV), forward, backward and recompute
     memory_s: float
     optimizer_s: float
     gemm_efficiency: float   # the blocks' FLOP-weighted shape efficiency
 
 
 def step_terms(plan: PlanSpec, hardware_flops_per_token: float, residual: float) -> Terms:
-    """The three compute terms of one optimizer step on one GPU of the slowest pipeline stage."""
+    """The compute terms of one optimizer step on one GPU of the slowest pipeline stage;
+    `hardware_flops_per_token`: the linear layers' executed FLOPs (compute.gemm_flops_per_token)."""
+    from llmcluster.plan.attention import attention_seconds_per_token_layer
+
     m, p, spec = plan.model, plan.parallel, plan.cluster.spec
     d_half = fitted()["d_half"]
     tokens = plan.global_batch * m.seq_len / plan.dp  # one model replica's (tp x pp GPUs) tokens per step
@@ -145,7 +148,9 @@ def step_terms(plan: PlanSpec, hardware_flops_per_token: float, residual: float)
     eff = block_gemm_efficiency(m, p.tp, d_half)
     rate = achievable_tflops(plan) * 1e12 * eff * residual
     gemm = hardware_flops_per_token * tokens / (p.tp * p.pp) / rate * stage
-    table = memory_bytes_per_token(m, p.tp, p.precision, p.flash_attention, p.sequence_parallel)
+    attention = tokens * layers * attention_seconds_per_token_layer(plan)
+    # the softmax's bytes are in the attention kernels' published rates: not counted again here
+    table = memory_bytes_per_token(m, p.tp, p.precision, True, p.sequence_parallel)
     bw = spec.memory_bw_gbps * 1e9
     fwd = sum(v[0] for v in table["per_layer"].values())
     bwd = sum(v[1] for v in table["per_layer"].values())
@@ -154,9 +159,10 @@ def step_terms(plan: PlanSpec, hardware_flops_per_token: float, residual: float)
     per_model = sum(f + b for f, b in ends.values())  # pp > 1: the last rank's (the head's side is the larger)
     # memory_passes: how many times real kernels move the table's bytes (1: perfectly fused; eager
     # PyTorch upcasts norms and softmax to fp32 and runs them as several kernels). Fitted.
-    memory = tokens * (layers * per_layer + per_model) * fitted().get("memory_passes", 1.0) / bw
+    passes = 1.0 if p.fused_kernels else fitted().get("memory_passes", 1.0)
+    memory = tokens * (layers * per_layer + per_model) * passes / bw
     shard = stage_params(count_params(m), p.tp, p.pp, True, layers)
     if plan.zero_stage >= 1:
         shard /= plan.shard_degree
     optimizer = shard * optimizer_bytes_per_param(p.memory_convention) / bw
-    return Terms(gemm_s=gemm, memory_s=memory, optimizer_s=optimizer, gemm_efficiency=eff)
+    return Terms(gemm_s=gemm, attention_s=attention, memory_s=memory, optimizer_s=optimizer, gemm_efficiency=eff)

@@ -38,3 +38,13 @@ def published_runs() -> dict[str, Any]:
 
 def step_model_constants() -> dict[str, Any]:
     return _read(str(DATA_DIR / "step_model.yaml"))
+
+
+def validation_runs() -> dict[str, Any]:
+    """Validation-only runs (plan/validation.py); the step model's fit never reads this file."""
+    return _read(str(DATA_DIR / "validation_runs.yaml"))
+
+
+def attention_kernels() -> dict[str, Any]:
+    """Published attention-kernel rates (plan/attention.py)."""
+    return _read(str(DATA_DIR / "attention_kernels.yaml"))
