@@ -77,6 +77,14 @@ def _slowed(tmp_path: Path, sleep: str, **hooks: str) -> tuple[dict, Path]:
                    **hooks), go
 
 
+def _kill_group(root: Path, run: str, g: int, sig: int = signal.SIGKILL) -> list[int]:
+    """Every process of replica group `g` (its node dies: SIGKILL; or hangs: SIGSTOP); returns their pids."""
+    pids = _job(root, run)["ft"]["groups"][g]["pids"]
+    for pid in pids:
+        os.kill(pid, sig)
+    return pids
+
+
 def _step(root: Path, run: str) -> int:
     steps = [e["step"] for e in _events(root, run) if e["event"] == "step"]
     return max(steps, default=0)

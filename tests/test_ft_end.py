@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import assert_one_line_error, cli_inprocess, overrides, read_metrics
-from test_ft import FT, _digests, _events, _job, _slowed, _step, _supervised, _wait
+from test_ft import FT, _digests, _events, _job, _kill_group, _slowed, _step, _supervised, _wait
 
 pytest.importorskip("torchft")
 
@@ -33,8 +33,7 @@ def test_a_group_back_after_the_run_finished_ends_without_touching_its_checkpoin
     final = tiny_root / "checkpoints" / run / f"step_{steps}" / "COMPLETE.json"
     with _supervised(tiny_root, run, items, env) as proc:
         _wait(lambda: _step(tiny_root, run) >= steps - 6, proc, f"step {steps - 6}")
-        for pid in _job(tiny_root, run)["ft"]["groups"][1]["pids"]:
-            os.kill(pid, signal.SIGKILL)
+        _kill_group(tiny_root, run, 1)
         log1 = tiny_root / "logs" / run / "ft" / "group1.log"
         _wait(lambda: "held 8 s before its quorum" in log1.read_text(), proc, "group 1 back and held")
         go.touch()   # group 0 runs to the end at full speed while group 1, its checkpoint read, is held
@@ -62,9 +61,7 @@ def test_a_frozen_group_leaves_the_quorum_within_the_ft_timeout_and_figures_coun
     env, go = _slowed(tmp_path, "0:0.5")
     with _supervised(tiny_root, run, items, env) as proc:
         _wait(lambda: _step(tiny_root, run) >= 4, proc, "step 4")
-        pids = _job(tiny_root, run)["ft"]["groups"][1]["pids"]
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
+        pids = _kill_group(tiny_root, run, 1, signal.SIGSTOP)
         frozen_at, t0 = _step(tiny_root, run), time.monotonic()
         alone = lambda: any(e["event"] == "ft_quorum" and e["groups"] == 1 and e["step"] >= frozen_at  # noqa: E731
                             for e in _events(tiny_root, run)) and _step(tiny_root, run) > frozen_at + 1
@@ -100,8 +97,7 @@ def test_with_min_replicas_equal_to_the_groups_the_healthy_group_waits_for_a_slo
     env, go = _slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_RESTART_DELAY_S="10")
     with _supervised(tiny_root, run, items, env) as proc:
         _wait(lambda: _step(tiny_root, run) >= 4, proc, "step 4")
-        for pid in _job(tiny_root, run)["ft"]["groups"][1]["pids"]:
-            os.kill(pid, signal.SIGKILL)
+        _kill_group(tiny_root, run, 1)
         go.touch()
         out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]

@@ -9,10 +9,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from datetime import timedelta
@@ -21,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cli_env
-from test_ft import _digests, _events, _job, _slowed, _step, _supervised, _wait
+from test_ft import _digests, _events, _job, _kill_group, _slowed, _step, _supervised, _wait
 
 pytest.importorskip("torchft")
 import torch  # noqa: E402
@@ -215,8 +213,7 @@ def test_a_heal_payload_that_is_not_the_groups_state_restarts_the_group_in_one_l
     env, go = _slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_BAD_HEAL="extra-key")
     with _supervised(tiny_root, run, items, env) as proc:
         _wait(lambda: _step(tiny_root, run) >= 4, proc, "step 4")
-        for pid in _job(tiny_root, run)["ft"]["groups"][1]["pids"]:
-            os.kill(pid, signal.SIGKILL)
+        _kill_group(tiny_root, run, 1)
         _wait(lambda: any(e["event"] == "ft_heal" and e["group"] == 1 and e["step"] >= 4
                           for e in _events(tiny_root, run)), proc, "group 1's heal", 180)
         go.touch()
