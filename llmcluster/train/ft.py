@@ -252,7 +252,7 @@ class Replica:
         if sorted(q.replica_ids) != self.quorum_ids:   # with the uuids: a group replaced by its restart is news
             self.quorum_ids = sorted(q.replica_ids)
             t.log(f"ft: step {t.step + 1}: quorum of {len(ids)} of {self.groups} groups ({', '.join(ids)})")
-            t.events.emit("ft_quorum", t.step, groups=len(ids), replica_ids=ids)
+            t.events.emit("ft_quorum", t.step, groups=len(ids), of=self.groups, replica_ids=ids)
             t.metrics.ft_groups(len(ids))
 
     def average(self, model, loss, busy_s):
@@ -295,7 +295,7 @@ class Replica:
             writers = [round(w) for w in self.writers.tolist()]
             if self.role.after_commit(writers, self.present) and self.quorum_ids:   # the quorum it writes with
                 ids = sorted({r.split(":")[0] for r in self.quorum_ids})
-                self.t.events.emit("ft_quorum", self.t.step, groups=len(ids), replica_ids=ids)
+                self.t.events.emit("ft_quorum", self.t.step, groups=len(ids), of=self.groups, replica_ids=ids)
             if self.busy is not None:
                 self._judge_stragglers(self.busy)
         self.busy = self.writers = None
