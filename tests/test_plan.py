@@ -155,7 +155,8 @@ def test_young_daly_interval():
     c, m = 14e9 / 1e9, 1000 * 3600 / 10
     assert ck.write_s == pytest.approx(c)
     assert ck.optimal_interval_s == pytest.approx(math.sqrt(2 * c * m))
-    assert ck.goodput == pytest.approx(1 - (c / ck.optimal_interval_s + (ck.optimal_interval_s / 2 + 15 * 60 + 600) / m))
+    tau = ck.optimal_interval_s
+    assert ck.goodput == pytest.approx(1 - (c / tau + (tau / 2 + 15 * 60 + 600) / m))
     # each failure also waits out dist.timeout_s (600 s, as PyTorch's NCCL default); no straggler share is fitted
     # (no fit run is measured on the goodput basis: plan/data/step_model.yaml), so none is charged
     default = checkpoint(_plan(cluster=cluster), 1e9, step_s=20.0)

@@ -18,15 +18,16 @@ interval between two consecutive lines:
   - anything else (shutdown after the last checkpoint, an unknown event): `other`.
 So productive_s + sum(badput_s) == wall_s exactly. No torch here: the head node runs this.
 
-An ft run (per-step fault tolerance, train/ft.py) also records ft_quorum, ft_heal, ft_group_failed, ft_straggler
-and ft_lighthouse_lost. They split no interval, but the goodput is the run's across all its groups (each holds
-1/n of the allocation): a step committed by k of the n groups (the quorum recorded before it) is productive for
-k/n of its interval, and each missing group's 1/n is badput: `hang_or_straggler` if the group was last dropped as a
-straggler, else `startup` (a dead group's restart: its process start, model build and heal, until it is in a
-quorum again). A slow step during which a group failed (ft_group_failed) has its excess in `failure` (the step in
-flight and noticing the failure, ft.timeout_s at most), as the planner charges it (plan/checkpoint.py). `ft`
-sums the records: the groups' failures, the heals (count, bytes, seconds of the heal step's quorum as recorded),
-the groups dropped as stragglers and the steps committed with fewer groups than the run's.
+An ft run (per-step fault tolerance, train/ft.py) also records ft_quorum, ft_heal, ft_group_failed, ft_straggler and
+ft_lighthouse_lost. They split no interval, but the goodput is the run's across all its groups (each holds 1/n of
+the allocation): a step committed by k of the n groups (the quorum recorded before it) is productive for k/n of its
+interval, and each missing group's 1/n is badput: `startup` once it failed (ft_group_failed since it was last in a
+quorum: a dead group's restart, its process start, model build and heal, until it is in a quorum again), else
+`hang_or_straggler` (dropped as a straggler, or away with no exit recorded: hung or cut off). A slow step during
+which a group failed (ft_group_failed) has its excess in `failure` (the step in flight and noticing the failure,
+ft.timeout_s at most), as the planner charges it (plan/checkpoint.py). `ft` sums the records: the groups' failures,
+the heals (count, bytes, seconds of the heal step's quorum as recorded), the groups dropped as stragglers and the
+steps committed with fewer groups than the run's.
 """
 
 from __future__ import annotations
@@ -116,6 +117,11 @@ def _run_groups(ft: list[dict]) -> int:
     return max((e.get("of") or e.get("groups") or 0 for e in ft if e["event"] == "ft_quorum"), default=0)
 
 
+def _ids(quorum: dict) -> set[str]:
+    """The groups of an ft_quorum record (`llmcluster_group_<g>`), as text."""
+    return {str(r).rsplit("_", 1)[-1] for r in quorum.get("replica_ids") or []}
+
+
 class _Groups:
     """Which groups committed each step of an ft run, and why the others were away (module docstring)."""
 
@@ -133,13 +139,13 @@ class _Groups:
         i = bisect.bisect_right([q["step"] for q in qs], step - 1) - 1   # a quorum recorded at s serves s+1, ...
         if i < 0 or qs[i]["groups"] >= self.n:
             return {}
-        present = {str(r).rsplit("_", 1)[-1] for r in qs[i].get("replica_ids") or []}
-        missing = [str(g) for g in range(self.n) if str(g) not in present] if present else []
+        missing = [g for g in map(str, range(self.n)) if g not in _ids(qs[i])] if _ids(qs[i]) else []
         missing = (missing + [None] * self.n)[:self.n - qs[i]["groups"]]   # by count where the ids are not known
         out: dict[str, float] = {}
-        for g in missing:
-            why = [e for e in self.leaves if e["t"] <= t and (g is None or str(e.get("group")) == g)]
-            bucket = "hang_or_straggler" if why and why[-1]["event"] == "ft_straggler" else "startup"
+        for g in missing:   # away since the last quorum it was in (with no ids: the last full one)
+            since = max((q["t"] for q in qs[:i] if (g in _ids(q) if g else q["groups"] >= self.n)), default=-1.0)
+            why = [e for e in self.leaves if since < e["t"] <= t and (g is None or str(e.get("group")) == g)]
+            bucket = "startup" if why and why[-1]["event"] == "ft_group_failed" else "hang_or_straggler"
             out[bucket] = out.get(bucket, 0.0) + 1 / self.n
         return out
 

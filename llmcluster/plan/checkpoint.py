@@ -4,13 +4,13 @@ Young (1974) / Daly (2006): with C the time to write a checkpoint and M the job'
 failures (node MTBF / nodes), checkpointing every sqrt(2·C·M) minimises the expected waste
 C/τ (writing) + (τ/2 + R)/M (work lost since the last checkpoint, plus the restart R, per failure).
 
-With per-step fault tolerance (ft, torchft replica groups: G groups of N/G nodes) a failure stops one group,
-not the job: that group restarts (R less the checkpoint read) and heals from a live peer (H: its replica's
-state over its nodes' NICs) while the other G-1 keep committing steps, so the cluster loses a share f = 1/G of
-(R - read + H) per failure, nothing since the last checkpoint (no rollback), and every group the step in
-flight plus the time it takes to notice (failure_s: one rule for both paths, each path's own timeout). When the G-1 survivors are fewer than ft.min_replicas no
-step commits until the group is back: f = 1. Checkpoints are still written at the Young/Daly interval (a full
-stop, the Lighthouse's death, still restarts from one).
+With per-step fault tolerance (ft, torchft replica groups: G groups of N/G nodes) a failure stops one group, not
+the job: that group restarts (R less the checkpoint read) and heals from a live peer (H: its replica's state
+over its nodes' NICs) while the other G-1 keep committing steps, so the cluster loses a share f = 1/G of
+(R - read + H) per failure, nothing since the last checkpoint (no rollback), and every group the step in flight plus
+the time it takes to notice (failure_s: one rule for both paths, each path's own timeout). When the G-1
+survivors are fewer than ft.min_replicas no step commits until the group is back: f = 1. Checkpoints are still
+written at the Young/Daly interval (a full stop, the Lighthouse's death, still restarts from one).
 """
 
 from __future__ import annotations
