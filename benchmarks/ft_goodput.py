@@ -240,7 +240,8 @@ def main() -> None:
         def make(run: str, ft: bool, steps: int, pad: float) -> Run:
             items = (f"run.name={run}", f"train.steps={steps}", f"checkpoint.interval_steps={a.interval}",
                      f"dist.timeout_s={a.dist_timeout_s}", *(ft_sets if ft else ()))
-            return Run(root, run, base + ["--procs-per-node", "1"] * ft + sets(*items), pad, 0 if ft else 2, logs)
+            argv = base + (["--procs-per-node", "1"] if ft else []) + sets(*items)
+            return Run(root, run, argv, pad, 0 if ft else 2, logs)
 
         out = {"steps": a.steps, "kills_at": kills, "checkpoint_every": a.interval, "victim_group": a.victim_group,
                "dist_timeout_s": a.dist_timeout_s, "ft_timeout_s": a.ft_timeout_s, "hang_s": hang_s}
