@@ -18,8 +18,8 @@ Both runs are read by `jobs goodput` (launch/goodput.py): ft's across both group
 counts half). Every step of the failure runs is padded to --pad-s (a test hook: a tiny CPU step is ~30 ms, which no
 restart could be weighed against).
 
-`cost` is ft's price on a run without failures: the same run, unpadded, as DDP (restart path) and as 2 ft groups,
-each step's time (the metrics' step_time_s, the median after the warm-up) side by side, and ft's parts of a step as
+`cost` is ft's price on a run without failures: the same run, unpadded, as DDP (restart path) and as 2 ft groups
+(--cost-rounds of each, interleaved), each step's time (the metrics' step_time_s, the median after the warm-up) side by side, and ft's parts of a step as
 the trainer times them on each rank (metrics ft_s, train/ft.py):
   - quorum: the round trip to the Lighthouse through the group's Manager before every step (torchft's
     use_async_quorum would overlap it with the forward; not used: docs/fault-tolerance.md says why);
@@ -27,8 +27,9 @@ the trainer times them on each rank (metrics ft_s, train/ft.py):
     buckets in place);
   - allreduce: the cross-group all-reduce of that buffer, after the backward (DDP's overlaps the backward);
   - commit: should_commit, one more round trip among the groups.
-What is left of the difference (`rest_s`) is what the ft step does besides (its data position saved for a retry,
-the per-group bookkeeping). Figures from a loaded machine are not results: run it on a quiet one.
+What is left of the difference (`rest_s`: ft's step less DDP's less those parts) is what the ft step does besides
+(its data position saved for a retry, the per-group bookkeeping) less what DDP's own all-reduce costs its step
+(which ft's step does not have: it can come out negative). Figures from a loaded machine are not results: run it on a quiet one.
 Prints one JSON line.
     python benchmarks/ft_goodput.py [--steps 120] [--kills 30,90] [--interval 20] [--cases kill,hang,cost]
 """
@@ -180,16 +181,19 @@ def figures(root: Path, run: str, wall: float) -> dict:
     return out
 
 
-def step_cost(metrics: dict[str, list[dict]]) -> dict:
-    """ft's cost per step from the two failure-free runs' metrics records (`ddp`, `ft`): the median step times
-    after the warm-up, their ratio, ft's parts (the median over steps of each rank's median) and what is left."""
+def step_cost(metrics: dict[str, list[list[dict]]]) -> dict:
+    """ft's cost per step from the failure-free runs' metrics records (`ddp`, `ft`: each a list of runs, interleaved
+    on the machine): the median step times after each run's warm-up, their ratio, ft's parts (the median over steps
+    of each rank's median) and what is left."""
+    steps = {path: [r for run in runs for r in run[WARMUP:]] for path, runs in metrics.items()}
+
     def med(recs, key):
-        vals = [r[key] for r in recs[WARMUP:] if isinstance(r.get(key), (int, float))]
+        vals = [r[key] for r in recs if isinstance(r.get(key), (int, float))]
         return statistics.median(vals) if vals else None
 
-    ddp, ft = med(metrics["ddp"], "step_time_s"), med(metrics["ft"], "step_time_s")
+    ddp, ft = med(steps["ddp"], "step_time_s"), med(steps["ft"], "step_time_s")
     parts = {p: statistics.median(v) for p in PARTS
-             if (v := [r["ft_s"][p] for r in metrics["ft"][WARMUP:] if p in r.get("ft_s", {})])}
+             if (v := [r["ft_s"][p] for r in steps["ft"] if p in r.get("ft_s", {})])}
     out = {"ddp_step_s": ddp, "ft_step_s": ft, "ratio": ft / ddp if ddp and ft else None,
            "ft_parts_s": parts}
     if ddp and ft:
@@ -217,6 +221,7 @@ def main() -> None:
     ap.add_argument("--hang-s", type=float, default=None, help="a hung replica is killed this long after its "
                     "SIGSTOP (default: --dist-timeout-s + 5)")
     ap.add_argument("--cost-steps", type=int, default=40)
+    ap.add_argument("--cost-rounds", type=int, default=3, help="failure-free runs of each side, interleaved")
     ap.add_argument("--keep", type=Path, default=None, help="the runs' storage and logs go here (else a temp dir)")
     a = ap.parse_args()
     kills = kill_points(a.kills, a.interval, a.steps)
@@ -252,11 +257,12 @@ def main() -> None:
                     r = make(f"{case}-{path}", path == "ft", a.steps, a.pad_s)
                     out[case][path] = figures(root, r.run, chaos(r, kills, sig, hang_s, a.victim_group))
         if "cost" in cases:
-            metrics = {}
-            for path in ("ddp", "ft"):
-                r = make(f"cost-{path}", path == "ft", a.cost_steps, 0.0)
-                chaos(r, [], signal.SIGKILL, 0, 0)
-                metrics[path] = read_metrics(root, r.run)
+            metrics = {"ddp": [], "ft": []}
+            for i in range(a.cost_rounds):   # interleaved: a machine's drift falls on both sides alike
+                for path in metrics:
+                    r = make(f"cost-{path}-{i}", path == "ft", a.cost_steps, 0.0)
+                    chaos(r, [], signal.SIGKILL, 0, 0)
+                    metrics[path].append(read_metrics(root, r.run))
             out["cost"] = step_cost(metrics)
     print(json.dumps(out))
 

@@ -29,7 +29,7 @@ def test_ft_step_cost_side_by_side_and_term_by_term():
     ddp = [{"step": k, "step_time_s": 9.0 if k <= b.WARMUP else 1.0} for k in range(1, 16)]   # warm-up left out
     parts = {"quorum": 0.05, "copy": 0.01, "allreduce": 0.1, "commit": 0.02}
     ft = [{"step": k, "step_time_s": 9.0 if k <= b.WARMUP else 1.25, "ft_s": parts} for k in range(1, 16)]
-    cost = b.step_cost({"ddp": ddp, "ft": ft})
+    cost = b.step_cost({"ddp": [ddp, ddp], "ft": [ft, ft]})   # two rounds of each, each with its warm-up
     assert cost["ddp_step_s"] == 1.0 and cost["ft_step_s"] == 1.25 and cost["ratio"] == 1.25
     assert cost["ft_parts_s"] == parts and cost["rest_s"] == pytest.approx(0.25 - 0.18)
     assert b.PARTS == __import__("llmcluster.train.ft", fromlist=["TIMINGS"]).TIMINGS   # the trainer's own names
