@@ -138,3 +138,59 @@ def test_the_plans_model_fed_with_the_runs_own_measurements():
     assert m["goodput"] == pytest.approx(1 - 3 / 15 - 1 / 15 - 1 / 2 - 1 / 15)
     assert model(EVENTS_TWO, goodput(EVENTS_TWO)) is not None
     assert model(EVENTS_TWO[:12], goodput(EVENTS_TWO[:12])) is None     # one attempt, never interrupted twice
+
+
+def _quorum(t, step, *groups, of=2):
+    return ev(t, 1, "ft_quorum", step, groups=len(groups), of=of, replica_ids=[f"llmcluster_group_{g}" for g in groups])
+
+
+def test_ft_goodput_is_the_runs_across_all_its_groups():
+    """Issue 52: an ft run of 2 groups (the writer's records, shaped as train/ft.py and launch/ft_local.py write them).
+    Steps take 1 s. Group 1 is SIGKILLed during step 4 (that step takes 4 s: the all-reduce fails, the quorum
+    goes on without it, the step is retried), is down for steps 5-8 (committed by group 0 alone), heals and is
+    back from step 9 (step 4 too was committed by group 0 alone); later it is dropped as a straggler for steps
+    12-13. A step committed by k of n groups is k/n productive; the missing group's share is its restart
+    (startup) once it failed, else its hang or straggling."""
+    events = [ev(0, 1, "attempt_start", 0), ev(2, 1, "init_done", 0), _quorum(2, 0, 0, 1)]
+    t, steps = 2.0, {4: 4.0}
+    for k in range(1, 15):
+        t += steps.get(k, 1.0)
+        events.append(ev(t, 1, "step", k))
+        if k == 3:
+            events += [ev(t + 0.5, 1, "ft_group_failed", 3, group=1, pids=[4242], exit_code=-9),
+                       _quorum(t + 3.5, 3, 0)]                        # the retried step 4's quorum: group 0 alone
+        if k == 8:
+            events += [_quorum(t + 0.1, 8, 0, 1), ev(t + 0.2, 1, "ft_heal", 8, group=1, peer=0, bytes=2e6,
+                                                   seconds=0.1, side="sender")]
+        if k == 11:
+            events += [ev(t, 1, "ft_straggler", 11, group=1, busy_s=3.0, median_s=1.0, steps=3),
+                       _quorum(t + 0.1, 11, 0)]
+        if k == 13:
+            events.append(_quorum(t + 0.1, 13, 0, 1))
+    events += [ev(t, 1, "save_start", 14, ckpt=14), ev(t + 1, 1, "save_end", 14, ckpt=14),
+               ev(t + 1, 1, "checkpointed", 14, ckpt=14), ev(t + 2, 1, "exit", 14, reason="completed")]
+    events.sort(key=lambda e: e["t"])
+    g = goodput(events)
+    assert g["wall_s"] == 2 + 17 + 2 and g["step_time_s"] == 1
+    # 14 steps of 1 s (step 4's 3 s excess: failure); steps 4-8 and 12-13 half productive
+    assert g["productive_s"] == pytest.approx(14 - 5 * 0.5 - 2 * 0.5)
+    assert g["badput_s"]["failure"] == 3 and g["badput_s"]["startup"] == pytest.approx(2 + 5 * 0.5)
+    assert g["badput_s"]["hang_or_straggler"] == pytest.approx(2 * 0.5)
+    assert g["productive_s"] + sum(g["badput_s"].values()) == pytest.approx(g["wall_s"])
+    assert g["ft"]["groups"] == 2 and g["ft"]["steps_fewer_groups"] == 7 and g["ft"]["group_failures"] == 1
+    # group 1 hung instead (no exit recorded: nothing failed): its share of steps 4-8 and step 4's excess are
+    # hang_or_straggler; had the hung group been killed during step 6, steps 6-8 would be its restart again
+    hung = [e for e in events if e["event"] != "ft_group_failed"]
+    h = goodput(hung)
+    assert h["productive_s"] == pytest.approx(g["productive_s"]) and h["badput_s"]["failure"] == 0
+    assert h["badput_s"]["startup"] == 2 and h["badput_s"]["hang_or_straggler"] == pytest.approx(3 + 7 * 0.5)
+    killed = sorted(hung + [ev(10.5, 1, "ft_group_failed", 6, group=1, pids=[4242], exit_code=-9)],
+                    key=lambda e: e["t"])
+    assert goodput(killed)["badput_s"]["startup"] == pytest.approx(2 + 3 * 0.5)
+    # a run recorded before `of` (the most groups seen) and without the ids (missing groups by count) reads the same
+    old = [{k: v for k, v in e.items() if k not in ("of", "replica_ids")} for e in events]
+    assert goodput(old)["productive_s"] == pytest.approx(g["productive_s"])
+    # of 4 groups, one away: a quarter of each of those steps is lost
+    four = [{**e, "of": 4, "groups": e["groups"] + 2, "replica_ids": e["replica_ids"] + ["llmcluster_group_2",
+             "llmcluster_group_3"]} if e["event"] == "ft_quorum" else e for e in events]
+    assert goodput(four)["productive_s"] == pytest.approx(14 - 7 * 0.25)

@@ -13,6 +13,7 @@ from llmcluster.plan.compute import efficiency_for_mfu, flops_per_token, mfu, st
 from llmcluster.plan.memory import (count_params, layer_activation_bytes, model_states, pipeline_factor,
                                     plan_memory, stage_params)
 from llmcluster.plan.network import fat_tree
+from llmcluster.config.schema import DistConfig
 from llmcluster.plan.spec import PlanCluster, ModelSpec, ParallelSpec, PlanSpec, TrainingSpec
 from llmcluster.plan.tables import calibration
 from llmcluster.plan.load import load_plan
@@ -149,13 +150,14 @@ def test_bloom_176b_checkpoint_sizes():
 
 def test_young_daly_interval():
     cluster = PlanCluster(gpu="A100-80GB", nodes=10, storage_write_GBps=1.0, node_mtbf_hours=1000)
-    plan = _plan(cluster=cluster, training=TrainingSpec(failure_detect_minutes=0, straggler_share=0))
+    plan = _plan(cluster=cluster, training=TrainingSpec(straggler_share=0))
     ck = checkpoint(plan, 1e9)
     c, m = 14e9 / 1e9, 1000 * 3600 / 10
     assert ck.write_s == pytest.approx(c)
     assert ck.optimal_interval_s == pytest.approx(math.sqrt(2 * c * m))
-    assert ck.goodput == pytest.approx(1 - (c / ck.optimal_interval_s + (ck.optimal_interval_s / 2 + 15 * 60) / m))
-    # by default each failure also waits out the 10-minute NCCL timeout; no straggler share is fitted
+    tau = ck.optimal_interval_s
+    assert ck.goodput == pytest.approx(1 - (c / tau + (tau / 2 + 15 * 60 + 600) / m))
+    # each failure also waits out dist.timeout_s (600 s, as PyTorch's NCCL default); no straggler share is fitted
     # (no fit run is measured on the goodput basis: plan/data/step_model.yaml), so none is charged
     default = checkpoint(_plan(cluster=cluster), 1e9, step_s=20.0)
     assert default.badput["failure"] == pytest.approx((10 + 600) / m)
@@ -171,28 +173,48 @@ def test_ft_goodput_per_group_recovery_against_the_restart_path_by_hand():
 
     cluster = PlanCluster(gpu="A100-80GB", nodes=4, gpus_per_node=4, storage_write_GBps=1.0, node_mtbf_hours=1000,
                           restart_minutes=10, nics_per_node=4, nic_GBps=25.0)
-    plan = _plan(cluster=cluster, parallel=ParallelSpec(dp_replicate=2),
-                 training=TrainingSpec(failure_detect_minutes=0, straggler_share=0),
-                 ft=FtConfig(enabled=True, min_replicas=1, quorum_timeout_s=60))
+    plan = _plan(cluster=cluster, parallel=ParallelSpec(dp_replicate=2), training=TrainingSpec(straggler_share=0),
+                 ft=FtConfig(enabled=True, min_replicas=1, timeout_s=10), dist=DistConfig(timeout_s=600))
     ck = checkpoint(plan, 1e9)
     m, c, read, r = 900_000.0, 14.0, 0.7, 600.0
     tau = math.sqrt(2 * c * m)                                   # 5,019.96 s
-    # the restart path: every failure costs all nodes the restart and half an interval of lost work
-    assert ck.goodput == pytest.approx(1 - (c / tau + (tau / 2 + r) / m))            # 0.993756
+    # the restart path: every failure costs all nodes the restart, half an interval of lost work and
+    # dist.timeout_s to notice it (a hung rank)
+    assert ck.goodput == pytest.approx(1 - (c / tau + (tau / 2 + r + 600) / m))      # 0.993089
     ft = ft_recovery(plan, ck)
     # per-group recovery: the failed half restarts (no checkpoint read) and heals 14 GB over its 2 nodes'
-    # 100 GB/s (0.07 s); the other half keeps stepping: half of (R - read + H) per failure, plus the quorum
-    # timeout for everyone; no lost work, the same checkpoint writes
+    # 100 GB/s (0.07 s); the other half keeps stepping: half of (R - read + H) per failure, plus ft.timeout_s
+    # for everyone to notice it; no lost work, the same checkpoint writes
     heal = 14e9 / (2 * 100e9)
     assert ft.groups == 2 and ft.share == 0.5 and ft.heal_s == pytest.approx(heal)
-    assert ft.goodput == pytest.approx(1 - (c / tau + ((r - read + heal) / 2 + 60) / m))   # 0.996811
+    assert ft.goodput == pytest.approx(1 - (c / tau + ((r - read + heal) / 2 + 10) / m))   # 0.996867
     assert ft.goodput > ck.goodput
     # min_replicas 2 of 2 groups: no step commits while one is down, the whole cluster waits for it
-    strict = _plan(cluster=cluster, parallel=ParallelSpec(dp_replicate=2),
-                   training=TrainingSpec(failure_detect_minutes=0, straggler_share=0),
-                   ft=FtConfig(enabled=True, min_replicas=2, quorum_timeout_s=60))
+    strict = _plan(cluster=cluster, parallel=ParallelSpec(dp_replicate=2), training=TrainingSpec(straggler_share=0),
+                   ft=FtConfig(enabled=True, min_replicas=2, timeout_s=10))
     waits = ft_recovery(strict, checkpoint(strict, 1e9))
-    assert waits.share == 1.0 and waits.goodput == pytest.approx(1 - (c / tau + (r - read + heal + 60) / m))
+    assert waits.share == 1.0 and waits.goodput == pytest.approx(1 - (c / tau + (r - read + heal + 10) / m))
+
+
+def test_failure_detection_is_each_paths_configured_timeout():
+    """Issue 52: one rule for both paths (checkpoint.failure_s): a failure costs the step in flight and the timeout
+    of the collective that waits on a hung rank: dist.timeout_s for the restart path, ft.timeout_s with ft."""
+    from llmcluster.config.schema import DistConfig, FtConfig
+
+    cluster = PlanCluster(gpu="A100-80GB", nodes=4, gpus_per_node=4, node_mtbf_hours=1000)
+    m = 1000 * 3600 / 4
+
+    def failure(dist_s, ft_s):
+        plan = _plan(cluster=cluster, parallel=ParallelSpec(dp_replicate=2), ft=FtConfig(enabled=True, timeout_s=ft_s),
+                     dist=DistConfig(timeout_s=dist_s))
+        ck = checkpoint(plan, 1e9, step_s=4.0)
+        return ck.badput["failure"] * m, ft_recovery(plan, ck, 4.0).badput["failure"] * m
+
+    assert failure(600, 10) == pytest.approx((2 + 600, 2 + 10))
+    assert failure(30, 10) == pytest.approx((2 + 30, 2 + 10))          # the restart path's own timeout lowered
+    assert failure(600, 5) == pytest.approx((2 + 600, 2 + 5))          # ft's: nothing else moves it
+    plan = load_plan("seed-a100-7b", ["dist.timeout_s=120"])   # the job config's dist: section, as ft:
+    assert plan.dist.timeout_s == 120
 
 
 @pytest.mark.parametrize("nodes,dp_replicate,min_replicas,words", [

@@ -18,15 +18,21 @@ interval between two consecutive lines:
   - anything else (shutdown after the last checkpoint, an unknown event): `other`.
 So productive_s + sum(badput_s) == wall_s exactly. No torch here: the head node runs this.
 
-An ft run (per-step fault tolerance, train/ft.py) also records ft_quorum, ft_heal, ft_group_failed, ft_straggler
-and ft_lighthouse_lost: they split no interval (a group's failure costs the writer's steps only what it delays
-them: a slow step, `hang_or_straggler`), and `ft` sums them: the groups' failures, the heals (count, bytes,
-seconds of the heal step's quorum as recorded), the groups dropped as stragglers and the steps committed with fewer
-groups than the most seen.
+An ft run (per-step fault tolerance, train/ft.py) also records ft_quorum, ft_heal, ft_group_failed, ft_straggler and
+ft_lighthouse_lost. They split no interval, but the goodput is the run's across all its groups (each holds 1/n of
+the allocation): a step committed by k of the n groups (the quorum recorded before it) is productive for k/n of its
+interval, and each missing group's 1/n is badput: `startup` once it failed (ft_group_failed since it was last in a
+quorum: a dead group's restart, its process start, model build and heal, until it is in a quorum again), else
+`hang_or_straggler` (dropped as a straggler, or away with no exit recorded: hung or cut off). A slow step during
+which a group failed (ft_group_failed) has its excess in `failure` (the step in flight and noticing the failure,
+ft.timeout_s at most), as the planner charges it (plan/checkpoint.py). `ft` sums the records: the groups' failures,
+the heals (count, bytes, seconds of the heal step's quorum as recorded), the groups dropped as stragglers and the
+steps committed with fewer groups than the run's.
 """
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from pathlib import Path
 
@@ -85,7 +91,7 @@ def ft_summary(events: list[dict]) -> dict | None:
     if not ft:
         return None
     quorums = [(e["step"], e["groups"]) for e in ft if e["event"] == "ft_quorum" and isinstance(e.get("groups"), int)]
-    full = max((g for _s, g in quorums), default=0)
+    full = _run_groups(ft)
     last = max(e["step"] for e in events)
     # a quorum recorded at step s serves the steps after s, up to the next one
     fewer = sum(max(0, nxt - s) for (s, g), (nxt, _g) in zip(quorums, quorums[1:] + [(last, 0)]) if g < full)
@@ -106,8 +112,50 @@ def ft_summary(events: list[dict]) -> dict | None:
             "lighthouse_lost": sum(e["event"] == "ft_lighthouse_lost" for e in ft)}
 
 
+def _run_groups(ft: list[dict]) -> int:
+    """The run's replica groups: ft_quorum's `of` (records before it: the most groups seen in a quorum)."""
+    return max((e.get("of") or e.get("groups") or 0 for e in ft if e["event"] == "ft_quorum"), default=0)
+
+
+def _ids(quorum: dict) -> set[str]:
+    """The groups of an ft_quorum record (`llmcluster_group_<g>`), as text."""
+    return {str(r).rsplit("_", 1)[-1] for r in quorum.get("replica_ids") or []}
+
+
+class _Groups:
+    """Which groups committed each step of an ft run, and why the others were away (module docstring)."""
+
+    def __init__(self, ft: list[dict]):
+        self.n = _run_groups(ft)
+        self.quorums: dict[int, list[dict]] = {}   # per attempt, in step order (a retry's quorum after the first)
+        for e in sorted((e for e in ft if e["event"] == "ft_quorum" and isinstance(e.get("groups"), int)),
+                        key=lambda e: (e["step"], e["t"])):
+            self.quorums.setdefault(e["attempt"], []).append(e)
+        self.leaves = sorted((e for e in ft if e["event"] in ("ft_group_failed", "ft_straggler")), key=lambda e: e["t"])
+
+    def away(self, attempt: int, step: int, t: float) -> dict[str, float]:
+        """The shares of the interval of `step` (ending at `t`) that the groups not in its quorum cost, by bucket."""
+        qs = self.quorums.get(attempt, [])
+        i = bisect.bisect_right([q["step"] for q in qs], step - 1) - 1   # a quorum recorded at s serves s+1, ...
+        if i < 0 or qs[i]["groups"] >= self.n:
+            return {}
+        missing = [g for g in map(str, range(self.n)) if g not in _ids(qs[i])] if _ids(qs[i]) else []
+        missing = (missing + [None] * self.n)[:self.n - qs[i]["groups"]]   # by count where the ids are not known
+        out: dict[str, float] = {}
+        for g in missing:   # away since the last quorum it was in (with no ids: the last full one)
+            since = max((q["t"] for q in qs[:i] if (g in _ids(q) if g else q["groups"] >= self.n)), default=-1.0)
+            why = [e for e in self.leaves if since < e["t"] <= t and (g is None or str(e.get("group")) == g)]
+            bucket = "startup" if why and why[-1]["event"] == "ft_group_failed" else "hang_or_straggler"
+            out[bucket] = out.get(bucket, 0.0) + 1 / self.n
+        return out
+
+    def failed_in(self, t0: float, t1: float) -> bool:
+        return any(t0 < e["t"] <= t1 for e in self.leaves if e["event"] == "ft_group_failed")
+
+
 def goodput(events: list[dict]) -> dict:
     ft = ft_summary(events)
+    groups = _Groups([e for e in events if e["event"].startswith(FT_PREFIX)])
     atts = attempts([e for e in events if not e["event"].startswith(FT_PREFIX)])
     if not atts:
         raise UserError("no attempt that trained is recorded for this run (events.jsonl is written by the "
@@ -133,9 +181,13 @@ def goodput(events: list[dict]) -> dict:
             ev, k = b["event"], b["step"]
             if ev in _STEP_END and k > first:
                 if ev == "step" and med and dt > SLOW * med:     # the step's excess over a median step
-                    bad["startup" if k == first + 1 else "hang_or_straggler"] += dt - med
+                    bad["startup" if k == first + 1 else "failure" if groups.failed_in(a["t"], b["t"])
+                        else "hang_or_straggler"] += dt - med
                     dt = med
                 if k <= kept:
+                    for bucket, share in groups.away(b["attempt"], k, b["t"]).items():   # ft: k of n groups
+                        bad[bucket] += dt * share
+                        productive -= dt * share
                     productive += dt
                 else:
                     bad["lost_progress"] += dt

@@ -4,13 +4,13 @@ Young (1974) / Daly (2006): with C the time to write a checkpoint and M the job'
 failures (node MTBF / nodes), checkpointing every sqrt(2·C·M) minimises the expected waste
 C/τ (writing) + (τ/2 + R)/M (work lost since the last checkpoint, plus the restart R, per failure).
 
-With per-step fault tolerance (ft, torchft replica groups: G groups of N/G nodes) a failure stops one group,
-not the job: that group restarts (R less the checkpoint read) and heals from a live peer (H: its replica's
-state over its nodes' NICs) while the other G-1 keep committing steps, so the cluster loses a share f = 1/G of
-(R - read + H) per failure, nothing since the last checkpoint (no rollback), and every group the step in
-flight plus the quorum timeout it takes to notice. When the G-1 survivors are fewer than ft.min_replicas no
-step commits until the group is back: f = 1. Checkpoints are still written at the Young/Daly interval (a full
-stop, the Lighthouse's death, still restarts from one).
+With per-step fault tolerance (ft, torchft replica groups: G groups of N/G nodes) a failure stops one group, not
+the job: that group restarts (R less the checkpoint read) and heals from a live peer (H: its replica's state
+over its nodes' NICs) while the other G-1 keep committing steps, so the cluster loses a share f = 1/G of
+(R - read + H) per failure, nothing since the last checkpoint (no rollback), and every group the step in flight plus
+the time it takes to notice (failure_s: one rule for both paths, each path's own timeout). When the G-1
+survivors are fewer than ft.min_replicas no step commits until the group is back: f = 1. Checkpoints are still
+written at the Young/Daly interval (a full stop, the Lighthouse's death, still restarts from one).
 """
 
 from __future__ import annotations
@@ -50,6 +50,15 @@ def badput_model(write_s: float, read_s: float, restart_s: float, mtbf_s: float,
             "hang_or_straggler": straggler_share, "failure": failure_s / mtbf_s, "other": 0.0}
 
 
+def failure_s(step_s: float, timeout_s: float) -> float:
+    """What a failure costs every rank that waits on it: the step in flight (half a step on average) and the time to
+    notice it. One rule for both paths: a hung rank is noticed when the collective waiting on it times out, which is
+    `dist.timeout_s` for the restart path (the process group's: the job then stops and restarts) and `ft.timeout_s`
+    with ft (the cross-group all-reduce's: the other groups then commit without it). A crash is noticed sooner (a
+    closed connection); a hang is the bound, which is what a plan must hold."""
+    return step_s / 2 + timeout_s
+
+
 @dataclass
 class FtRecovery:
     groups: int
@@ -69,7 +78,7 @@ def ft_recovery(plan: PlanSpec, ck: Checkpoint, step_s: float = 0.0) -> FtRecove
     m, restart = ck.job_mtbf_s, c.restart_minutes * 60
     badput = {**ck.badput, "startup": share * max(0.0, restart - ck.read_s) / m,
               "checkpoint_restore": share * heal / m, "lost_progress": 0.0,
-              "failure": (step_s / 2 + plan.ft.quorum_timeout_s) / m}
+              "failure": failure_s(step_s, plan.ft.timeout_s) / m}
     return FtRecovery(groups=groups, heal_s=heal, share=share, goodput=max(0.0, 1 - sum(badput.values())),
                       badput=badput)
 
@@ -101,10 +110,9 @@ def checkpoint(plan: PlanSpec, params: float, step_s: float = 0.0, forward_s: fl
     mtbf = c.node_mtbf_hours * 3600 / c.nodes
     tau = math.sqrt(2 * write * mtbf)
     read = size / (c.storage_read_GBps * 1e9)
-    t = plan.training
     badput = badput_model(write, read, c.restart_minutes * 60, mtbf, tau,
                           eval_share=eval_share(plan, step_s, forward_s) if step_s else 0.0,
-                          failure_s=step_s / 2 + t.failure_detect_minutes * 60, straggler_share=straggler_share(plan))
+                          failure_s=failure_s(step_s, plan.dist.timeout_s), straggler_share=straggler_share(plan))
     return Checkpoint(size_bytes=size, weights_bytes=params * EXPORT_BYTES, write_s=write, read_s=read,
                       job_mtbf_s=mtbf, optimal_interval_s=tau, goodput=max(0.0, 1 - sum(badput.values())),
                       badput=badput)

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from llmcluster.config.cluster import ClusterSpec, Cost, Hardware, Reliability, Topology
 from llmcluster.config.gpus import GPUSpec, gpu_spec
-from llmcluster.config.schema import FtConfig, LogConfig, ModelConfig, ParallelKeys
+from llmcluster.config.schema import DistConfig, FtConfig, LogConfig, ModelConfig, ParallelKeys
 from llmcluster.errors import UserError
 
 
@@ -189,9 +189,6 @@ class TrainingSpec(Section):
     tokens: float = Field(1e12, gt=0)
     mfu: float | None = Field(None, gt=0, le=1)        # override the calibrated efficiency model
     goodput: float | None = Field(None, gt=0, le=1)    # override the restart/checkpoint model
-    # Time from a failure to its detection: PyTorch's default NCCL process-group timeout (10 minutes) for
-    # a rank that hangs; a crash is noticed sooner (then lower it).
-    failure_detect_minutes: float = Field(10.0, ge=0)
     # Slow steps (stragglers, stalled reads, hangs that recover) as a share of wall time. None: the fitted
     # share per doubling of the nodes (plan/data/step_model.yaml); measure yours with `llmcluster jobs goodput`
     # (its hang_or_straggler bucket) and set it.
@@ -214,6 +211,9 @@ class PlanSpec(Section):
     # per-step fault tolerance (torchft), the job config's own section: the dp_replicate replicas are the
     # replica groups; the plan predicts goodput with and without it (plan/checkpoint.py ft_recovery)
     ft: FtConfig = FtConfig()
+    # the job config's dist: section: dist.timeout_s is how long the restart path takes to notice a hung rank (its
+    # process group's collectives time out), as ft.timeout_s is ft's (plan/checkpoint.py failure_s)
+    dist: DistConfig = DistConfig()
 
     @model_validator(mode="after")
     def _mesh(self):

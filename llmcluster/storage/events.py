@@ -8,7 +8,7 @@ already in the file) and the training step reached. Lifecycle lines are fsynced 
 interval); heartbeats are only flushed, which a killed process does not lose.
 
 An ft run (per-step fault tolerance, docs/fault-tolerance.md) adds, from its writer group: ft_quorum (`groups`,
-`replica_ids`) when the quorum changes, ft_heal (`group` healed, `peer`, `bytes`, `seconds`, `side`), ft_straggler
+`of` the run's groups, `replica_ids`) when the quorum changes, ft_heal (`group` healed, `peer`, `bytes`, `seconds`, `side`), ft_straggler
 (`group` that left the quorum, its `busy_s`, the others' `median_s`, `steps` slow in a row); and from
 the supervisor (launch/ft_local.py, one appended line each): ft_group_failed (`group`, `pids`, `exit_code`),
 ft_lighthouse_lost; ft_writer (`group`, `previous`) from a group that takes the writer's role over; and ft_stranger
@@ -47,7 +47,7 @@ REQUIRED = {"t": records.number(0), "attempt": records.integer(1), "event": reco
 OPTIONAL = {"ckpt": records.integer(0), "reason": records.TEXT, "pid": records.integer(1),
             "group": records.integer(0), "peer": records.integer(0), "previous": records.integer(0),
             "bytes": records.number(0), "seconds": records.number(0), "side": records.TEXT,
-            "groups": records.integer(0), "replica_ids": records.LIST, "busy_s": records.number(0),
+            "groups": records.integer(0), "of": records.integer(1), "replica_ids": records.LIST, "busy_s": records.number(0),
             "median_s": records.number(0), "steps": records.integer(0), "pids": records.LIST,
             "exit_code": records.integer(), "code": records.integer()}
 

@@ -39,6 +39,7 @@ from llmcluster.train.ft_quorum import BoundManagerServer, QuorumTap, ask_quorum
 from llmcluster.train.ft_writer import FIRST_WRITER
 SLOW_GROUP_ENV = "LLMCLUSTER_TEST_FT_SLOW_GROUP"
 SLOW_START_ENV = "LLMCLUSTER_TEST_FT_SLOW_START_S"   # test hook: seconds a restarted group waits before its quorum
+TIMINGS = ("quorum", "copy", "allreduce", "commit")   # ft's parts of a step, timed on every rank (metrics ft_s)
 
 
 def require_torchft() -> None:
@@ -162,6 +163,14 @@ class Replica:
         self.role = ft_writer.WriterRole(trainer, self.group, self.groups)
         self.present = [self.group]
         self.writers = None
+        self.timings: dict[str, list[float]] = {k: [] for k in TIMINGS}   # this rank's ft seconds, each step
+
+    def take_timings(self) -> dict[str, float]:
+        """The median seconds of each of ft's parts of a step since the last call (the metrics record's ft_s)."""
+        out = {k: round(statistics.median(v), 6) for k, v in self.timings.items() if v}
+        for v in self.timings.values():
+            v.clear()
+        return out
 
     # -- the state a healing peer copies -----------------------------------------------------------
     def _state(self) -> dict:
@@ -227,6 +236,7 @@ class Replica:
         send_s = now - self.send_t0 if self.send_t0 is not None else 0.0
         if q is not None:
             self._note_quorum(q, step_before, heal_s, send_s)
+        self.timings["quorum"].append(heal_s)
         self.before = t.sampler.state_dict()
 
     def _note_quorum(self, q, step_before: int, heal_s: float, send_s: float = 0.0) -> None:
@@ -252,7 +262,7 @@ class Replica:
         if sorted(q.replica_ids) != self.quorum_ids:   # with the uuids: a group replaced by its restart is news
             self.quorum_ids = sorted(q.replica_ids)
             t.log(f"ft: step {t.step + 1}: quorum of {len(ids)} of {self.groups} groups ({', '.join(ids)})")
-            t.events.emit("ft_quorum", t.step, groups=len(ids), replica_ids=ids)
+            t.events.emit("ft_quorum", t.step, groups=len(ids), of=self.groups, replica_ids=ids)
             t.metrics.ft_groups(len(ids))
 
     def average(self, model, loss, busy_s):
@@ -268,12 +278,17 @@ class Replica:
             slots[self.group] = self._slow_hook(self.t.step + 1) or busy_s()
         writers = torch.zeros(self.groups, device=loss.device)
         writers[self.group] = self.role.entry()
+        t0 = time.perf_counter()
         flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.detach().float().reshape(1), slots, writers])
+        t1 = time.perf_counter()
         self.manager.allreduce(flat).wait()
+        t2 = time.perf_counter()
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+        self.timings["allreduce"].append(t2 - t1)   # host seconds: on CUDA what the host waited, not the kernels'
+        self.timings["copy"].append(t1 - t0 + time.perf_counter() - t2)
         k = self.participants = self.manager.num_participants()   # averaged over the k groups in the quorum
         self.writers = flat[offset + 1 + slots.numel():] * k   # read in should_commit, after the loss's own sync
         if slots.numel():   # (0: absent)
@@ -286,7 +301,9 @@ class Replica:
         return flat[offset].to(loss.dtype)
 
     def should_commit(self) -> bool:
+        t0 = time.perf_counter()
         self.committed = self.manager.should_commit()
+        self.timings["commit"].append(time.perf_counter() - t0)
         if not self.committed:   # its batch again (the lr schedule does not step), or saved as not drawn on a stop
             self._reposition(self.before)
             self.t.log(f"ft: step {self.t.step + 1} not committed (a group failed during it): retried")
@@ -295,7 +312,7 @@ class Replica:
             writers = [round(w) for w in self.writers.tolist()]
             if self.role.after_commit(writers, self.present) and self.quorum_ids:   # the quorum it writes with
                 ids = sorted({r.split(":")[0] for r in self.quorum_ids})
-                self.t.events.emit("ft_quorum", self.t.step, groups=len(ids), replica_ids=ids)
+                self.t.events.emit("ft_quorum", self.t.step, groups=len(ids), of=self.groups, replica_ids=ids)
             if self.busy is not None:
                 self._judge_stragglers(self.busy)
         self.busy = self.writers = None

@@ -141,5 +141,6 @@ def record_step(t, loss: float, norm: float, val: dict) -> None:
               "rank_step_time_s": times, "rank_busy_s": busy_times, "bad_steps": t.bad_total, **val}
     if t.ft:
         record["ft_groups"] = k   # the groups that committed this step
+        record["ft_s"] = t.ft.take_timings()   # ft's parts of a step (quorum, copy, allreduce, commit): medians
     note_stragglers(busy_times, cfg.log.straggler_factor, t.metrics, t.log)
     t.metrics.write(record)
