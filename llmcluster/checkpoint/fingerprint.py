@@ -34,12 +34,21 @@ def run_fingerprint(cfg, tokenizer: str | None = None, **more) -> dict:
     m, p, lora = cfg.model, cfg.parallel, cfg.train.lora
     fp = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads or m.n_heads,
           "ffn_hidden": m.ffn_hidden, "vocab_size": m.vocab_size, "tie_embeddings": m.tie_embeddings,
-          "optimizer": "adamw", "lora": f"rank {lora.rank} on {'+'.join(lora.targets)}" if lora else None,
+          "optimizer": cfg.train.optimizer, "lora": _lora(lora),
           "pipeline_stages": p.pp * (p.pp_virtual_stages or (2 if p.pp_schedule == "interleaved_1F1B" else 1)),
           "ft_groups": p.dp_replicate if cfg.ft.enabled else 0}
     if tokenizer:
         fp["tokenizer"] = tokenizer
     return {**fp, **more}
+
+
+def _lora(lora) -> str | None:
+    """train.lora as the fingerprint names it; the base's precision when not fp32 (a resume that changes it, or
+    the optimizer kind, is refused: the saved adapters and states were trained against that base)."""
+    if lora is None:
+        return None
+    base = "" if lora.base_precision == "fp32" else f", base {lora.base_precision}"
+    return f"rank {lora.rank} on {'+'.join(lora.targets)}{base}"
 
 
 def _differences(saved: dict, now: dict, fields) -> list[str]:
