@@ -89,11 +89,12 @@ def test_fsdp_nf4_two_ranks_equal_one(capsys, hf):
     each rank's shard of a projection is an NF4Tensor of half the rows (the run's line after sharding)."""
     root, model = hf["root"], hf["model"]
     one = cli_inprocess(capsys, "train", "--root", root, "--resume", "never",
-                        *job(model, "nf4-1", "train.steps=10", "train.lora.base_precision=nf4",
+                        *job(model, "nf4-1", "train.steps=10", "train.lora.base_precision=nf4", "train.precision=fp32",
                              "train.micro_batch=4"))
     assert one.returncode == 0, one.stderr[-3000:]
     two = torchrun(2, "train", "--root", root, "--resume", "never",
-                   *job(model, "nf4-2", "train.steps=10", "train.lora.base_precision=nf4", "train.micro_batch=2",
+                   *job(model, "nf4-2", "train.steps=10", "train.lora.base_precision=nf4", "train.precision=fp32",
+                        "train.micro_batch=2",
                         "parallel.dp_shard=2"))
     assert two.returncode == 0, two.stderr[-3000:]
     assert "NF4 shard: layers.0.self_attn.q_proj.weight is an NF4Tensor of (128, 256) of (256, 256)" \

@@ -24,7 +24,17 @@ class LoRALinear(nn.Linear):
     lora_scaling: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scaling
+        return F.linear(x, compute_weight(self.weight, x)) + \
+            F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scaling
+
+
+def compute_weight(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A frozen base weight stored in bf16 (train.lora.base_precision) in the run's precision: as is under
+    autocast (which casts it) or when it matches x; else cast to x's dtype. An NF4 weight (torchao) casts
+    itself in its own linear."""
+    if w.dtype == x.dtype or torch.is_autocast_enabled(x.device.type) or hasattr(w, "get_original_weight"):
+        return w
+    return w.to(x.dtype)
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:

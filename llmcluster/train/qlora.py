@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llmcluster.config.schema import JobConfig
@@ -71,7 +72,12 @@ def prepare_base(raw: nn.Module, cfg: JobConfig, device: torch.device, shards: i
     kind = lora.base_precision
     frozen = [(n, p) for n, p in raw.named_parameters() if not p.requires_grad]
     if kind != "fp32":
-        for mod in raw.modules():
+        for mod in raw.modules():   # computed in the run's precision whatever they are stored in
+            if type(mod) is nn.Linear:
+                mod.__class__ = FrozenLinear
+            elif type(mod) is nn.Embedding:
+                mod.__class__ = FrozenEmbedding
+                mod.compute_dtype = torch.float32 if cfg.train.precision == "fp32" else None
             for name, p in list(mod._parameters.items()):
                 if p is not None and not p.requires_grad and p.dtype == torch.float32:
                     mod._parameters[name] = nn.Parameter(p.to(torch.bfloat16), requires_grad=False)
@@ -102,6 +108,25 @@ def prepare_base(raw: nn.Module, cfg: JobConfig, device: torch.device, shards: i
     return (f"LoRA base {kind}: {detail}, {nbytes / max(n_frozen, 1):.3f} bytes/param over the base "
             f"({nbytes / 2**20:.1f} MiB); adapters fp32: {n_train / 1e6:.3f}M params with fp32 grads and "
             f"{cfg.train.optimizer} states")
+
+
+class FrozenLinear(nn.Linear):
+    """A frozen projection (or LM head) stored in bf16, computed in the run's precision."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from llmcluster.model.lora import compute_weight
+
+        return F.linear(x, compute_weight(self.weight, x))
+
+
+class FrozenEmbedding(nn.Embedding):
+    """A frozen embedding stored in bf16: its rows in fp32 when the run computes in fp32 (train.precision, or a
+    CPU without native bf16); else as stored (autocast or FSDP's bf16 policy computes in bf16 anyway)."""
+    compute_dtype: torch.dtype | None = None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = super().forward(tokens)
+        return out if self.compute_dtype is None else out.to(self.compute_dtype)
 
 
 def unsharded_nf4(cfg: JobConfig, dims) -> bool:
