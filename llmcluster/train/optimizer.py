@@ -38,8 +38,28 @@ def low_bit_adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer
     except ImportError as e:
         raise UserError(f"train.optimizer={cfg.optimizer} needs torchao ({e}): pip install 'llmcluster[float8]'") \
             from None
-    cls = AdamW8bit if cfg.optimizer == "adamw8bit" else AdamW4bit
-    return cls(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    base = AdamW8bit if cfg.optimizer == "adamw8bit" else AdamW4bit
+
+    class FloatLr(base):
+        """torchao keeps each group's lr as a tensor (an input of its compiled update, not a constant to
+        recompile on); here it stays a float between steps, as the scheduler, the metrics and train_state.json
+        (JSON) read it, and becomes a tensor for the step alone."""
+
+        def add_param_group(self, param_group: dict) -> None:
+            torch.optim.Optimizer.add_param_group(self, param_group)
+
+        def step(self, closure=None):
+            lrs = [g["lr"] for g in self.param_groups]
+            for g in self.param_groups:
+                g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32)
+            try:
+                return super().step(closure)
+            finally:
+                for g, lr in zip(self.param_groups, lrs):
+                    g["lr"] = lr
+
+    FloatLr.__name__ = base.__name__
+    return FloatLr(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
