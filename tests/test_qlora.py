@@ -86,7 +86,8 @@ def test_base_precisions_train_alike(capsys, hf):
 
 def test_fsdp_nf4_two_ranks_equal_one(capsys, hf):
     """FSDP2 over gloo, 2 ranks, NF4 base: the loss of each of 10 steps equals the 1-rank run's within 1e-5;
-    each rank's shard of a projection is an NF4Tensor of half the rows (the run's line after sharding)."""
+    each rank's shard of a projection is an NF4Tensor of half the rows (the run's line after sharding). The 2-rank
+    run also sets parallel.fsdp_offload (FSDP2's CPUOffloadPolicy): accepted on CPU, where it changes nothing."""
     root, model = hf["root"], hf["model"]
     one = cli_inprocess(capsys, "train", "--root", root, "--resume", "never",
                         *job(model, "nf4-1", "train.steps=10", "train.lora.base_precision=nf4", "train.precision=fp32",
@@ -94,8 +95,7 @@ def test_fsdp_nf4_two_ranks_equal_one(capsys, hf):
     assert one.returncode == 0, one.stderr[-3000:]
     two = torchrun(2, "train", "--root", root, "--resume", "never",
                    *job(model, "nf4-2", "train.steps=10", "train.lora.base_precision=nf4", "train.precision=fp32",
-                        "train.micro_batch=2",
-                        "parallel.dp_shard=2"))
+                        "train.micro_batch=2", "parallel.dp_shard=2", "parallel.fsdp_offload=true"))
     assert two.returncode == 0, two.stderr[-3000:]
     assert "NF4 shard: layers.0.self_attn.q_proj.weight is an NF4Tensor of (128, 256) of (256, 256)" \
         in two.stdout, two.stdout[-3000:]
