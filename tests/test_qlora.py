@@ -4,14 +4,13 @@ projection is a multiple of NF4's 64 x 256 blocks, and so is each FSDP half-row 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import assert_one_line_error, cli_inprocess, read_metrics, torchrun
-from hf_helpers import CORPUS, make_hf_llama, make_hf_tokenizer
+from hf_helpers import make_hf_storage
 
 pytestmark = pytest.mark.timeout(900)
 transformers = pytest.importorskip("transformers")
@@ -33,17 +32,7 @@ def job(model: Path, run: str, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    base = tmp_path_factory.mktemp("qlora")
-    model = make_hf_tokenizer(base / "llama")
-    vocab = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]
-    make_hf_llama(model, vocab=len(vocab) + 2, **SHAPE)
-    corpus = base / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
-    root = base / "storage"
-    from conftest import run_cli
-    run_cli("data", "prepare", "--root", root, "--name", "corpus", "--kind", "text", "--source", corpus,
-            "--tokenizer", model, "--val-fraction", "0.1", check=True)
-    return {"model": model, "root": root}
+    return make_hf_storage(tmp_path_factory.mktemp("qlora"), **SHAPE)
 
 
 def _late_mean(root: Path, run: str) -> float:
