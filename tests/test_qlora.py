@@ -112,3 +112,22 @@ def test_nf4_without_torchao_is_one_line(capsys, hf, monkeypatch):
     proc = cli_inprocess(capsys, "train", "--root", hf["root"], "--resume", "never",
                          *job(hf["model"], "no-torchao", "train.steps=1", "train.lora.base_precision=nf4"))
     assert_one_line_error(proc, "base_precision=nf4 needs torchao")
+
+
+def test_nf4_checkpoint_holds_the_adapters_and_a_resume_requantizes(capsys, hf):
+    """An NF4 run's checkpoint holds the adapters and their optimizer state, not the frozen base: a resume
+    quantizes train.init_from again and continues bitwise; a resume that changes the base precision is refused."""
+    root, model = hf["root"], hf["model"]
+    nf4 = ("train.steps=6", "train.lora.base_precision=nf4", "checkpoint.interval_steps=3")
+    for run, extra in (("q-ref", ()), ("q-res", ("train.stop_at=3",)), ("q-res", ())):
+        proc = cli_inprocess(capsys, "train", "--root", root, *job(model, run, *nf4, *extra))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "step_3" in proc.stdout
+    meta = (root / "checkpoints" / "q-res" / "step_3" / ".metadata").read_bytes()
+    assert b"lora_A" in meta and b"q_proj.weight" not in meta          # adapters only, no base weight
+    ref = {r["step"]: r["loss"] for r in read_metrics(root, "q-ref") if "loss" in r}
+    got = {r["step"]: r["loss"] for r in read_metrics(root, "q-res") if "loss" in r}
+    assert all(got[s] == ref[s] for s in range(4, 7)), (ref, got)   # bitwise
+    bad = cli_inprocess(capsys, "train", "--root", root,
+                        *job(model, "q-res", "train.steps=9", "train.lora.base_precision=bf16"))
+    assert_one_line_error(bad, "base nf4 -> ")

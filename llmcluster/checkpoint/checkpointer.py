@@ -435,7 +435,8 @@ class Checkpointer:
     def _options(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return StateDictOptions(ignore_frozen_params=self.skip_frozen)
+        # not strict when the frozen base is left out: those weights come from train.init_from
+        return StateDictOptions(ignore_frozen_params=self.skip_frozen, strict=not self.skip_frozen)
 
     def load(self, path: Path, model, optimizer) -> dict:
         """Load model + optimizer (resharded to this run's layout) and return train_state.json."""
