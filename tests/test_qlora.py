@@ -131,3 +131,23 @@ def test_nf4_checkpoint_holds_the_adapters_and_a_resume_requantizes(capsys, hf):
     bad = cli_inprocess(capsys, "train", "--root", root,
                         *job(model, "q-res", "train.steps=9", "train.lora.base_precision=bf16"))
     assert_one_line_error(bad, "base nf4 -> ")
+
+
+def test_nf4_resume_over_other_base_weights_is_refused(capsys, hf, tmp_path):
+    """The fingerprint of an NF4 run names the sha256 of train.init_from's safetensors: its checkpoint has no base,
+    so a resume over changed weights would quietly train the adapters against another model."""
+    import shutil
+
+    root, model = hf["root"], hf["model"]
+    other = shutil.copytree(model, tmp_path / "llama")
+    nf4 = ("train.steps=4", "train.lora.base_precision=nf4", "train.stop_at=1")
+    proc = cli_inprocess(capsys, "train", "--root", root, *job(model, "q-fp", *nf4))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(other / "model.safetensors", "r+b") as f:   # one byte of the last tensor's data
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    bad = cli_inprocess(capsys, "train", "--root", root, *job(other, "q-fp", "train.steps=4",
+                                                             "train.lora.base_precision=nf4"))
+    assert_one_line_error(bad, "train.init_from's weights sha256")
