@@ -97,6 +97,8 @@ def test_fsdp_nf4_two_ranks_equal_one(capsys, hf):
 @pytest.mark.parametrize("bad, needles", [
     (("parallel.tp=2", "train.lora.base_precision=nf4"), ("base_precision=nf4 with parallel.tp > 1",)),
     (("parallel.pp=2", "train.lora.base_precision=nf4"), ("base_precision=nf4 with parallel.pp > 1",)),
+    (("parallel.pp=2", "train.lora.base_precision=bf16"), ("base_precision=bf16 with parallel.pp > 1",)),
+    (("ft.enabled=true", "parallel.dp_replicate=2", "train.lora.base_precision=nf4"), ("nf4 with ft.enabled",)),
     (("train.optimizer=adamw8bit", "train.precision=fp16"), ("adamw8bit with train.precision=fp16",)),
     (("parallel.fsdp_offload=true", "parallel.dp_shard=1"), ("fsdp_offload needs FSDP",)),
 ])

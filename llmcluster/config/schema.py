@@ -176,9 +176,15 @@ def low_bit_lora_checks(cfg) -> None:
             if bad:
                 raise ValueError(f"train.lora.base_precision=nf4 with {what} is not supported: NF4's scales are "
                                  "per whole weight; shard the base with parallel.dp_shard (FSDP)")
+        if cfg.ft.enabled:
+            raise ValueError("train.lora.base_precision=nf4 with ft.enabled is not supported (untested: a heal copies "
+                             "the model's state from a peer)")
         if not t.init_from:
             raise ValueError("train.lora.base_precision=nf4 needs train.init_from (the weights to quantize): "
                              "a QLoRA base is a trained model")
+    if lora is not None and lora.base_precision != "fp32" and p.pp > 1:
+        raise ValueError(f"train.lora.base_precision={lora.base_precision} with parallel.pp > 1 is not supported "
+                         "yet (the pipeline's stages are built apart): use fp32 or shard with parallel.dp_shard")
     if t.optimizer != "adamw" and t.precision == "fp16":
         raise ValueError(f"train.optimizer={t.optimizer} with train.precision=fp16 is not supported (the grad "
                          "scaler's unscale is untested with quantized states): use bf16")
