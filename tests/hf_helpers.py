@@ -50,3 +50,19 @@ def make_hf_llama(out: Path, vocab: int, tie: bool = False, max_shard_size: str 
 
 def read_json(p: Path) -> dict:
     return json.loads(Path(p).read_text())
+
+
+def make_hf_storage(base: Path, **shape) -> dict:
+    """A small random Llama (`shape`: make_hf_llama's keyword arguments) with its tokenizer under base/llama, and a
+    storage root base/storage holding the CORPUS prepared with that tokenizer as the text dataset `corpus`."""
+    from conftest import run_cli
+
+    model = make_hf_tokenizer(base / "llama")
+    vocab = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]
+    make_hf_llama(model, vocab=len(vocab) + 2, **shape)  # + <s>, </s>
+    corpus = base / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
+    root = base / "storage"
+    run_cli("data", "prepare", "--root", root, "--name", "corpus", "--kind", "text", "--source", corpus,
+            "--tokenizer", model, "--val-fraction", "0.1", check=True)
+    return {"model": model, "root": root}

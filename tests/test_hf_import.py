@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import assert_one_line_error, cli_inprocess, read_metrics, run_cli, torchrun
-from hf_helpers import CORPUS, make_hf_llama, make_hf_tokenizer
+from hf_helpers import make_hf_storage
 
 pytestmark = pytest.mark.timeout(600)
 transformers = pytest.importorskip("transformers")
@@ -28,16 +28,7 @@ def job(model: Path, run: str, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    base = tmp_path_factory.mktemp("hf")
-    model = make_hf_tokenizer(base / "llama")
-    vocab = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]
-    make_hf_llama(model, vocab=len(vocab) + 2)  # + <s>, </s>
-    corpus = base / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
-    root = base / "storage"
-    run_cli("data", "prepare", "--root", root, "--name", "corpus", "--kind", "text", "--source", corpus,
-            "--tokenizer", model, "--val-fraction", "0.1", check=True)
-    return {"model": model, "root": root}
+    return make_hf_storage(tmp_path_factory.mktemp("hf"))
 
 
 def _logits(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:

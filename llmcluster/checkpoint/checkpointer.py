@@ -138,6 +138,8 @@ class Checkpointer:
         self.pending = None                     # an async save in flight: (step, tmp dir, t0, future)
         self._staging = None                    # async saves' host buffers, made once (`staging`)
         self._group = None
+        # A QLoRA run's frozen NF4 base is not saved: a resume quantizes train.init_from again (train/qlora.py)
+        self.skip_frozen = False
         # The owner lock's hang watchdog: a healthy step's collectives each finish within dist.timeout_s.
         self.lock = RunLock(self.dir, run, lock_stale_s, log, 2 * dist_timeout_s if dist_timeout_s else None)
         self.claim_poll_s = min(CLAIM_POLL_S, (dist_timeout_s or CLAIM_POLL_S * 4) / 4)
@@ -261,7 +263,7 @@ class Checkpointer:
         self._agree(error, tmp)
         error = None
         try:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options())
             state = {"model": model_sd, "optim": optim_sd}
             self._estimate = _state_bytes(state)
             (tmp / "rng").mkdir(exist_ok=True)
@@ -430,14 +432,21 @@ class Checkpointer:
             return p
         return newest_verified_checkpoint(self.storage, self.run, self.log, self.rank, self.world)
 
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # not strict when the frozen base is left out: those weights come from train.init_from
+        return StateDictOptions(ignore_frozen_params=self.skip_frozen, strict=not self.skip_frozen)
+
     def load(self, path: Path, model, optimizer) -> dict:
         """Load model + optimizer (resharded to this run's layout) and return train_state.json."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # lazy (see save)
 
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options())
         state = {"model": model_sd, "optim": optim_sd}
         _load_or_refuse(state, path, no_dist=False)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=self._options())
         train_state = json.loads((path / TRAIN_STATE).read_text())
         rng = path / "rng" / f"rank_{self.rank}.json"
         if train_state.get("world_size") == self.world and rng.is_file():

@@ -23,7 +23,7 @@ FINGERPRINT = "fingerprint"   # its key in train_state.json
 KEYS = {"n_layers": "model.n_layers", "d_model": "model.d_model", "n_heads": "model.n_heads",
         "n_kv_heads": "model.n_kv_heads", "ffn_hidden": "model.ffn_hidden", "vocab_size": "model.vocab_size",
         "tie_embeddings": "model.tie_embeddings", "tokenizer": "tokenizer.json sha256", "optimizer": "optimizer",
-        "lora": "train.lora", "pipeline_stages": "pipeline stages", "ft_groups": "ft replica groups"}
+        "lora": "train.lora", "base_weights": "train.init_from's weights sha256", "pipeline_stages": "pipeline stages", "ft_groups": "ft replica groups"}
 MODEL = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings")
 LAYOUT = ("pipeline_stages", "ft_groups")   # recorded, resharded by DCP: never refused
 
@@ -34,12 +34,34 @@ def run_fingerprint(cfg, tokenizer: str | None = None, **more) -> dict:
     m, p, lora = cfg.model, cfg.parallel, cfg.train.lora
     fp = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads or m.n_heads,
           "ffn_hidden": m.ffn_hidden, "vocab_size": m.vocab_size, "tie_embeddings": m.tie_embeddings,
-          "optimizer": "adamw", "lora": f"rank {lora.rank} on {'+'.join(lora.targets)}" if lora else None,
+          "optimizer": cfg.train.optimizer, "lora": _lora(lora),
           "pipeline_stages": p.pp * (p.pp_virtual_stages or (2 if p.pp_schedule == "interleaved_1F1B" else 1)),
           "ft_groups": p.dp_replicate if cfg.ft.enabled else 0}
     if tokenizer:
         fp["tokenizer"] = tokenizer
+    if lora is not None and lora.base_precision == "nf4" and cfg.train.init_from:
+        fp["base_weights"] = base_weights_sha256(Path(cfg.train.init_from))
     return {**fp, **more}
+
+
+def base_weights_sha256(path: Path) -> str:
+    """sha256 over the safetensors files of an HF model directory, in name order (16 hex digits): an NF4 run's
+    checkpoint leaves the base out and a resume quantizes these files again, so they must be the same ones."""
+    import hashlib
+
+    from llmcluster.storage.layout import sha256_file
+
+    files = sorted(path.glob("*.safetensors"))
+    return hashlib.sha256(" ".join(f"{f.name}:{sha256_file(f)}" for f in files).encode()).hexdigest()[:16]
+
+
+def _lora(lora) -> str | None:
+    """train.lora as the fingerprint names it; the base's precision when not fp32 (a resume that changes it, or
+    the optimizer kind, is refused: the saved adapters and states were trained against that base)."""
+    if lora is None:
+        return None
+    base = "" if lora.base_precision == "fp32" else f", base {lora.base_precision}"
+    return f"rank {lora.rank} on {'+'.join(lora.targets)}{base}"
 
 
 def _differences(saved: dict, now: dict, fields) -> list[str]:

@@ -20,6 +20,9 @@ def register(sub) -> None:
                    help="take the compute efficiency from `llmcluster bench` records of this cluster "
                         "(or the summary.json of `gpu_check.sh --perf`)")
     p.add_argument("--plot", metavar="DIR", help="write memory.png and cost.png into DIR")
+    p.add_argument("--finetune", action="store_true",
+                   help="the fine-tuning table: full / LoRA fp32 / LoRA bf16 / QLoRA, AdamW or 8-bit, with and without "
+                        "offload (a comparison: exits 0 whatever fits)")
     p.set_defaults(func=run)
 
 
@@ -38,6 +41,12 @@ def run(args) -> int:
 
         check_output_path(args.plot, "--plot", inside=FILES)
     plan = load_plan(args.file, args.overrides, cluster=args.cluster)
+    if args.finetune:
+        from llmcluster.plan.finetune import finetune_result, render_finetune
+
+        result = finetune_result(plan)
+        print(records.dumps(result)) if args.json else render_finetune(result)
+        return 0
     bench = bench_rows(args.calibrate) if args.calibrate else None
     result = analyse(plan, bench)
     if args.search or args.emit_config:

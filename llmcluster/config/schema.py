@@ -116,6 +116,9 @@ class LoraConfig(Section):
     alpha: float = Field(16.0, gt=0)
     targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]] = \
         Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+    # The frozen base's storage (train/qlora.py): fp32; bf16 (no fp32 copy of weights that never change); nf4
+    # (QLoRA: torchao's 4-bit NormalFloat, from train.init_from's weights). The adapters stay fp32.
+    base_precision: Literal["fp32", "bf16", "nf4"] = "fp32"
 
 
 class Float8Config(Section):
@@ -161,6 +164,33 @@ class TrainConfig(Section):
     init_from: str | None = None               # a local HF model dir: its config sets `model`, its weights step 0
     lora: LoraConfig | None = None             # train adapters only; the base weights stay frozen
     float8: Float8Config | None = None         # the plan's `precision: fp8`; train.precision is the rest's
+    # AdamW's states: fp32, or 8-bit / 4-bit block-quantized (torchao.optim; train/optimizer.py)
+    optimizer: Literal["adamw", "adamw8bit", "adamw4bit"] = "adamw"
+
+
+def low_bit_lora_checks(cfg) -> None:
+    """QLoRA's and the low-bit optimizers' refusals (train/qlora.py): each one line."""
+    lora, t, p = cfg.train.lora, cfg.train, cfg.parallel
+    if lora is not None and lora.base_precision == "nf4":
+        for bad, what in ((p.tp > 1, "parallel.tp > 1"), (p.pp > 1, "parallel.pp > 1")):
+            if bad:
+                raise ValueError(f"train.lora.base_precision=nf4 with {what} is not supported: NF4's scales are "
+                                 "per whole weight; shard the base with parallel.dp_shard (FSDP)")
+        if cfg.ft.enabled:
+            raise ValueError("train.lora.base_precision=nf4 with ft.enabled is not supported (untested: a heal copies "
+                             "the model's state from a peer)")
+        if not t.init_from:
+            raise ValueError("train.lora.base_precision=nf4 needs train.init_from (the weights to quantize): "
+                             "a QLoRA base is a trained model")
+    if lora is not None and lora.base_precision != "fp32" and p.pp > 1:
+        raise ValueError(f"train.lora.base_precision={lora.base_precision} with parallel.pp > 1 is not supported "
+                         "yet (the pipeline's stages are built apart): use fp32 or shard with parallel.dp_shard")
+    if t.optimizer != "adamw" and t.precision == "fp16":
+        raise ValueError(f"train.optimizer={t.optimizer} with train.precision=fp16 is not supported (the grad "
+                         "scaler's unscale is untested with quantized states): use bf16")
+    if p.fsdp_offload and p.dp_shard == 1:
+        raise ValueError("parallel.fsdp_offload needs FSDP (parallel.dp_shard > 1 or -1): without FSDP there is "
+                         "nothing to offload")
 
 
 def check_parallel_keys(p) -> None:
@@ -207,6 +237,9 @@ class ParallelConfig(ParallelKeys):
     ac_every: int = Field(2, ge=1)             # selective: checkpoint every k-th block
     fsdp_reshard_after_forward: bool = True    # false: ZeRO-2-like (gathered weights kept for backward); pp > 1: false
     sequence_parallel: bool = True             # false: TP with replicated norms (Megatron pre-SP); tp 1: ignored
+    # FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer states in pinned host memory (GPU runs; on a
+    # CPU run it is accepted and changes nothing: they are in host memory already)
+    fsdp_offload: bool = False
 
     @property
     def pp_stages(self) -> int:
@@ -389,6 +422,7 @@ class JobConfig(Section):
             raise ValueError("train.loss_chunks > 1 with parallel.tp > 1 is not supported under sequence "
                              "parallelism: the head's input is sharded on the sequence (set train.loss_chunks=1 "
                              "or parallel.sequence_parallel=false)")
+        low_bit_lora_checks(self)
         if self.parallel.tp > 1 and self.train.lora is not None:
             raise ValueError("train.lora with parallel.tp > 1 is not supported: shard with parallel.dp_shard")
         if self.train.float8 is not None:   # combinations not tested with float8 (train/float8.py)

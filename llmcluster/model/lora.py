@@ -24,7 +24,17 @@ class LoRALinear(nn.Linear):
     lora_scaling: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scaling
+        return F.linear(x, compute_weight(self.weight, x)) + \
+            F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scaling
+
+
+def compute_weight(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A frozen base weight stored in bf16 (train.lora.base_precision) in the run's precision: as is under
+    autocast (which casts it) or when it matches x; else cast to x's dtype. An NF4 weight (torchao) casts
+    itself in its own linear."""
+    if w.dtype == x.dtype or torch.is_autocast_enabled(x.device.type) or hasattr(w, "get_original_weight"):
+        return w
+    return w.to(x.dtype)
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
@@ -36,7 +46,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
     Returns the number of trainable parameters."""
     for name, mod in list(model.named_modules()):
         if type(mod) is nn.Linear and name.rsplit(".", 1)[-1] in cfg.targets:
-            dev, dt = mod.weight.device, mod.weight.dtype
+            # fp32 whatever the base is stored in (train.lora.base_precision): the adapters, their gradients
+            # and optimizer states are the only trained state
+            dev, dt = mod.weight.device, torch.float32
             mod.__class__ = LoRALinear
             mod.lora_A = nn.Parameter(torch.empty(cfg.rank, mod.in_features, device=dev, dtype=dt))
             mod.lora_B = nn.Parameter(torch.empty(mod.out_features, cfg.rank, device=dev, dtype=dt))
@@ -69,7 +81,8 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The plain model's state dict with every adapter folded into its weight (W + s·B·A)."""
     state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
     for name, m in lora_modules(model).items():
-        state[f"{name}.weight"] = (m.weight + m.lora_scaling * (m.lora_B @ m.lora_A)).detach()
+        w = m.weight.get_original_weight() if hasattr(m.weight, "get_original_weight") else m.weight  # NF4
+        state[f"{name}.weight"] = (w.float() + m.lora_scaling * (m.lora_B @ m.lora_A)).to(w.dtype).detach()
     return state
 
 

@@ -83,6 +83,7 @@ class PlanCluster(Section):
     allocator_slack: float = Field(_HARDWARE.allocator_slack, ge=0)
     rack_kw: float = Field(_TOPOLOGY.rack_kw, gt=0)
     air_cooling_max_kw: float = Field(_TOPOLOGY.air_cooling_max_kw, gt=0)
+    host_memory_gb: float | None = Field(None, gt=0)   # hardware.memory_gb: the fine-tuning table's offload
 
     @field_validator("gpu")
     @classmethod
@@ -112,6 +113,7 @@ class PlanCluster(Section):
             storage_write_GBps=ckpt.write_GBps, storage_read_GBps=data.read_GBps, node_power_kw=h.node_power_kw,
             node_mtbf_hours=c.reliability.node_mtbf_hours, restart_minutes=c.reliability.restart_minutes,
             gpu_reserved_gib=h.gpu_reserved_gib, allocator_slack=h.allocator_slack, rack_kw=t.rack_kw,
+            host_memory_gb=h.memory_gb,
             air_cooling_max_kw=t.air_cooling_max_kw)
         return cls(**{k: v for k, v in fields.items() if v is not None})
 

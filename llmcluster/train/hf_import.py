@@ -122,13 +122,15 @@ def load_hf_weights(model: nn.Module, path: Path) -> int:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    from llmcluster.train.qlora import is_nf4
+
     wmap = _weight_map(path)
     handles: dict[Path, object] = {}
     n = 0
     try:
         for name, p in model.named_parameters():  # a tied lm_head is the embedding: named once
-            if ".lora_" in name:
-                continue  # LoRA adapters are not in the base model; they start as init_lora drew them
+            if ".lora_" in name or is_nf4(p):
+                continue  # adapters: as init_lora drew them; NF4: quantized whole as read (train/qlora.py)
             key = hf_name(name)
             if key not in wmap:
                 raise UserError(f"train.init_from={path}: no weight {key!r} in the safetensors")
@@ -136,9 +138,7 @@ def load_hf_weights(model: nn.Module, path: Path) -> int:
             if f not in handles:
                 handles[f] = safe_open(str(f), framework="pt")
             sl = handles[f].get_slice(key)
-            if tuple(sl.get_shape()) != tuple(p.shape):
-                raise UserError(f"train.init_from={path}: {key} has shape {tuple(sl.get_shape())}, the model "
-                                f"expects {tuple(p.shape)}")
+            _check_shape(path, key, sl, p)
             if isinstance(p, DTensor):
                 shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
                 local = p.to_local()
@@ -150,3 +150,26 @@ def load_hf_weights(model: nn.Module, path: Path) -> int:
     finally:
         handles.clear()
     return n
+
+
+def _check_shape(path: Path, key: str, sl, p: torch.Tensor) -> None:
+    if tuple(sl.get_shape()) != tuple(p.shape):
+        raise UserError(f"train.init_from={path}: {key} has shape {tuple(sl.get_shape())}, the model "
+                        f"expects {tuple(p.shape)}")
+
+
+def read_whole_weights(model: nn.Module, path: Path, names: list[str]):
+    """(name, whole tensor) for each of `names` (parameters of `model`), read one at a time from the
+    safetensors (a QLoRA base quantizes each weight whole: train/qlora.py)."""
+    from safetensors import safe_open
+
+    wmap = _weight_map(path)
+    params = dict(model.named_parameters())
+    for name in names:
+        key = hf_name(name)
+        if key not in wmap:
+            raise UserError(f"train.init_from={path}: no weight {key!r} in the safetensors")
+        with safe_open(str(wmap[key]), framework="pt") as f:
+            sl = f.get_slice(key)
+            _check_shape(path, key, sl, params[name])
+            yield name, sl[:]

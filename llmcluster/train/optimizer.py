@@ -21,9 +21,45 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
     # fused on CUDA and CPU (one kernel over all params; on CPU foreach is a per-tensor loop of ~7 ops: 6.8 vs
     # 1.8 ms a step for llm_tiny's 3.1M params on 2 cores), except fp16 on CPU: the CPU kernel refuses the
     # sharded grad scaler's found_inf ("output with shape [] doesn't match the broadcast shape [1]", torch 2.13).
+    if cfg.optimizer != "adamw":
+        return low_bit_adamw(groups, cfg)
     fused = device.type == "cuda" or (device.type == "cpu" and cfg.precision != "fp16")
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                              fused=fused or None, foreach=None if fused else True)
+
+
+def low_bit_adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """torchao.optim's AdamW8bit / AdamW4bit: the two moments block-quantized (1 or 0.5 bytes a value plus
+    scales); their update compiles with inductor on first use. Saved through DCP like AdamW's."""
+    from llmcluster.errors import UserError
+
+    try:
+        from torchao.optim import AdamW4bit, AdamW8bit
+    except ImportError as e:
+        raise UserError(f"train.optimizer={cfg.optimizer} needs torchao ({e}): pip install 'llmcluster[float8]'") \
+            from None
+    base = AdamW8bit if cfg.optimizer == "adamw8bit" else AdamW4bit
+
+    class FloatLr(base):
+        """torchao keeps each group's lr as a tensor (an input of its compiled update, not a constant to
+        recompile on); here it stays a float between steps, as the scheduler, the metrics and train_state.json
+        (JSON) read it, and becomes a tensor for the step alone."""
+
+        def add_param_group(self, param_group: dict) -> None:
+            torch.optim.Optimizer.add_param_group(self, param_group)
+
+        def step(self, closure=None):
+            lrs = [g["lr"] for g in self.param_groups]
+            for g in self.param_groups:
+                g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32)
+            try:
+                return super().step(closure)
+            finally:
+                for g, lr in zip(self.param_groups, lrs):
+                    g["lr"] = lr
+
+    FloatLr.__name__ = base.__name__
+    return FloatLr(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:

@@ -161,9 +161,14 @@ def apply_compile(model: nn.Module, device: torch.device) -> bool:
     return True
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, device: torch.device, precision: str, reshard: bool) -> None:
+def apply_fsdp(model: nn.Module, dp_mesh, device: torch.device, precision: str, reshard: bool,
+               offload: bool = False) -> None:
     fully_shard, MixedPrecisionPolicy = compat.fsdp2()
     mp = MixedPrecisionPolicy()
+    extra = {}
+    if offload:   # parameters, gradients, optimizer states in (pinned) host memory; a CPU run: no change
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        extra["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     if device.type == "cuda" and precision in ("bf16", "fp16"):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         # Compute in low precision, reduce gradients in fp32 (the all-reduce sums many ranks' values).
@@ -180,11 +185,12 @@ def apply_fsdp(model: nn.Module, dp_mesh, device: torch.device, precision: str, 
     for i, block in enumerate(blocks):
         # The last block is resharded by the root's post-backward anyway: keeping it gathered saves one
         # all-gather at the start of backward.
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(blocks) - 1)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(blocks) - 1,
+                    **extra)
     # The root (embedding, final norm, head) is the first thing backward needs: resharding it after forward
     # only gathers it again at once. torch 2.6 always keeps the root gathered (and refuses None); 2.13 keeps
     # it only for None and honours True. False means the same on both (as torchtitan's root, left at default).
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, **extra)
 
 
 def apply_tp_ac_compile(model: nn.Module, cfg: JobConfig, dims: ParallelDims, mesh, device) -> None:
@@ -206,11 +212,17 @@ def fsdp_mesh(mesh, dims: ParallelDims):
 
 
 def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, env: DistEnv) -> nn.Module:
+    from llmcluster.train import qlora
+
     mesh = dims.build_mesh(env.device.type) if env.distributed else None
     apply_tp_ac_compile(model, cfg, dims, mesh, env.device)
-    if dims.fsdp and mesh is not None:
+    if cfg.parallel.fsdp_offload and not (dims.fsdp and mesh is not None):
+        from llmcluster.errors import UserError
+        raise UserError(f"parallel.fsdp_offload needs FSDP, and this run has none ({dims.describe()}): "
+                        "set parallel.dp_shard > 1 or drop fsdp_offload")
+    if dims.fsdp and mesh is not None and not qlora.unsharded_nf4(cfg, dims):
         apply_fsdp(model, fsdp_mesh(mesh, dims), env.device, cfg.train.precision,
-                   cfg.parallel.fsdp_reshard_after_forward)
+                   cfg.parallel.fsdp_reshard_after_forward, cfg.parallel.fsdp_offload)
     elif dims.ddp and mesh is not None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -236,10 +248,15 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims, env: DistEnv,
     `Llama.init_weights`), so runs at different meshes start from the same point."""
     from llmcluster.model.llama import build_model
 
+    from llmcluster.train import qlora
+
     raw = build_model(cfg.model, device="meta")
     if cfg.train.lora is not None:  # adapters exist before sharding, so FSDP shards them with their block
         from llmcluster.model.lora import apply_lora, init_lora
         apply_lora(raw, cfg.train.lora)
+        line = qlora.prepare_base(raw, cfg, env.device, dims.dp_shard if dims.fsdp else 1)  # nf4: quantized
+        if env.is_main:
+            print(line, flush=True)
     if cfg.train.float8 is not None:  # before TP/AC/compile/FSDP wrap the Linear layers (torchtitan's order)
         from llmcluster.train.float8 import apply_float8
         n = apply_float8(raw, cfg.train.float8, env.device)
@@ -248,10 +265,12 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims, env: DistEnv,
                   f"{n} Linear layers converted (the LM head stays in {cfg.train.precision})", flush=True)
     sharded = dims.fsdp or dims.tp > 1
     model = parallelize(raw, cfg, dims, env) if sharded else raw
-    raw.to_empty(device=env.device)
+    if sharded and env.is_main and (line := qlora.shard_line(raw)):
+        print(line, flush=True)
+    qlora.materialize(raw, env.device)   # to_empty, NF4 weights kept as quantized
     if cfg.model.tie_embeddings and raw.lm_head.weight is not raw.embed_tokens.weight:
         raw.lm_head.weight = raw.embed_tokens.weight  # to_empty allocates each module's parameters apart
-    raw.init_weights(seed, fill=_fill_own_shard)
+    raw.init_weights(seed, fill=qlora.skip_nf4(_fill_own_shard))
     if cfg.train.lora is not None:
         init_lora(raw, seed, fill=_fill_own_shard)
     if not sharded:  # DDP broadcasts rank 0's weights when it wraps: they must be real by then

@@ -142,7 +142,8 @@ class Trainer:
         self.ft_skipped = 0   # ft: samples of shards whose groups were not in a committed step (never trained)
         self.sample_log = SampleLog(self.storage.run_logs(cfg.run.name), env.rank, ft.sample_log_tag(cfg)) \
             if cfg.log.sample_log else None
-        if path is None and t.init_from:  # a checkpoint, when there is one, supersedes the starting weights
+        self.ckpt.skip_frozen = bool(t.lora and t.lora.base_precision == "nf4")  # base: from init_from again
+        if t.init_from and (path is None or self.ckpt.skip_frozen):  # else the checkpoint's weights supersede
             load_hf_weights(self.raw_model, Path(t.init_from))
         if path is not None:
             self.events.emit("restore_start")
