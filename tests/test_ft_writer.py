@@ -6,6 +6,7 @@ its lock over. The processes on two nodes are in tests/test_ft_netns.py."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from types import SimpleNamespace
 
@@ -45,6 +46,27 @@ def test_a_holder_whose_group_left_the_quorum_loses_its_lock_at_once_and_finds_i
     owner.release()
     assert (d / OWNER_LOCK).is_file()   # its release leaves the new writer's lock alone
     new.release()
+
+
+def test_a_recreated_group_0_watching_its_dead_predecessors_lock_sees_the_peers_take_over_in_seconds(tmp_path):
+    """A JobSet's new group 0 finds its predecessor's lock (another host, no flock: 600 s of watching); once the
+    peer takes it over on the quorum's proof, the new lock is live and group 0 is told so (it starts as a reader:
+    ft_writer.checkpointer), not after checkpoint.lock_stale_s."""
+    d = tmp_path / "ckpt"
+    dead = _holder(d, 0)
+    dead._stop.set()
+    os.close(dead.fd)   # its process died: its flock goes, its record stays
+    recreated = RunLock(d, "r", 600.0, lambda *_: None)
+    assert recreated.acquire(for_s=0.3) is False   # watching the heartbeat
+    peer = RunLock(d, "r", 600.0, lambda *_: None)
+    peer.extra = {"ft_group": 1, "lighthouse": LH}
+    peer.presume_gone({"ft_group": 0, "lighthouse": LH}, "its group 0 left the run's quorum")
+    assert peer.acquire(for_s=0.0)
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match="already has a writer"):
+        recreated.acquire(for_s=5.0)
+    assert time.monotonic() - t0 < 1.0
+    peer.release()
 
 
 @pytest.mark.parametrize("record", [{"ft_group": 1}, {"lighthouse": "http://another-run:29510"}])
