@@ -8,9 +8,9 @@ A block is a list of `$ ` commands (a trailing backslash continues one), each fo
 shows. A command passes when it exits as expected (0 unless annotated) and every output line it shows appears
 in what it printed (stdout and stderr together), in order, with numbers and paths masked: the words and their
 order are what is checked, not the figures of the machine the README was written on. `...` stands for anything,
-a whole line or part of one. `llmcluster` is `python -m llmcluster` of the clone, `torchrun` is
-`python -m torch.distributed.run`, both in the bin/ of a stand-in for the demo's `.venv` that is on PATH (as
-after `source .venv/bin/activate`).
+a whole line or part of one. The clone's `.venv` is what `make demo` installs (torch and the package, no test
+extras: demo_venv), on PATH as after `source .venv/bin/activate`; an example that needs an extra installs it
+there with the command the document shows (`.venv/bin/pip install -e '.[k8s]'`).
 
 Annotations, HTML comments on the lines right above a block (invisible on GitHub):
   <!-- readme: skip REASON -->                 the block is not run (placeholders, hardware, clusters)
@@ -23,11 +23,13 @@ A block without commands must say why it is shown (skip). Each command's time is
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import os
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,18 +161,56 @@ def fresh_clone(dest: Path) -> Path:
                 or (top and (n in local or n.startswith(".venv")))}
 
     shutil.copytree(REPO, dest, symlinks=True, ignore=ignore)
-    bin_dir = venv_bin(dest)
-    bin_dir.mkdir(parents=True)
-    for name, run in (("llmcluster", "-m llmcluster"), ("torchrun", "-m torch.distributed.run"), ("python", "")):
-        shim = bin_dir / name
-        shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {run} "$@"\n')
-        shim.chmod(0o755)
     return dest
 
 
+def demo_venv() -> Path:
+    """`make demo`'s venv, built by the Makefile's own `venv` recipe (torch's CPU wheel and the package with its
+    own dependencies: no test extras) once per machine, ~2 min, under a key of what it installs (the recipe, the
+    torch pin, pyproject.toml's [project] table, the python3 it runs): rebuilt when one changes. Its editable
+    install points at this checkout; the walk's PYTHONPATH puts the clone's package first."""
+    make, pyproject = (REPO / "Makefile").read_text(), (REPO / "pyproject.toml").read_text()
+    recipe = make[make.index("$(VENV)/.installed:"):make.index("$(VENV)/.installed-test:")]
+    torch_pin = re.search(r"^TORCH_VERSION \?= (\S+)", make, re.M).group(1)
+    project = pyproject[pyproject.index("[project]"):pyproject.index("[project.optional-dependencies]")]
+    python3 = subprocess.run(["python3", "-c", "import sys; print(sys.executable, sys.version)"],
+                             capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join((recipe, torch_pin, project, python3)).encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmcluster" / f"readme-venv-{key}"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache.parent / f"{cache.name}.lock", "w") as lock:   # one build per machine, workers wait for it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (cache / ".installed").is_file():
+            shutil.rmtree(cache, ignore_errors=True)
+            t0 = time.monotonic()
+            proc = subprocess.run(["make", "--no-print-directory", "venv", f"VENV={cache}"], cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
+            assert proc.returncode == 0, f"make venv: exit {proc.returncode}\n{proc.stdout[-3000:]}"
+            print(f"{time.monotonic() - t0:7.1f} s  make venv VENV={cache} (once per machine)", flush=True)
+    return cache
+
+
+def with_demo_venv(clone: Path) -> Path:
+    """The clone's `.venv`, as `make demo` leaves it: a copy of demo_venv() (hard links: seconds; a file pip
+    replaces is a new file, so installing an extra here leaves the cache as it was), its scripts pointed here."""
+    cache, venv = demo_venv(), clone / ".venv"
+    t0 = time.monotonic()
+    subprocess.run(["cp", "-al", str(cache), str(venv)], check=True)
+    for f in (venv / "bin").iterdir():
+        if f.is_file() and not f.is_symlink() and str(cache).encode() in (data := f.read_bytes()):
+            f.unlink()   # a hard link to the cache's file: a new file, not a write through the link
+            f.write_bytes(data.replace(str(cache).encode(), str(venv).encode()))
+            f.chmod(0o755)
+    print(f"{time.monotonic() - t0:7.1f} s  .venv: a copy of {cache}", flush=True)
+    probe = "import importlib.util as u; print([m for m in ('pytest', 'kubernetes', 'transformers') if u.find_spec(m)])"
+    found = subprocess.run([str(venv / "bin" / "python"), "-I", "-c", probe], capture_output=True, text=True)
+    assert found.stdout.strip() == "[]", f"make demo's .venv holds test extras: {found.stdout}{found.stderr}"
+    return clone
+
+
 def venv_bin(clone: Path) -> Path:
-    """The stand-in for the `.venv/bin` that `make demo` creates: this interpreter as python, llmcluster, torchrun."""
-    return clone / ".readme-venv" / "bin"
+    """The clone's `.venv/bin` (with_demo_venv): python, llmcluster and torchrun as `make demo` installs them."""
+    return clone / ".venv" / "bin"
 
 
 def make_demo(clone: Path, env: dict[str, str]) -> float:
@@ -258,7 +298,7 @@ def run_document(doc: str, clone: Path) -> list[tuple[str, str, float]]:
 @pytest.mark.timeout(2400)   # <= 5 min on an idle 2-core machine; a loaded CI runner takes several times that
 @pytest.mark.parametrize("doc", DOCUMENTS)
 def test_document_examples_run_as_written(doc, tmp_path):
-    run_document(doc, fresh_clone(tmp_path / "clone"))
+    run_document(doc, with_demo_venv(fresh_clone(tmp_path / "clone")))
 
 
 # -- the checker itself -------------------------------------------------------------------------------------------

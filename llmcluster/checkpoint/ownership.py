@@ -15,7 +15,10 @@ otherwise write the same steps, delete each other's and prune each other's check
    step's collectives each stay within): a hung writer must not keep the run forever.
 Whether an owner is alive is read, in order: a held flock (alive); on the same host a dead pid, or a complete
 record that nobody flocks where flock works (dead: a reused pid), judged again after GRACE_S; otherwise its
-heartbeat, which must change between two reads `checkpoint.lock_stale_s` apart. The heartbeat is the lock's
+heartbeat, which must change between two reads `checkpoint.lock_stale_s` apart. Before all of these, what the
+caller's own records prove (`presume_gone`: an ft run's quorum, which every group agrees on, no longer holds the
+group that held the lock): a record naming that holder is taken over at once, its flock and heartbeat unread (a
+holder merely cut off holds both; it finds its lock lost at its next check). The heartbeat is the lock's
 mtime as the file server sets it, compared only with itself: two machines' clocks are never compared, and an
 error from the probe (ENOLCK, EBADF, EACCES) means "unknown", never "free". A lock found stale is taken over
 with a log line; take-overs are serialised by a second exclusive file.
@@ -110,6 +113,7 @@ class RunLock:
         self.fd: int | None = None
         self.hang_s = hang_s
         self.extra: dict = {}   # more of the holder's identity in its record (an ft run: its group, its Lighthouse)
+        self.gone: tuple[dict, str] | None = None   # presume_gone's: (the record's fields, why), for one take-over
         self.every_s = min(HEARTBEAT_EVERY_S, stale_s / 4)   # several beats within any judge's limit
         self.last_check = 0.0
         self._progress: float | None = None  # monotonic time of the last step boundary; None: not armed
@@ -148,7 +152,7 @@ class RunLock:
                 "start": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "attempt": self.attempt, **self.extra}
         os.write(fd, json.dumps(info).encode())
         os.fsync(fd)
-        self.fd, self.last_check, self._watch = fd, time.monotonic(), None
+        self.fd, self.last_check, self._watch, self.gone = fd, time.monotonic(), None, None
         self._start_beating()
 
     def _start_beating(self) -> None:
@@ -189,8 +193,17 @@ class RunLock:
                 return "pending"
             time.sleep(min(0.05, self.every_s))
 
+    def presume_gone(self, fields: dict | None, why: str = "") -> None:
+        """The caller's records prove gone the holder whose record has these `fields` (every value given):
+        its lock is taken over at once; None withdraws that."""
+        ok = fields and all(v is not None for v in fields.values())
+        self.gone = (fields, why) if ok else None
+
     def _stale_reason(self, beat, holder: dict | None) -> str | None:
         """Why the lock belongs to nobody alive, None while that is not known yet; a UserError if alive."""
+        if self.gone and holder and all(holder.get(k) == v for k, v in self.gone[0].items()):
+            self._watch = self._watch or {"beat": beat, "since": time.monotonic()}
+            return self.gone[1]
         held = _flock_held(self.path)
         if held:
             self._refuse(holder)
