@@ -80,7 +80,7 @@ exit "${FAKE_RC:-0}"
 FAKE_JOB = 907 - 100 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 
 
-CONFIG_CHECK = re.compile(r"sha256sum < (\S+) .* != ([0-9a-f]{64}) \]")
+CONFIG_CHECK = re.compile(r"config_sha256=([0-9a-f]{64})\n.*sha256sum < (\S+) ")
 
 
 def stand_in_config(script: str) -> str:
@@ -88,11 +88,11 @@ def stand_in_config(script: str) -> str:
     (test_a_swapped_launch_config_is_refused_before_training): a stand-in config is written there and the
     script's sha256 made its."""
     m = CONFIG_CHECK.search(script)
-    if not m or Path(m[1]).exists():
+    if not m or Path(m[2]).exists():
         return script
-    Path(m[1]).parent.mkdir(parents=True, exist_ok=True)
-    Path(m[1]).write_text("# stand-in for the launch's config\n")
-    return script.replace(m[2], hashlib.sha256(b"# stand-in for the launch's config\n").hexdigest())
+    Path(m[2]).parent.mkdir(parents=True, exist_ok=True)
+    Path(m[2]).write_text("# stand-in for the launch's config\n")
+    return script.replace(m[1], hashlib.sha256(b"# stand-in for the launch's config\n").hexdigest())
 
 
 def run_batch_script(tmp_path: Path, script: str, fakes: dict | None = None, **env: str) -> tuple[str, str]:

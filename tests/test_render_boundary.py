@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import re
 import shlex
 import subprocess
 import tempfile
@@ -67,6 +68,7 @@ PIECES = ["\n", "\r", "\u2028", "\x85", "$(", ")", "`", "{{", "}}", "{%", "%", "
 STRINGS = st.one_of(st.text(max_size=40),
                     st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=4)), max_size=12).map("".join))
 BENIGN = "benign"
+SHA256 = re.compile(r"\b[0-9a-f]{64}\b")
 WORK = Path(tempfile.mkdtemp(prefix="llmc-boundary-"))   # cwd of every bash run: `touch pwned` would land here
 
 
@@ -102,7 +104,8 @@ def check_script(text: str, benign: str, differs: Callable[[str], bool], reader=
     lines, base = text.split("\n"), benign.split("\n")
     assert len(lines) == len(base), "the value changed the number of lines"
     picked = [i for i, ln in enumerate(base) if differs(ln)]
-    changed = [i for i, ln in enumerate(lines) if ln != base[i] and i not in picked]
+    # the sha256 of the launch's config (a Slurm job checks it before training) changes with any value, by design
+    changed = [i for i, ln in enumerate(lines) if SHA256.sub("", ln) != SHA256.sub("", base[i]) and i not in picked]
     assert not changed, [lines[i][:200] for i in changed]
     words = (reader or script_words)([lines[i] for i in picked])
     assert not (WORK / "pwned").exists(), "a payload ran"

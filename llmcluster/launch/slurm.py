@@ -76,12 +76,11 @@ def render(spec: LaunchSpec) -> str:
         "umask 027                                # run files 0640, directories 0750",
         "# the config this launch recorded, unchanged (job.json's config_sha256), or no training: a queued or",
         "# requeued job reads launches/<n>/config.yaml when it starts, long after the launch",
-        f"if [ \"$(sha256sum < {config} 2>/dev/null | cut -d ' ' -f 1)\" != {spec.config_sha256} ]; then",
-        "  echo " + shell_word(f"[llmcluster] refusing to train: {spec.config_path} is not the config launch "
-                               f"{spec.launch_id} recorded (sha256 {spec.config_sha256}): changed or replaced since")
-        + " >&2",
-        "  exit 2",
-        "fi",
+        f"config_sha256={spec.config_sha256}",
+        # one line (a word list bash reads as data, like every line that names a path: tests/test_render_boundary.py)
+        f"[ \"$(sha256sum < {config} 2>/dev/null | cut -d ' ' -f 1)\" = \"$config_sha256\" ] || {{ echo "
+        + shell_word(f"[llmcluster] refusing to train: {spec.config_path} is not the config launch {spec.launch_id} "
+                     "recorded (job.json's config_sha256): changed or replaced since") + " >&2; exit 2; }",
     ]
     head += [shell_export(k, v) for k, v in spec.rank_env().items()]
     if j.secret_env:
