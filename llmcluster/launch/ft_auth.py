@@ -27,6 +27,7 @@ import stat
 from pathlib import Path
 
 from llmcluster.errors import UserError
+from llmcluster.storage.owned import replace_atomically
 
 SECRET_ENV = "LLMCLUSTER_FT_SECRET_FILE"   # the path of the secret file, given to every group by its launcher
 SECRET_FILE = "secret"
@@ -37,14 +38,11 @@ _ID = re.compile(r"llmcluster_group_(\d{1,6}):([0-9a-f-]{1,64})~([0-9a-f]{32})",
 def create_secret(ft_dir: Path) -> Path:
     """A fresh secret for this launch of the run in `ft_dir/secret` (0600)."""
     ft_dir.mkdir(parents=True, exist_ok=True)
-    path, tmp = ft_dir / SECRET_FILE, ft_dir / f".{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+    path = ft_dir / SECRET_FILE
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        replace_atomically(path, secrets.token_hex(32) + "\n", 0o600)
     except OSError as e:
-        raise UserError(f"cannot create the ft run secret {tmp}: {e.strerror or e}") from None
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
-    os.replace(tmp, path)
+        raise UserError(f"cannot create the ft run secret {path}: {e.strerror or e}") from None
     return path
 
 

@@ -57,13 +57,13 @@ def create_exclusive(path: Path, text: str, mode: int = 0o666) -> None:
             os.close(fd)
 
 
-def replace_atomically(path: Path, text: str) -> None:
+def replace_atomically(path: Path, text: str, mode: int = 0o666) -> None:
     """`path` replaced by a file holding `text`: written under a fresh name of this process (O_EXCL, no link
     followed: a planted temp name or link is never written through) and renamed over `path` (readers never see
-    half a file; a link at `path` itself is replaced, not followed)."""
+    half a file; a link at `path` itself is replaced, not followed). `mode` as create_exclusive's."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
-        create_exclusive(tmp, text)
+        create_exclusive(tmp, text, mode)
         os.replace(tmp, path)
     except FileExistsError:   # our fresh name taken: someone else's file, never removed here
         raise
