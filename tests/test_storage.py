@@ -93,3 +93,21 @@ def test_unwritable_root_is_one_line(tmp_path: Path):
     blocker.write_text("x")
     proc = run_cli("storage", "init", "--root", blocker / "sub")
     assert_one_line_error(proc, "cannot create")
+
+
+def test_a_run_folder_holding_only_another_ranks_write_probe_is_this_launchs_to_remove(tmp_path: Path):
+    """Rank 1 proves logs/<run> and checkpoints/<run> writable with a probe file it removes at once; rank 0 looking
+    in that moment must still count the folder as made by this launch (a fresh-clone CI run once kept
+    checkpoints/<run> of a refused two-rank launch). A folder holding anything else is not ours to remove."""
+    from llmcluster.storage.layout import PROBE, Storage
+
+    st = Storage(tmp_path)
+    st.run_checkpoints("r").mkdir(parents=True)
+    (st.run_checkpoints("r") / f"{PROBE}4242").write_bytes(b"")
+    st.run_logs("r").mkdir(parents=True)
+    (st.run_logs("r") / "notes.txt").write_text("a colleague's\n")
+    fresh = st.require_run_dirs("r")
+    assert fresh == [st.run_checkpoints("r")]
+    (st.run_checkpoints("r") / f"{PROBE}4242").unlink()
+    st.remove_if_empty(fresh)
+    assert not st.run_checkpoints("r").exists() and (st.run_logs("r") / "notes.txt").exists()

@@ -24,6 +24,7 @@ COMPLETE_MARKER = "COMPLETE.json"   # written last: {"step", "files": {relpath: 
 TMP_PREFIX = ".tmp-"                # checkpoints are written under .tmp-step_N-<attempt> and renamed
 OWNER_LOCK = ".owner.json"          # the run's one writer (llmcluster/checkpoint/ownership.py)
 ABANDONED_PREFIX = ".abandoned-"    # steps set aside by a roll-back or a rewrite: never resumed, never pruned
+PROBE = ".write-probe-"            # require_writable's proof, removed at once (other ranks may see it)
 # Folders under logs/ that are not runs: `bench` records (llmcluster/train/bench.py).
 RESERVED_LOG_DIRS = ("bench",)
 
@@ -110,7 +111,7 @@ class Storage:
 
     def require_writable(self, path: Path) -> Path:
         """mkdir -p and prove we can write there, or a one-line error."""
-        probe = path / f".write-probe-{os.getpid()}"
+        probe = path / f"{PROBE}{os.getpid()}"
         for again in (True, False):
             try:
                 path.mkdir(parents=True, exist_ok=True)
@@ -222,7 +223,9 @@ def free_bytes(path: Path) -> int:
 
 
 def _empty_since(d: Path, since: float) -> bool:
+    """Made since `since` and holding nothing but another rank's write probe, there for a moment (require_writable):
+    a probe once made rank 0 keep checkpoints/<run> of a refused two-rank launch (a fresh-clone CI run)."""
     try:
-        return d.stat().st_mtime >= since and not any(d.iterdir())
+        return d.stat().st_mtime >= since and not any(not p.name.startswith(PROBE) for p in d.iterdir())
     except OSError:
         return False
