@@ -66,7 +66,7 @@ def test_a_record_someone_else_wrote_is_not_acted_on(tmp_path, capsys):
     (logs / "job.json").unlink()
     (logs / "job.json").symlink_to(tmp_path / "elsewhere.json")
     (tmp_path / "elsewhere.json").write_text(json.dumps({"run": "run", "scheduler": "local"}))
-    assert read_record(logs) is None and "a link" in capsys.readouterr().err
+    assert read_record(logs) is None and "a symbolic link" in capsys.readouterr().err
 
 
 def test_jobs_cancel_leaves_a_process_named_by_someone_elses_record_alone(tmp_path, capsys):
@@ -116,7 +116,7 @@ def test_the_ranks_refuse_a_launch_config_that_is_a_link_or_someone_elses(tmp_pa
     config.unlink()
     config.symlink_to(tmp_path / "elsewhere.yaml")
     (tmp_path / "elsewhere.yaml").write_text("run: {name: r}\n")
-    assert_one_line_error(cli_inprocess(capsys, "train", "--config", config, "--root", tmp_path / "s"), "a link")
+    assert_one_line_error(cli_inprocess(capsys, "train", "--config", config, "--root", tmp_path / "s"), "a symbolic link")
 
 
 FAKE_SBATCH = "#!/bin/bash\necho 4242\n"

@@ -19,7 +19,7 @@ def serving_record(root: Path, name: str, endpoint: str, key: str | None) -> Pat
     logs.mkdir(parents=True)
     (logs / "job.json").write_text(json.dumps({"run": name, "kind": "serve", "endpoint": endpoint}))
     if key:
-        auth.write_key(logs, key, 1)
+        auth.write_key(logs, key)
     return logs
 
 
@@ -30,12 +30,14 @@ def test_the_key_file_is_private_and_replaces_what_was_planted(tmp_path):
     target.write_text("theirs\n")
     (logs / "api_key").symlink_to(target)           # planted: the key must not be written through it
     key = auth.new_key()
-    path = auth.write_key(logs, key, 3)
+    planted = logs / ".api_key.4"
+    planted.write_text("planted")                    # a temp name someone made: never written, never removed
+    path = auth.write_key(logs, key)
     assert not path.is_symlink() and path.stat().st_mode & 0o777 == 0o600
     assert auth.read_key(path) == key and target.read_text() == "theirs\n" and len(key) >= 40
-    (logs / ".api_key.4").write_text("planted")      # the launch's own name exists: refused, not reused
-    with pytest.raises(UserError, match="cannot create the API key file"):
-        auth.write_key(logs, "x", 4)
+    assert planted.read_text() == "planted" and sorted(p.name for p in logs.iterdir()) == [".api_key.4", "api_key"]
+    with pytest.raises(UserError, match="cannot write the API key file"):   # no folder to write it in: one line
+        auth.write_key(target, "x")
 
 
 def test_a_client_finds_the_key_of_the_record_of_its_endpoint(tmp_path):

@@ -14,16 +14,14 @@ the caller's HF token was sent as a Bearer to whoever wrote the record).
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import secrets
-import stat
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from llmcluster.errors import UserError
+from llmcluster.storage.owned import read_text, replace_atomically
 
 KEY_FILE = "api_key"
 ENV = "VLLM_API_KEY"              # what vLLM reads
@@ -43,42 +41,24 @@ def new_key() -> str:
     return secrets.token_urlsafe(32)
 
 
-def write_key(logs: Path, key: str, launch_id: int) -> Path:
-    """logs/<name>/api_key, a fresh key per start: written to a name of this launch created 0600 with O_EXCL (never
-    a file someone else planted, never readable by others for an instant), then renamed over the old one (a
-    symlink planted at api_key is replaced, not followed)."""
-    path, tmp = logs / KEY_FILE, logs / f".{KEY_FILE}.{launch_id}"
+def write_key(logs: Path, key: str) -> Path:
+    """logs/<name>/api_key, a fresh key per start: written to a fresh name created 0600 with O_EXCL (never a file
+    someone else planted, never readable by others for an instant), then renamed over the old one (a symlink
+    planted at api_key is replaced, not followed): storage/owned.replace_atomically."""
+    path = logs / KEY_FILE
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        replace_atomically(path, key + "\n", 0o600)
     except OSError as e:
-        raise UserError(f"cannot create the API key file {tmp}: {e.strerror or e}") from None
-    with os.fdopen(fd, "w") as f:
-        f.write(key + "\n")
-    os.replace(tmp, path)
+        raise UserError(f"cannot write the API key file {path}: {e.strerror or e}") from None
     return path
 
 
-def _read_regular(path: Path | str, own: bool) -> str:
-    """A regular file's text, opened without blocking (a FIFO is no key file). `own`: not through a symbolic link
-    (lstat, then O_NOFOLLOW) and owned by the caller's uid, checked on the descriptor that is read."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (getattr(os, "O_NOFOLLOW", 0) if own else 0)
-    if own and stat.S_ISLNK(os.lstat(path).st_mode):
-        raise OSError(errno.ELOOP, "a symbolic link, not a key file of the caller's")
-    fd = os.open(path, flags)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        if own and st.st_uid != os.getuid():
-            raise OSError(errno.EPERM, f"owned by uid {st.st_uid}, not the caller's {os.getuid()}")
-        return f.read(64 * 1024).decode("utf-8")
-
-
 def read_key(path: Path | str, what: str = "--api-key-file", own: bool = False) -> str:
-    try:
-        key = _read_regular(path, own).strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{what} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    # storage/owned.py's reading: a regular file, not blocking on a FIFO; `own`: no link, the caller's uid
+    text, why = read_text(Path(path), own=own, follow=not own)
+    if text is None:
+        raise UserError(f"{what} {path}: cannot read it ({why or 'no such file'})")
+    key = text[:64 * 1024].strip()
     if not key or any(c.isspace() or not c.isprintable() for c in key):
         raise UserError(f"{what} {path}: not an API key (one line without spaces)")
     return key

@@ -269,7 +269,7 @@ def start(job: ServeJob, *, dry_run: bool, timeout: float, time_limit: str | Non
         write_once(job.launch_dir / auth.GUARD_FILE, auth.guard_source(), 0o400)
     key = auth.new_key() if job.auth else None
     if key:     # a fresh key per start, in the file the rendered script (or the Secret) hands vLLM
-        auth.write_key(job.logs, key, job.launch_id)
+        auth.write_key(job.logs, key)
     record = {"run": job.name, "kind": "serve", "scheduler": job.scheduler, "launch": job.launch_id,
               "artifact": str(artifact), "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "nodes": 1,
               "procs_per_node": job.sizing.tp, "world_size": job.sizing.tp, "model": job.served,

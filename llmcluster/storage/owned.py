@@ -75,16 +75,17 @@ def replace_atomically(path: Path, text: str, mode: int = 0o666) -> None:
         raise
 
 
-def read_text(path: Path, own: bool = True) -> tuple[str | None, str | None]:
+def read_text(path: Path, own: bool = True, follow: bool = False) -> tuple[str | None, str | None]:
     """The text of `path` when it is a regular file (`own`: of the caller's uid): (text, None); (None, None) when
-    it does not exist; (None, why not) otherwise. Opened without following a link (nor blocking on a FIFO) and
-    checked on the open file, so it cannot be swapped between the check and the read."""
+    it does not exist; (None, why not) otherwise. Opened without following a link (`follow`: a path the caller
+    named, which may be one) nor blocking on a FIFO, and checked on the open file, so it cannot be swapped between
+    the check and the read."""
     try:
-        fd = os.open(path, os.O_RDONLY | NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(path, os.O_RDONLY | (0 if follow else NOFOLLOW) | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         return None, None
     except OSError as e:
-        return None, f"cannot be read ({'a link' if e.errno == errno.ELOOP else e.strerror or e})"
+        return None, f"cannot be read ({'a symbolic link' if e.errno == errno.ELOOP else e.strerror or e})"
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
