@@ -85,6 +85,20 @@ def _kill_group(root: Path, run: str, g: int, sig: int = signal.SIGKILL) -> list
     return pids
 
 
+def _group_1_killed_at_step_4(root: Path, run: str, items: tuple, env: dict, go: Path, then=None) -> str:
+    """A supervised run whose group 1 is SIGKILLed at step 4; `then(proc)` while the steps are still slowed, then
+    the rest at full speed; the run must end with exit 0. Returns its stdout."""
+    with _supervised(root, run, items, env) as proc:
+        _wait(lambda: _step(root, run) >= 4, proc, "step 4")
+        _kill_group(root, run, 1)
+        if then is not None:
+            then(proc)
+        go.touch()
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
 def _step(root: Path, run: str) -> int:
     steps = [e["step"] for e in _events(root, run) if e["event"] == "step"]
     return max(steps, default=0)

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from conftest import assert_one_line_error, cli_inprocess, overrides, read_metrics
-from test_ft import FT, _digests, _events, _job, _kill_group, _slowed, _step, _supervised, _wait
+from test_ft import (FT, _digests, _events, _group_1_killed_at_step_4, _job, _kill_group, _slowed, _step, _supervised,
+                     _wait)
 
 pytest.importorskip("torchft")
 
@@ -95,14 +96,9 @@ def test_with_min_replicas_equal_to_the_groups_the_healthy_group_waits_for_a_slo
     run, steps = "ft-wait", 20
     items = ("ft.min_replicas=2", f"train.steps={steps}", "checkpoint.interval_steps=10", "ft.quorum_timeout_s=3")
     env, go = _slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_RESTART_DELAY_S="10")
-    with _supervised(tiny_root, run, items, env) as proc:
-        _wait(lambda: _step(tiny_root, run) >= 4, proc, "step 4")
-        _kill_group(tiny_root, run, 1)
-        go.touch()
-        out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    out = _group_1_killed_at_step_4(tiny_root, run, items, env, go)
     groups = _job(tiny_root, run)["ft"]["groups"]
-    assert groups[0]["restarts"] == 0 and groups[1]["restarts"] == 1, (groups, out[-3000:], err[-3000:])
+    assert groups[0]["restarts"] == 0 and groups[1]["restarts"] == 1, (groups, out[-3000:])
     assert "no quorum of ft.min_replicas=2 group(s) within 3 s" in out and "waiting for the others" in out
     digests = _digests(tiny_root, run, out)
     assert digests[0] == digests[1] and digests[0][0] == steps, digests

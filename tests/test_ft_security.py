@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cli_env
-from test_ft import _digests, _events, _job, _kill_group, _slowed, _step, _supervised, _wait
+from test_ft import _digests, _events, _group_1_killed_at_step_4, _job, _slowed, _step, _supervised, _wait
 
 pytest.importorskip("torchft")
 import torch  # noqa: E402
@@ -211,14 +211,9 @@ def test_a_heal_payload_that_is_not_the_groups_state_restarts_the_group_in_one_l
     # group 1, back alone after the end, would rightly end without training: test_ft_end.py)
     items = ("ft.min_replicas=2", f"train.steps={steps}", "checkpoint.interval_steps=10", "ft.quorum_timeout_s=5")
     env, go = _slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_BAD_HEAL="extra-key")
-    with _supervised(tiny_root, run, items, env) as proc:
-        _wait(lambda: _step(tiny_root, run) >= 4, proc, "step 4")
-        _kill_group(tiny_root, run, 1)
-        _wait(lambda: any(e["event"] == "ft_heal" and e["group"] == 1 and e["step"] >= 4
-                          for e in _events(tiny_root, run)), proc, "group 1's heal", 180)
-        go.touch()
-        out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    out = _group_1_killed_at_step_4(tiny_root, run, items, env, go, then=lambda proc: _wait(
+        lambda: any(e["event"] == "ft_heal" and e["group"] == 1 and e["step"] >= 4 for e in _events(tiny_root, run)),
+        proc, "group 1's heal", 180))
     log1 = (tiny_root / "logs" / run / "ft" / "group1.log").read_text()
     refused = [ln for ln in log1.splitlines() if "refused the heal from replica llmcluster_group_0" in ln]
     assert len(refused) == 1 and "keys differ (extra ['planted.weight']" in refused[0], log1[-3000:]
