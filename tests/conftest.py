@@ -280,27 +280,34 @@ def vllm_server(vllm_exports):
     """One real vLLM server (the CPU engine) shared by the session's serving tests, LoRA enabled:
     `serve start --scheduler local` of vllm_exports' LoRA export serves the base under its name and the adapter
     under the run's."""
-    import time
     from types import SimpleNamespace
 
     python = vllm_python()
     root = vllm_exports
-    export = root / "models" / VLLM_BASE
-    t0 = time.monotonic()
-    p = run_cli("serve", "start", "--model", VLLM_LORA, "--name", VLLM_JOB, "--root", root, "--scheduler", "local",
-                "--engine-python", python, timeout=900)
-    took = time.monotonic() - t0
-    if p.returncode != 0:
-        run_cli("jobs", "cancel", VLLM_JOB, "--root", root)
-        raise AssertionError(f"serve start -> {p.returncode}\n{p.stdout}\n{p.stderr[-3000:]}\n"
-                             f"{(root / 'logs' / VLLM_JOB / 'server.log').read_text()[-4000:]}")
-    url = next(ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("endpoint "))
-    print(f"vLLM started and answered in {took:.0f} s", file=sys.stderr)
-    key = (root / "logs" / VLLM_JOB / "api_key").read_text().strip()    # serve start's key (issue 32)
-    yield SimpleNamespace(base_url=url, model=VLLM_BASE, lora=VLLM_LORA, export_dir=export,
+    url, key, p, took = serve_locally(VLLM_LORA, VLLM_JOB, root, python)
+    yield SimpleNamespace(base_url=url, model=VLLM_BASE, lora=VLLM_LORA, export_dir=root / "models" / VLLM_BASE,
                           lora_dir=root / "models" / VLLM_LORA, root=root, name=VLLM_JOB, python=python,
                           start=p, startup_s=took, key=key, headers={"Authorization": f"Bearer {key}"})
     run_cli("jobs", "cancel", VLLM_JOB, "--root", root)
+
+
+def serve_locally(model, name: str, root: Path, python: str):
+    """`serve start --scheduler local` of `model` (an export or a run) as job `name`: (its /v1 URL, its API key,
+    serve start's process, seconds to healthy). Stop it with `jobs cancel NAME`."""
+    import time
+
+    t0 = time.monotonic()
+    p = run_cli("serve", "start", "--model", model, "--name", name, "--root", root, "--scheduler", "local",
+                "--engine-python", python, timeout=900)
+    took = time.monotonic() - t0
+    if p.returncode != 0:
+        run_cli("jobs", "cancel", name, "--root", root)
+        raise AssertionError(f"serve start -> {p.returncode}\n{p.stdout}\n{p.stderr[-3000:]}\n"
+                             f"{(root / 'logs' / name / 'server.log').read_text()[-4000:]}")
+    url = next(ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("endpoint "))
+    print(f"vLLM started and answered in {took:.0f} s", file=sys.stderr)
+    key = (root / "logs" / name / "api_key").read_text().strip()    # serve start's key (issue 32)
+    return url, key, p, took
 
 
 # -- a cluster of network namespaces (issue 51: tests/netcluster.py) ------------------------------------------------

@@ -465,14 +465,15 @@ def _load_or_refuse(state: dict, path: Path, no_dist: bool) -> None:
         raise UserError(f"refusing checkpoint {path}: {unsafe}") from None
 
 
-def load_model_weights(path: Path, model) -> None:
-    """Model weights only, in one process without a process group (export, generate)."""
+def load_model_weights(path: Path, model, frozen: bool = True) -> None:
+    """Model weights only, in one process without a process group (export, generate). `frozen=False`: the
+    trained parameters alone (an NF4 run's checkpoint leaves its frozen base out: Checkpointer.skip_frozen)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # lazy (see save)
 
-    sd = get_model_state_dict(model, options=StateDictOptions())
+    sd = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=not frozen))
     state = {"model": sd}
     _load_or_refuse(state, path, no_dist=True)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=frozen)
 
 
 @contextlib.contextmanager

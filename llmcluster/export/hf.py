@@ -97,7 +97,12 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
             problem += f" (run {run}'s complete steps: {', '.join(map(str, steps))})" if steps else f" (run {run} has none)"
         if problem:
             raise UserError(f"cannot export {ckpt}: {problem}")
-    step, cfg = _train_state(ckpt)
+    step, cfg, state = _train_state(ckpt)
+    # A QLoRA run's checkpoint holds the adapters alone: its base is train.init_from's, quantized to NF4 as the
+    # trainer did (checkpoint/nf4_base.py). The merged weights are that dequantized base + s·B·A, kept in float32
+    # as every export is (not bf16): vLLM serves a float32 checkpoint in float32, so it answers greedily as
+    # `generate` does, and bf16 would round away the part of s·B·A below the base's bf16 step.
+    nf4 = cfg.train.lora is not None and cfg.train.lora.base_precision == "nf4"
     # train_state.json is only as trusted as whoever can write checkpoints/: the model it describes is built
     # on the meta device and every shape checked against the DCP metadata before a byte is allocated.
     shapes = checkpoint_shapes(ckpt)
@@ -106,12 +111,15 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
     if cfg.train.lora is not None:
         from llmcluster.model.lora import apply_lora
         apply_lora(model, cfg.train.lora)
-    _check_shapes(model, shapes, ckpt)
+    _check_shapes(model, shapes, ckpt, trained_only=nf4)
     model = model.to_empty(device="cpu")
     if cfg.model.tie_embeddings:   # to_empty gives each module its own new tensor
         model.lm_head.weight = model.embed_tokens.weight
     model.init_weights()           # the RoPE buffers (derived, not saved); every parameter is loaded below
-    load_model_weights(ckpt, model)
+    if nf4:
+        from llmcluster.checkpoint.nf4_base import restore_base
+        restore_base(model, Path(cfg.train.init_from), state, ckpt)
+    load_model_weights(ckpt, model, frozen=not nf4)
 
     from llmcluster.data.dataset import tokenizer_dir
 
@@ -221,7 +229,7 @@ def chat_template(tok_file: Path, hf_conf: dict | None, meta: dict) -> tuple[str
     return template, ids[0]
 
 
-def _train_state(ckpt: Path) -> tuple[int, JobConfig]:
+def _train_state(ckpt: Path) -> tuple[int, JobConfig, dict]:
     from llmcluster.checkpoint.checkpointer import TRAIN_STATE
 
     where = str(ckpt / TRAIN_STATE)
@@ -231,7 +239,7 @@ def _train_state(ckpt: Path) -> tuple[int, JobConfig]:
         config = state["config"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"cannot export {ckpt}: {TRAIN_STATE} is unreadable ({type(e).__name__}: {e})") from None
-    return step, validate(config, JobConfig, where)
+    return step, validate(config, JobConfig, where), state
 
 
 def checkpoint_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
@@ -267,8 +275,12 @@ def _check_layers(n_layers: int, shapes: dict, ckpt: Path) -> None:
                         f"{len(have)}")
 
 
-def _check_shapes(model, shapes: dict, ckpt: Path) -> None:
+def _check_shapes(model, shapes: dict, ckpt: Path, trained_only: bool = False) -> None:
+    """`trained_only`: the checkpoint holds the trained parameters alone (an NF4 run's: its base is not saved)."""
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
     for name, t in model.state_dict().items():   # persistent entries: what the checkpoint holds
+        if trained_only and name not in trained:
+            continue
         want = tuple(t.shape)
         if shapes.get(name) != want:
             got = "missing" if name not in shapes else list(shapes[name])

@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from llmcluster.checkpoint.nf4_base import (  # noqa: F401  (train/qlora.py reads whole weights from here)
+    check_shape, hf_name, is_nf4, read_whole_weights, weight_map)
 from llmcluster.config.load import validate
 from llmcluster.config.schema import JobConfig, ModelConfig
 from llmcluster.errors import UserError
-from llmcluster.model.names import plain_name
 
 # Keys of the model section config.json determines; max_seq_len may be lowered (it only sizes RoPE tables).
 FROM_HF = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "rope_theta",
@@ -92,28 +93,6 @@ def _check_same_tokenizer(model_dir: Path, data_dir: Path) -> None:
                         f"`data prepare --tokenizer {model_dir}`")
 
 
-def _weight_map(path: Path) -> dict[str, Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-        except (ValueError, KeyError) as e:
-            raise UserError(f"{index}: unreadable ({e})") from None
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise UserError(f"train.init_from={path}: no model.safetensors nor model.safetensors.index.json")
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="pt") as f:
-        return {k: single for k in f.keys()}
-
-
-def hf_name(name: str) -> str:
-    """Our parameter name -> HF's; wrappers (activation checkpointing, compile) add prefixes HF lacks."""
-    name = plain_name(name)
-    return name if name.startswith("lm_head.") else "model." + name
-
-
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, path: Path) -> int:
     """Copy the safetensors weights into `model` (plain, FSDP2 or TP: each rank reads only its slice).
@@ -122,9 +101,7 @@ def load_hf_weights(model: nn.Module, path: Path) -> int:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from llmcluster.train.qlora import is_nf4
-
-    wmap = _weight_map(path)
+    wmap = weight_map(path)
     handles: dict[Path, object] = {}
     n = 0
     try:
@@ -138,7 +115,7 @@ def load_hf_weights(model: nn.Module, path: Path) -> int:
             if f not in handles:
                 handles[f] = safe_open(str(f), framework="pt")
             sl = handles[f].get_slice(key)
-            _check_shape(path, key, sl, p)
+            check_shape(path, key, sl, p)
             if isinstance(p, DTensor):
                 shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
                 local = p.to_local()
@@ -150,26 +127,3 @@ def load_hf_weights(model: nn.Module, path: Path) -> int:
     finally:
         handles.clear()
     return n
-
-
-def _check_shape(path: Path, key: str, sl, p: torch.Tensor) -> None:
-    if tuple(sl.get_shape()) != tuple(p.shape):
-        raise UserError(f"train.init_from={path}: {key} has shape {tuple(sl.get_shape())}, the model "
-                        f"expects {tuple(p.shape)}")
-
-
-def read_whole_weights(model: nn.Module, path: Path, names: list[str]):
-    """(name, whole tensor) for each of `names` (parameters of `model`), read one at a time from the
-    safetensors (a QLoRA base quantizes each weight whole: train/qlora.py)."""
-    from safetensors import safe_open
-
-    wmap = _weight_map(path)
-    params = dict(model.named_parameters())
-    for name in names:
-        key = hf_name(name)
-        if key not in wmap:
-            raise UserError(f"train.init_from={path}: no weight {key!r} in the safetensors")
-        with safe_open(str(wmap[key]), framework="pt") as f:
-            sl = f.get_slice(key)
-            _check_shape(path, key, sl, params[name])
-            yield name, sl[:]

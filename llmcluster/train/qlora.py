@@ -21,44 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmcluster.checkpoint.nf4_base import (  # noqa: F401  (is_nf4, nf4_fits: imported from here too)
+    NF4_BLOCK, NF4_SCALER_BLOCK, is_nf4, nf4_fits, nf4_module, nf4_weight_names)
 from llmcluster.config.schema import JobConfig
-from llmcluster.errors import UserError
 
-NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 # Bytes per parameter: NF4 is 4 bits, one int8 scaler per 64 values, one fp32 factor per 256 scalers.
 BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "nf4": 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)}
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def nf4_module():
-    """torchao's NF4 module, or one line saying how to get it."""
-    try:
-        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
-    except ImportError as e:
-        raise UserError(f"train.lora.base_precision=nf4 needs torchao >= 0.18 ({e}): pip install "
-                        "'llmcluster[float8]' (torchao), or use base_precision=bf16") from None
-    return nf4_tensor
-
-
-def is_nf4(t: torch.Tensor) -> bool:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return type(local).__name__ == "NF4Tensor"
-
-
-def nf4_fits(shape: tuple[int, ...], shards: int = 1) -> bool:
-    """Whether a weight of `shape` quantizes to NF4 whole and each of its `shards` row blocks (FSDP2 splits
-    dim 0) is whole NF4 blocks too."""
-    unit = NF4_BLOCK * NF4_SCALER_BLOCK
-    numel = 1
-    for s in shape:
-        numel *= s
-    return len(shape) == 2 and numel % unit == 0 and shape[0] % shards == 0 and (numel // shards) % unit == 0
-
-
-def nf4_weight_names(model: nn.Module, shards: int = 1) -> list[str]:
-    """The block projections' weights that become NF4 (plain names with their wrappers' prefixes)."""
-    return [n for n, p in model.named_parameters()
-            if n.endswith(".weight") and n.split(".")[-2] in LINEARS and not p.requires_grad and nf4_fits(tuple(p.shape), shards)]
 
 
 @torch.no_grad()

@@ -37,6 +37,7 @@ from llmcluster.train.attention import attention_line
 from llmcluster.train.batch import resume_batch
 from llmcluster.checkpoint.checkpointer import Checkpointer
 from llmcluster.checkpoint.fingerprint import checked_state, run_fingerprint
+from llmcluster.checkpoint.nf4_base import NF4_WEIGHTS, nf4_names
 from llmcluster.train.downstream import Downstream, pending_steps
 from llmcluster.train.gc_cadence import GarbageCollection
 from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
@@ -231,7 +232,8 @@ class Trainer:
                 "bad_steps": self.bad_total, "loss_window": self.spikes.state_dict(),
                 "ft_skipped_samples": self.ft_skipped,
                 "config": saved_config_dict(self.cfg), "dataset_digest": self.dataset_digest,  # job.env redacted
-                "parallel": self.dims.describe(), "global_batch": self.global_batch, "fingerprint": self.fingerprint}
+                "parallel": self.dims.describe(), "global_batch": self.global_batch, "fingerprint": self.fingerprint,
+                NF4_WEIGHTS: nf4_names(self.raw_model)}   # the export rebuilds an NF4 base from init_from with it
 
     # -- one optimizer step ------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float, bool]:
