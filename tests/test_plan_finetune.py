@@ -207,3 +207,14 @@ def test_the_plot_is_written(capsys, tmp_path):
     png = tmp_path / "finetune.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert f"wrote {png}" in proc.stdout
+
+
+def test_launch_checks_a_qlora_job_against_its_method(capsys):
+    """`launch` (its fit check, plan/fit.py) sizes a fine-tuning job as its method: the 70B preset with offload
+    goes on the box's two cards; without offload it does not fit, one line pointing at --finetune."""
+    sets = ["--cluster", "rtx4090-box", "--config", "llm_70b_qlora", "--set", "train.init_from=/models/x", "--dry-run"]
+    proc = cli_inprocess(capsys, "launch", *sets)
+    assert proc.returncode == 0, proc.stderr
+    assert "--nproc-per-node 2" in proc.stdout
+    assert_one_line_error(cli_inprocess(capsys, "launch", *sets, "--set", "parallel.fsdp_offload=false"),
+                          "will not fit", "--finetune")

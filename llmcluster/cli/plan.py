@@ -80,7 +80,7 @@ def run(args) -> int:
         return code
     from llmcluster.plan.report import render, render_search
 
-    if not result["fits"]:   # the verdict first, before 60 lines of what it would cost
+    if not result["fits"] or result["finetune"]:   # the verdict first (a fine-tuning plan's names its method)
         print(result["reason"])
     render(result)
     if args.search:

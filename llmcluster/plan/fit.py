@@ -24,6 +24,7 @@ class Fit:
     needed_bytes: float          # per GPU, the peak pipeline stage
     available_bytes: float       # per GPU
     alternative: dict | None     # the best fitting search candidate (with its `set`), if any
+    finetune: bool = False       # the job names a fine-tuning method: no pre-training layout is searched
 
     @property
     def fits(self) -> bool:
@@ -36,7 +37,8 @@ class Fit:
             return head + ": fits"
         alt = ("; best fitting alternative: " + " ".join(f"--set {o}" for o in self.alternative["set"])
                + f" ({self.alternative['memory_bytes'] / GIB:.1f} GiB)") if self.alternative else \
-            "; no layout of this model and global batch fits"
+            "; `llmcluster plan CONFIG --cluster NAME --finetune` compares the fine-tuning methods" if self.finetune \
+            else "; no layout of this model and global batch fits"
         return head + alt
 
 
@@ -97,7 +99,7 @@ def job_fit(cfg: JobConfig, gpu: str, gpu_memory_bytes: float | None = None) -> 
         except UserError:
             fitting = []
         alternative = fitting[0] if fitting else None
-    return Fit(needed, available, alternative)
+    return Fit(needed, available, alternative, plan.finetune)
 
 
 def require_fit(cfg: JobConfig, gpu: str, gpu_memory_bytes: float | None = None) -> Fit:

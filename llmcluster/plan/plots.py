@@ -57,7 +57,7 @@ def breakdown_plot(r: dict[str, Any], out: Path) -> Path:
 
 def finetune_plot(result: dict[str, Any], out_dir: str | Path) -> Path:
     """finetune.png: peak GB a GPU of each row of the fine-tuning table (plan/finetune_report.py), a bar each,
-    against the card's capacity; a method that does not fit (GPU or host memory) is hatched."""
+    against the card's capacity (log scale); a method over the card is red, one over the host's RAM orange."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,17 +67,18 @@ def finetune_plot(result: dict[str, Any], out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    labels = [f"{r['method']} {r['optimizer'].replace('adamw', 'AdamW ')}{' offload' if r['offload'] else ''}"
-              for r in rows]
-    bars = ax.bar(range(len(rows)), [r["peak_gb"] for r in rows],
-                  color=["tab:green" if r["fits"] else "tab:red" for r in rows])
-    for bar, r in zip(bars, rows):
-        bar.set_hatch("" if r["fits"] else "//")
+    labels = [" ".join([r["method"], r["optimizer"].replace("adamw", "AdamW").replace("AdamW8bit", "AdamW 8-bit"),
+                        *(["offload"] if r["offload"] else [])]) for r in rows]
+    over_card = [r["peak_gb"] > r["capacity_gb"] for r in rows]
+    colors = ["tab:green" if r["fits"] else "tab:red" if over else "tab:orange" for r, over in zip(rows, over_card)]
+    bars = ax.bar(range(len(rows)), [r["peak_gb"] for r in rows], color=colors)
+    for bar, r, over in zip(bars, rows, over_card):
+        bar.set_hatch("" if r["fits"] else "//" if over else "xx")
     ax.axhline(rows[0]["capacity_gb"], color="black", linestyle="--", label=f"{result['gpu']} memory")
     ax.set_yscale("log")
     ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
-    return _save(fig, ax, "peak GB a GPU (green: fits)", f"{result['model'] or 'model'} on {result['gpus']} x "
-                 f"{result['gpu']}: fine-tuning methods", out / FINETUNE_FILE)
+    return _save(fig, ax, "peak GB a GPU", f"{result['model'] or 'model'} on {result['gpus']} x {result['gpu']}: green "
+                 "fits, red over the card, orange over the host's RAM", out / FINETUNE_FILE)
 
 
 def _stacked(ax, bar: str, parts: list[tuple[str, float]]) -> None:
