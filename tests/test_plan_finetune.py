@@ -194,10 +194,15 @@ def test_the_presets_fit_through_plain_plan(capsys, args):
 
 def test_qlora_preset_trains_only_with_init_from_and_search_is_refused(capsys):
     """Training the QLoRA preset without its base is one line naming what to set; `--search` (pre-training's
-    layouts) on a fine-tuning plan is one line pointing at --finetune."""
+    layouts) on a fine-tuning plan is one line pointing at --finetune; so are a fine-tuning plan with TP (the
+    fine-tuning model plans FSDP alone) and a job config asking for more GPUs than its cluster has."""
     assert_one_line_error(cli_inprocess(capsys, "train", "-c", "llm_8b_qlora"),
                           "train.lora.base_precision=nf4 needs train.init_from", "--set train.init_from=DIR")
     assert_one_line_error(cli_inprocess(capsys, "plan", "rtx4090-8b-qlora", "--search"), "--finetune")
+    assert_one_line_error(cli_inprocess(capsys, "plan", "rtx4090-70b-qlora", "--set", "parallel.tp=2"),
+                          "planned with FSDP over every GPU")
+    assert_one_line_error(cli_inprocess(capsys, "plan", "llm_70b_qlora", "--cluster", "rtx4090-box", "--set",
+                                        "job.nodes=2"), "2 x 2 GPUs", "rtx4090-box has 1 x 2")
 
 
 def test_the_plot_is_written(capsys, tmp_path):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmcluster.plan.memory import GIB, count_params, layer_activation_bytes, lora_params
+from llmcluster.plan.memory import GIB, count_params, layer_activation_bytes, lora_params, projection_fans
 from llmcluster.plan.spec import ModelSpec, PlanSpec
 
 # Bytes per parameter (as train/qlora.py counts them; nf4: 4 bits + an int8 scaler per 64 + fp32 per 256 scalers)
@@ -136,13 +136,8 @@ def model_state_bytes(m: ModelSpec, method: str, base: str | None, optimizer: st
 
 def adapter_sizes(m: ModelSpec, rank: int, targets) -> list[int]:
     """The values of each adapter tensor of one layer (A: rank x in, B: out x rank; plan/memory.py's shapes)."""
-    return [rank * f for t in targets for f in _fan(m, t)]
-
-
-def _fan(m: ModelSpec, target: str) -> tuple[int, int]:
-    d, kv = m.d_model, m.kv_heads * (m.attn_dim // m.n_heads)
-    return {"q_proj": (d, m.attn_dim), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (m.attn_dim, d),
-            "gate_proj": (d, m.ffn_hidden), "up_proj": (d, m.ffn_hidden), "down_proj": (m.ffn_hidden, d)}[target]
+    fans = projection_fans(m)
+    return [rank * f for t in targets for f in fans[t]]
 
 
 def _state_bytes(numel: int, optimizer: str) -> float:
@@ -164,7 +159,7 @@ def activation_bytes(plan: PlanSpec, f: Method, stack: Stack) -> float:
     s, b, share = m.seq_len, p.micro_batch, p.recomputed_share
     kept = layer_activation_bytes(m, s, b, 1, False, "none", True)
     if stack.lora_dropout and f.method != "full":   # each adapter's dropped input and its mask
-        kept += sum(_fan(m, t)[0] for t in f.targets) * s * b * (2 + 1)
+        kept += sum(projection_fans(m)[t][0] for t in f.targets) * s * b * (2 + 1)
     stored = m.n_layers * (share * layer_activation_bytes(m, s, b, 1, False, "full", True) + (1 - share) * kept)
     return stored + max(stack.logits_bytes * s * b * m.vocab_size, kept if share > 0 else 0.0)
 
