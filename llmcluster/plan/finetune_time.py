@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from llmcluster.plan.comm import collective_time, plan_links
 from llmcluster.plan.compute import StepTime, flops_per_token, gemm_flops_per_token
+from llmcluster.plan.finetune import BASE_BYTES, OPTIM_BYTES, Method, base_split
 from llmcluster.plan.memory import count_params
 from llmcluster.plan.spec import PlanSpec
 from llmcluster.plan.step_model import fitted, fitted_residual, step_terms
@@ -36,12 +37,10 @@ class FinetuneTime:
     pcie_bytes: float       # per GPU per step, both directions
 
 
-def finetune_step(plan: PlanSpec, f, weights_shard: float, grads_shard: float,
+def finetune_step(plan: PlanSpec, f: Method, weights_shard: float, grads_shard: float,
                   efficiency: float | None = None) -> FinetuneTime:
-    """`f`: finetune.Method; `weights_shard`, `grads_shard`: one GPU's sharded weight and gradient bytes (what
-    offload keeps on the host); `efficiency`: the GEMM residual (None: the fitted one for this GPU)."""
-    from llmcluster.plan.finetune import BASE_BYTES, OPTIM_BYTES, base_split
-
+    """`weights_shard`, `grads_shard`: one GPU's sharded weight and gradient bytes (what offload keeps on the
+    host); `efficiency`: the GEMM residual (None: the fitted one for this GPU)."""
     m, c, p = plan.model, plan.cluster, plan.parallel
     gpus, n_micro, share, layers = c.total_gpus, plan.micro_batches, p.recomputed_share, m.n_layers
     eff = efficiency if efficiency is not None else fitted_residual(c.gpu)[0]

@@ -84,7 +84,6 @@ class PlanCluster(Section):
     rack_kw: float = Field(_TOPOLOGY.rack_kw, gt=0)
     air_cooling_max_kw: float = Field(_TOPOLOGY.air_cooling_max_kw, gt=0)
     host_memory_gb: float | None = Field(None, gt=0)   # hardware.memory_gb: the fine-tuning table's offload
-    cpus_per_node: int | None = Field(None, ge=1)      # hardware.cpus_per_node
     pcie_gen: int | None = Field(None, ge=3, le=6)     # hardware.pcie_gen / pcie_lanes: None, the GPU table's link
     pcie_lanes: Literal[1, 2, 4, 8, 16] | None = None
 
@@ -116,7 +115,7 @@ class PlanCluster(Section):
             storage_write_GBps=ckpt.write_GBps, storage_read_GBps=data.read_GBps, node_power_kw=h.node_power_kw,
             node_mtbf_hours=c.reliability.node_mtbf_hours, restart_minutes=c.reliability.restart_minutes,
             gpu_reserved_gib=h.gpu_reserved_gib, allocator_slack=h.allocator_slack, rack_kw=t.rack_kw,
-            host_memory_gb=h.memory_gb, cpus_per_node=h.cpus_per_node, pcie_gen=h.pcie_gen, pcie_lanes=h.pcie_lanes,
+            host_memory_gb=h.memory_gb, pcie_gen=h.pcie_gen, pcie_lanes=h.pcie_lanes,
             air_cooling_max_kw=t.air_cooling_max_kw)
         return cls(**{k: v for k, v in fields.items() if v is not None})
 
