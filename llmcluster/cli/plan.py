@@ -19,7 +19,8 @@ def register(sub) -> None:
     p.add_argument("--calibrate", nargs="+", default=[], metavar="BENCH_JSON",
                    help="take the compute efficiency from `llmcluster bench` records of this cluster "
                         "(or the summary.json of `gpu_check.sh --perf`)")
-    p.add_argument("--plot", metavar="DIR", help="write memory.png and cost.png into DIR")
+    p.add_argument("--plot", metavar="DIR", help="write memory.png, step.png and cost.png into DIR (with --finetune: "
+                                                 "finetune.png, peak GB a GPU of every method against the card)")
     p.add_argument("--finetune", action="store_true",
                    help="the fine-tuning table: full / LoRA fp32 / LoRA bf16 / QLoRA, AdamW or 8-bit, with and without "
                         "offload (a comparison: exits 0 whatever fits)")
@@ -37,17 +38,29 @@ def run(args) -> int:
 
     if args.plot:   # before any work: a missing folder, a file, someone else's PNG -> one line, exit 2
         from llmcluster.paths import check_output_path
-        from llmcluster.plan.plots import FILES
+        from llmcluster.plan.plots import FILES, FINETUNE_FILE
 
-        check_output_path(args.plot, "--plot", inside=FILES)
+        check_output_path(args.plot, "--plot", inside=(FINETUNE_FILE,) if args.finetune else FILES)
     plan = load_plan(args.file, args.overrides, cluster=args.cluster)
-    if args.finetune:
-        from llmcluster.plan.finetune import finetune_result, render_finetune
-
-        result = finetune_result(plan)
-        print(records.dumps(result)) if args.json else render_finetune(result)
-        return 0
     bench = bench_rows(args.calibrate) if args.calibrate else None
+    if args.finetune:
+        from llmcluster.plan.analyse import efficiency
+        from llmcluster.plan.finetune_report import finetune_result, render_finetune
+
+        result = finetune_result(plan, efficiency(plan, bench)[0])
+        if args.plot:
+            from llmcluster.plan.plots import finetune_plot
+
+            result["plot"] = str(finetune_plot(result, args.plot))
+        print(records.dumps(result)) if args.json else render_finetune(result)
+        if args.plot and not args.json:
+            print(f"wrote {result['plot']}")
+        return 0
+    if plan.finetune and (args.search or args.emit_config):
+        from llmcluster.errors import UserError
+
+        raise UserError("--search and --emit-config rank pre-training layouts; this plan names a fine-tuning method "
+                        "(training.lora, training.optimizer or parallel.fsdp_offload): compare methods with --finetune")
     result = analyse(plan, bench)
     if args.search or args.emit_config:
         from llmcluster.plan.search import search
@@ -67,7 +80,7 @@ def run(args) -> int:
         return code
     from llmcluster.plan.report import render, render_search
 
-    if not result["fits"]:   # the verdict first, before 60 lines of what it would cost
+    if not result["fits"] or result["finetune"]:   # the verdict first (a fine-tuning plan's names its method)
         print(result["reason"])
     render(result)
     if args.search:

@@ -155,6 +155,9 @@ class Hardware(Section):
     node_power_kw: float | None = Field(None, gt=0)  # server max draw; None: GPU TDP x Epoch AI's server factor
     gpu_reserved_gib: float = Field(1.0, ge=0)       # CUDA context, cuBLAS/NCCL workspaces (planning assumption)
     allocator_slack: float = Field(0.05, ge=0)       # caching-allocator fragmentation, share of allocated
+    # The GPUs' host link as installed (None: the GPU table's, Gen4/Gen5 x16): what offload's transfers run at
+    pcie_gen: int | None = Field(None, ge=3, le=6)
+    pcie_lanes: Literal[1, 2, 4, 8, 16] | None = None
 
     @field_validator("gpu")
     @classmethod

@@ -32,6 +32,7 @@ class GPUSpec:
     pcie_h2d_GBps: float = 24     # achieved pinned host->device copy, one GPU
     allreduce_busbw_GBps: float = 22   # achieved all-reduce busbw inside one 8-GPU node (PCIe: 22)
     server_power_factor: float = 2.03  # server max power / (GPUs x TDP), Epoch AI; a DGX A100: 6.5 kW = 2.03 x 8 x 400 W
+    pcie_lanes: int = 16          # the link width pcie_h2d_GBps was achieved on
 
     @property
     def memory_bytes(self) -> int:
@@ -57,6 +58,14 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in (
     GPUSpec("RTX4090", 24, 1008, 165, 330, 82.6, 82.6, 450, None, None, 4, 24, 22),
     GPUSpec("L40S", 48, 864, 362, 733, 183, 91.6, 350, None, None, 4, 24, 22),
 )}
+
+def pcie_h2d_GBps(gpu: GPUSpec, gen: int | None = None, lanes: int | None = None) -> float:
+    """Achieved pinned host->device GB/s of one GPU on a Gen `gen` x `lanes` link (None: the table's link): the
+    table's achieved figure scaled by the raw rate, which doubles with each PCIe generation (8, 16, 32, 64 GT/s a
+    lane for Gen 3-6) and is linear in lanes (a consumer board's x8/x8 split halves it)."""
+    gen, lanes = gen or gpu.pcie_gen, lanes or gpu.pcie_lanes
+    return gpu.pcie_h2d_GBps * 2.0 ** (gen - gpu.pcie_gen) * lanes / gpu.pcie_lanes
+
 
 PCIE_ALLREDUCE_BUSBW_GBPS = 22   # an NVLink GPU planned with intra_node: pcie (PCIe Gen4 x16 achieves 22-26 GB/s)
 

@@ -180,8 +180,9 @@ def low_bit_lora_checks(cfg) -> None:
             raise ValueError("train.lora.base_precision=nf4 with ft.enabled is not supported (untested: a heal copies "
                              "the model's state from a peer)")
         if not t.init_from:
-            raise ValueError("train.lora.base_precision=nf4 needs train.init_from (the weights to quantize): "
-                             "a QLoRA base is a trained model")
+            raise ValueError("train.lora.base_precision=nf4 needs train.init_from (the weights to quantize: a QLoRA "
+                             "base is a trained model): --set train.init_from=DIR, a local Hugging Face model "
+                             "directory")
     if lora is not None and lora.base_precision != "fp32" and p.pp > 1:
         raise ValueError(f"train.lora.base_precision={lora.base_precision} with parallel.pp > 1 is not supported "
                          "yet (the pipeline's stages are built apart): use fp32 or shard with parallel.dp_shard")

@@ -49,6 +49,11 @@ def analyse(plan: PlanSpec, bench: list[CalRow] | None = None) -> dict[str, Any]
     mem = plan_memory(plan)
     eff, eff_source = efficiency(plan, bench)
     st = step_time(plan, eff)
+    tuned = None
+    if plan.finetune:   # the method the plan names (training.lora, optimizer, fsdp_offload): its memory and step
+        from llmcluster.plan.finetune_report import plan_finetune
+
+        tuned, mem, st = plan_finetune(plan, eff)
     ck = run_checkpoint(plan, st)
     groups = plan.dp_degrees[0]    # what ft would give, shown whenever the replicas could be groups of whole nodes
     ft = ft_recovery(plan, ck, st.step_s) if plan.ft.enabled or (groups > 1 and c.nodes % groups == 0) else None
@@ -61,7 +66,8 @@ def analyse(plan: PlanSpec, bench: list[CalRow] | None = None) -> dict[str, Any]
     pw = power(c, pr_pue)
     co = cost(plan, pw, gpu_hours, wall_s / 86400)
     return {
-        "fits": mem.fits, "reason": fit_reason(mem, c.gpu),
+        "fits": tuned["fits"] if tuned else mem.fits, "reason": tuned["reason"] if tuned else fit_reason(mem, c.gpu),
+        "finetune": tuned,
         "model": {"name": m.name, "params": n, "flops_per_token": flops_per_token(m),
                   "n_layers": m.n_layers, "d_model": m.d_model, "seq_len": m.seq_len,
                   "params_from_dims": count_params(m).total},

@@ -24,6 +24,7 @@ class Fit:
     needed_bytes: float          # per GPU, the peak pipeline stage
     available_bytes: float       # per GPU
     alternative: dict | None     # the best fitting search candidate (with its `set`), if any
+    finetune: bool = False       # the job names a fine-tuning method: no pre-training layout is searched
 
     @property
     def fits(self) -> bool:
@@ -36,18 +37,21 @@ class Fit:
             return head + ": fits"
         alt = ("; best fitting alternative: " + " ".join(f"--set {o}" for o in self.alternative["set"])
                + f" ({self.alternative['memory_bytes'] / GIB:.1f} GiB)") if self.alternative else \
-            "; no layout of this model and global batch fits"
+            "; `llmcluster plan CONFIG --cluster NAME --finetune` compares the fine-tuning methods" if self.finetune \
+            else "; no layout of this model and global batch fits"
         return head + alt
 
 
-def job_plan(cfg: JobConfig, gpu: str) -> PlanSpec:
-    """The plan of what `llmcluster train` runs for `cfg` on `job.nodes` x `job.procs` GPUs of type `gpu`."""
+def job_plan(cfg: JobConfig, gpu: str, cluster: dict | None = None) -> PlanSpec:
+    """The plan of what `llmcluster train` runs for `cfg` on `job.nodes` x `job.procs` GPUs of type `gpu` (or on
+    `cluster`, a PlanCluster's fields: the cluster spec's figures), with the job's fine-tuning method
+    (train.lora, train.optimizer, parallel.fsdp_offload) and its tokens (steps x global batch x sequence)."""
     m, p, t, job = cfg.model, cfg.parallel, cfg.train, cfg.job
     data = {
         "model": {"name": cfg.run.name, "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
                   "n_kv_heads": m.n_kv_heads, "ffn_hidden": m.ffn_hidden, "vocab_size": m.vocab_size,
                   "seq_len": cfg.data.seq_len, "tie_embeddings": m.tie_embeddings},
-        "cluster": {"gpu": gpu, "nodes": job.nodes, "gpus_per_node": job.procs},
+        "cluster": cluster or {"gpu": gpu, "nodes": job.nodes, "gpus_per_node": job.procs},
         "parallel": {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp, "pp": p.pp,
                      "pp_schedule": p.pp_schedule, "pp_virtual_stages": p.pp_virtual_stages,
                      # auto: the trainer's choice is at best full (train/resources.py), so a job that
@@ -57,21 +61,35 @@ def job_plan(cfg: JobConfig, gpu: str) -> PlanSpec:
                      "fsdp_reshard_after_forward": p.fsdp_reshard_after_forward, "micro_batch": t.micro_batch,
                      "grad_accum": t.grad_accum, "precision": t.precision, "memory_convention": "fsdp2"},
     }
+    if p.tp == 1 and p.pp == 1:   # the fine-tuning model plans FSDP alone; with TP or PP: pre-training's (more)
+        data["training"] = {"lora": t.lora.model_dump() if t.lora else None, "optimizer": t.optimizer}
+        data["parallel"]["fsdp_offload"] = p.fsdp_offload
     try:
-        return PlanSpec.model_validate(data)
+        plan = PlanSpec.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         raise UserError(f"fit check: {err['msg'].removeprefix('Value error, ')}") from None
+    tokens = t.steps * plan.global_batch * plan.model.seq_len
+    return plan.model_copy(update={"training": plan.training.model_copy(update={"tokens": float(tokens)})})
+
+
+def needed_bytes(plan: PlanSpec) -> float:
+    """Peak bytes a GPU: the fine-tuning method the plan names (plan/finetune.py), else pre-training's layout."""
+    if plan.finetune:
+        from llmcluster.plan.finetune import finetune_row, plan_method
+
+        return finetune_row(plan, plan_method(plan)).peak_gb * 1e9
+    return plan_memory(plan).total
 
 
 def job_fit(cfg: JobConfig, gpu: str, gpu_memory_bytes: float | None = None) -> Fit:
     """Needed vs available memory per GPU for the job, and the best fitting alternative when it does not fit.
     `gpu_memory_bytes` overrides the GPU table's capacity (e.g. a MIG slice, or what nvidia-smi reports)."""
     plan = job_plan(cfg, gpu)
-    mem = plan_memory(plan)
-    available = gpu_memory_bytes or mem.capacity
+    needed = needed_bytes(plan)
+    available = gpu_memory_bytes or plan.cluster.spec.memory_bytes
     alternative = None
-    if mem.total > available:
+    if needed > available and not plan.finetune:   # search ranks pre-training layouts only
         from llmcluster.plan.search import search
 
         base = plan.model_copy(update={"parallel": plan.parallel.model_copy(
@@ -81,7 +99,7 @@ def job_fit(cfg: JobConfig, gpu: str, gpu_memory_bytes: float | None = None) -> 
         except UserError:
             fitting = []
         alternative = fitting[0] if fitting else None
-    return Fit(mem.total, available, alternative)
+    return Fit(needed, available, alternative, plan.finetune)
 
 
 def require_fit(cfg: JobConfig, gpu: str, gpu_memory_bytes: float | None = None) -> Fit:

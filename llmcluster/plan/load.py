@@ -50,8 +50,50 @@ def resolve_model(data: dict[str, Any]) -> None:
 
 
 def locate_plan(name_or_path: str | Path) -> Path:
-    """A plan file, or the name of a plan shipped with the package (seed-a100-7b, ...)."""
-    return locate_shipped("plans", name_or_path, "plan")
+    """A plan file, the name of a plan shipped with the package (seed-a100-7b, ...), or a job config preset's
+    name (llm_8b_qlora, ...: planned as the trainer runs it, `job_config_plan`)."""
+    try:
+        return locate_shipped("plans", name_or_path, "plan")
+    except UserError:
+        preset = preset_path(str(name_or_path))
+        if preset is None:
+            raise
+        return preset
+
+
+# A job config's sections that no plan has (PlanSpec forbids them): a file holding one is planned as a job config.
+JOB_SECTIONS = ("run", "data", "train", "checkpoint", "log", "job", "serve")
+# The planner reads no weights: a QLoRA job config may leave train.init_from (required to train) to the user.
+PLANNED_INIT_FROM = "train.init_from=not-read-by-the-planner"
+
+
+def job_config_plan(path: Path, overrides: list[str], cluster: str | None) -> PlanSpec:
+    """A job config (`llmcluster plan llm_8b_qlora --cluster rtx4090-box`) planned as `llmcluster train` runs it
+    (plan/fit.py job_plan: its layout, batch, steps and fine-tuning method) on the cluster `--cluster` names (else
+    $LLMCLUSTER_CLUSTER or ./cluster.yaml): job.nodes nodes of job.gpus_per_node GPUs (0: the spec's per node).
+    `--set cluster.X=...` reaches the cluster spec, every other `--set` the job config."""
+    from llmcluster.config.cluster_load import cluster_from_data
+    from llmcluster.config.load import load_job_config
+    from llmcluster.plan.fit import job_plan
+
+    cluster_sets = [o.split(".", 1)[1] for o in overrides if o.split("=", 1)[0].strip().startswith("cluster.")]
+    rest = [o for o in overrides if not o.split("=", 1)[0].strip().startswith("cluster.")]
+    _check_cluster_keys([f"cluster.{o}" for o in cluster_sets])
+    train = read_yaml(path, "config").get("train") or {}
+    if not train.get("init_from") and not any(o.split("=", 1)[0].strip() == "train.init_from" for o in rest):
+        rest.insert(0, PLANNED_INIT_FROM)
+    cfg = load_job_config(str(path), rest)
+    cluster_data, source = plan_cluster_data(None, path, cluster)
+    spec = cluster_from_data(copy.deepcopy(cluster_data), source, cluster_sets)
+    view = PlanCluster.from_cluster(spec).model_dump()
+    nodes, per_node = cfg.job.nodes, cfg.job.gpus_per_node or view["gpus_per_node"]
+    if nodes > view["nodes"] or per_node > view["gpus_per_node"]:
+        raise UserError(f"{path}: the job asks for {nodes} x {per_node} GPUs (job.nodes x job.gpus_per_node), cluster "
+                        f"{spec.name} has {view['nodes']} x {view['gpus_per_node']}: --set job.nodes=N, or another "
+                        "--cluster")
+    view.update(nodes=nodes, gpus_per_node=per_node)
+    plan = job_plan(cfg, view["gpu"], view)
+    return plan.model_copy(update={"cost": spec.cost})
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -113,6 +155,8 @@ def load_plan(path: str | Path, overrides: list[str] | None = None, cluster: str
 
     path = locate_plan(path)
     data = read_yaml(path, "plan")
+    if any(k in data for k in JOB_SECTIONS):
+        return job_config_plan(path, list(overrides or []), cluster)
     if "cost" in data:
         raise UserError(f"{path}: 'cost' belongs to the cluster spec now: use cluster.cost (see docs/cluster.md)")
     overrides = list(overrides or [])

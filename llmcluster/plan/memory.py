@@ -105,13 +105,18 @@ def model_states(psi: float, dp: int, zero: int, convention: str = "zero-paper",
     return weights, grads, optim
 
 
+def projection_fans(m: ModelSpec) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each projection of a block, by the names train.lora.targets uses."""
+    d, kv = m.d_model, m.kv_heads * (m.attn_dim // m.n_heads)
+    return {"q_proj": (d, m.attn_dim), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (m.attn_dim, d),
+            "gate_proj": (d, m.ffn_hidden), "up_proj": (d, m.ffn_hidden), "down_proj": (m.ffn_hidden, d)}
+
+
 def lora_params(m: ModelSpec, rank: int, targets: tuple[str, ...] | list[str]) -> int:
     """Trainable parameters of LoRA adapters (train.lora): rank x (in + out) per targeted projection per
     layer, the shapes llmcluster/model/lora.py gives A (rank x in) and B (out x rank)."""
-    d, kv = m.d_model, m.kv_heads * (m.attn_dim // m.n_heads)
-    shapes = {"q_proj": (d, m.attn_dim), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (m.attn_dim, d),
-              "gate_proj": (d, m.ffn_hidden), "up_proj": (d, m.ffn_hidden), "down_proj": (m.ffn_hidden, d)}
-    return m.n_layers * sum(rank * sum(shapes[t]) for t in targets)
+    fans = projection_fans(m)
+    return m.n_layers * sum(rank * sum(fans[t]) for t in targets)
 
 
 def lora_model_states(psi_base: float, psi_lora: float, dp: int, zero: int,

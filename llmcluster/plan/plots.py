@@ -1,5 +1,6 @@
 """`--plot DIR`: memory breakdown per GPU, cumulative cost over months (cloud vs on-premise), and where a
-step's time goes (the step model's terms, stacked)."""
+step's time goes (the step model's terms, stacked); with `--finetune`, every fine-tuning method's peak GB a GPU
+against the card's memory."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 FILES = ("memory.png", "cost.png", "step.png")   # what --plot DIR writes (checked before any work: paths.check_output_path)
+FINETUNE_FILE = "finetune.png"                    # what --finetune --plot DIR writes
 
 
 def plot(r: dict[str, Any], out_dir: str | Path) -> list[Path]:
@@ -51,6 +53,32 @@ def breakdown_plot(r: dict[str, Any], out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     _stacked(ax, "one optimizer step", [(f"{label} ({b[key] / step:.0%})", b[key]) for key, label in BREAKDOWN])
     return _save(fig, ax, "seconds", f"{r['model']['name'] or 'model'}: where the step time goes", out / FILES[2])
+
+
+def finetune_plot(result: dict[str, Any], out_dir: str | Path) -> Path:
+    """finetune.png: peak GB a GPU of each row of the fine-tuning table (plan/finetune_report.py), a bar each,
+    against the card's capacity (log scale); a method over the card is red, one over the host's RAM orange."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    labels = [" ".join([r["method"], r["optimizer"].replace("adamw", "AdamW").replace("AdamW8bit", "AdamW 8-bit"),
+                        *(["offload"] if r["offload"] else [])]) for r in rows]
+    over_card = [r["peak_gb"] > r["capacity_gb"] for r in rows]
+    colors = ["tab:green" if r["fits"] else "tab:red" if over else "tab:orange" for r, over in zip(rows, over_card)]
+    bars = ax.bar(range(len(rows)), [r["peak_gb"] for r in rows], color=colors)
+    for bar, r, over in zip(bars, rows, over_card):
+        bar.set_hatch("" if r["fits"] else "//" if over else "xx")
+    ax.axhline(rows[0]["capacity_gb"], color="black", linestyle="--", label=f"{result['gpu']} memory")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
+    return _save(fig, ax, "peak GB a GPU", f"{result['model'] or 'model'} on {result['gpus']} x {result['gpu']}: green "
+                 "fits, red over the card, orange over the host's RAM", out / FINETUNE_FILE)
 
 
 def _stacked(ax, bar: str, parts: list[tuple[str, float]]) -> None:

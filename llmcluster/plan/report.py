@@ -20,6 +20,11 @@ def _gib(b: float) -> str:
     return f"{b / 1024**3:,.1f} GiB"
 
 
+def _tokens(n: float) -> str:
+    """1.0e12 -> 1,000B; a fine-tuning run's 3.3e7 -> 33M (not 0B)."""
+    return f"{n / 1e9:,.0f}B" if n >= 1e9 else f"{n / 1e6:,.0f}M"
+
+
 def _dur(s: float) -> str:
     if s < 120:
         return f"{s:,.1f} s"
@@ -77,7 +82,7 @@ def render(r: dict[str, Any], console: Console | None = None) -> None:
         ("model TFLOP/s per GPU", f"{co['tflops_per_gpu']:,.1f}"),
         ("MFU", f"{co['mfu']:.1%}"),
         ("efficiency from", co["efficiency_source"]),
-        ("training", f"{ti['tokens'] / 1e9:,.0f}B tokens: {ti['days']:,.1f} days, "
+        ("training", f"{_tokens(ti['tokens'])} tokens: {ti['days']:,.1f} days, "
                      f"{ti['gpu_hours']:,.0f} GPU-hours (goodput {ti['goodput']:.1%}: steps + badput below)")]))
     con.print(_table("Badput (jobs goodput's buckets)", [
         (k, f"{v:.2%} ({_dur(ti['badput_s'][k])})") for k, v in ti["badput"].items()]))

@@ -13,8 +13,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmcluster.config.cluster import ClusterSpec, Cost, Hardware, Reliability, Topology
-from llmcluster.config.gpus import GPUSpec, gpu_spec
-from llmcluster.config.schema import DistConfig, FtConfig, LogConfig, ModelConfig, ParallelKeys
+from llmcluster.config.gpus import GPUSpec, gpu_spec, pcie_h2d_GBps
+from llmcluster.config.schema import DistConfig, FtConfig, LogConfig, LoraConfig, ModelConfig, ParallelKeys
 from llmcluster.errors import UserError
 
 
@@ -84,6 +84,8 @@ class PlanCluster(Section):
     rack_kw: float = Field(_TOPOLOGY.rack_kw, gt=0)
     air_cooling_max_kw: float = Field(_TOPOLOGY.air_cooling_max_kw, gt=0)
     host_memory_gb: float | None = Field(None, gt=0)   # hardware.memory_gb: the fine-tuning table's offload
+    pcie_gen: int | None = Field(None, ge=3, le=6)     # hardware.pcie_gen / pcie_lanes: None, the GPU table's link
+    pcie_lanes: Literal[1, 2, 4, 8, 16] | None = None
 
     @field_validator("gpu")
     @classmethod
@@ -113,7 +115,7 @@ class PlanCluster(Section):
             storage_write_GBps=ckpt.write_GBps, storage_read_GBps=data.read_GBps, node_power_kw=h.node_power_kw,
             node_mtbf_hours=c.reliability.node_mtbf_hours, restart_minutes=c.reliability.restart_minutes,
             gpu_reserved_gib=h.gpu_reserved_gib, allocator_slack=h.allocator_slack, rack_kw=t.rack_kw,
-            host_memory_gb=h.memory_gb,
+            host_memory_gb=h.memory_gb, pcie_gen=h.pcie_gen, pcie_lanes=h.pcie_lanes,
             air_cooling_max_kw=t.air_cooling_max_kw)
         return cls(**{k: v for k, v in fields.items() if v is not None})
 
@@ -124,6 +126,11 @@ class PlanCluster(Section):
     @property
     def total_gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def pcie_h2d_GBps(self) -> float:
+        """One GPU's achieved host->device GB/s on this cluster's link (hardware.pcie_gen / pcie_lanes)."""
+        return pcie_h2d_GBps(self.spec, self.pcie_gen, self.pcie_lanes)
 
     @property
     def nics(self) -> int:
@@ -178,6 +185,9 @@ class ParallelSpec(ParallelKeys):
     # false: Megatron's layouts before it (TP only, norms replicated; the published no-SP activation figures),
     # as the trainer's parallel.sequence_parallel.
     sequence_parallel: bool = True
+    # FSDP2's CPUOffloadPolicy, as the trainer's parallel.fsdp_offload: sharded parameters, gradients and optimizer
+    # states in host memory, the optimizer step on the CPU (costed by the fine-tuning model, plan/finetune.py)
+    fsdp_offload: bool = False
     precision: Literal["bf16", "fp16", "fp8", "fp32"] = "bf16"
     memory_convention: Literal["zero-paper", "megatron", "fsdp2", "deepspeed"] = "zero-paper"
 
@@ -195,6 +205,11 @@ class TrainingSpec(Section):
     # share per doubling of the nodes (plan/data/step_model.yaml); measure yours with `llmcluster jobs goodput`
     # (its hang_or_straggler bucket) and set it.
     straggler_share: float | None = Field(None, ge=0, lt=1)
+    # What is trained, as the job config's train.lora and train.optimizer: adapters on a frozen base (LoRA; QLoRA
+    # with lora.base_precision nf4) and the optimizer's states. Either, or parallel.fsdp_offload, makes the plan a
+    # fine-tuning plan: `plan` sizes that method (plan/finetune.py) instead of pre-training's layout.
+    lora: LoraConfig | None = None
+    optimizer: Literal["adamw", "adamw8bit", "adamw4bit"] = "adamw"
 
 
 class EvalSpec(Section):
@@ -255,7 +270,17 @@ class PlanSpec(Section):
                                  f"(parallel.dp_replicate = {groups})")
         if p.precision == "fp8" and c.spec.fp8_tflops is None:
             raise ValueError(f"parallel.precision fp8: {c.gpu} has no fp8 tensor cores")
+        if self.finetune and (p.tp > 1 or p.pp > 1 or p.zero is not None):
+            raise ValueError("training.lora, training.optimizer and parallel.fsdp_offload are planned with FSDP "
+                             "over every GPU (the trainer's fine-tuning layout): drop parallel.tp, pp and zero")
         return self
+
+    @property
+    def finetune(self) -> bool:
+        """Whether the plan names a fine-tuning method (adapters, low-bit optimizer states or offload): `plan`
+        then sizes that method's row of the fine-tuning table instead of pre-training's layout."""
+        t = self.training
+        return t.lora is not None or t.optimizer != "adamw" or self.parallel.fsdp_offload
 
     @property
     def dp_degrees(self) -> tuple[int, int]:

@@ -48,3 +48,8 @@ def validation_runs() -> dict[str, Any]:
 def attention_kernels() -> dict[str, Any]:
     """Published attention-kernel rates (plan/attention.py)."""
     return _read(str(DATA_DIR / "attention_kernels.yaml"))
+
+
+def finetune_runs() -> dict[str, Any]:
+    """Published fine-tuning runs under their own conditions (plan/finetune.py's golden rows, issue 55)."""
+    return _read(str(DATA_DIR / "finetune_runs.yaml"))
