@@ -50,6 +50,7 @@ def test_model_states_equal_the_real_objects_within_3_percent(method, base, opti
     from llmcluster.config.schema import JobConfig, LoraConfig, TrainConfig
     from llmcluster.model.llama import build_model
     from llmcluster.model.lora import apply_lora
+    from llmcluster.checkpoint import nf4_base
     from llmcluster.train import qlora
     from llmcluster.train.optimizer import build_optimizer
 
@@ -61,7 +62,7 @@ def test_model_states_equal_the_real_objects_within_3_percent(method, base, opti
         names, _ = t.__tensor_flatten__()
         return sum(nbytes(getattr(t, n)) for n in names)
 
-    lora = None if method == "full" else LoraConfig(rank=8, targets=list(qlora.LINEARS),
+    lora = None if method == "full" else LoraConfig(rank=8, targets=list(nf4_base.LINEARS),
                                                       base_precision="bf16" if base == "nf4" else base)
     cfg = JobConfig(model={k: v for k, v in MID.items() if k != "seq_len"},
                     train=TrainConfig(lora=lora, optimizer=optimizer, precision="bf16"))
@@ -70,8 +71,8 @@ def test_model_states_equal_the_real_objects_within_3_percent(method, base, opti
         apply_lora(model, lora)
         qlora.prepare_base(model, cfg, torch.device("cpu"), 1)
     if base == "nf4":
-        nf4 = qlora.nf4_module()
-        for name in qlora.nf4_weight_names(model):
+        nf4 = nf4_base.nf4_module()
+        for name in nf4_base.nf4_weight_names(model):
             mod, attr = name.rsplit(".", 1)
             w = model.get_submodule(mod).weight
             setattr(model.get_submodule(mod), attr, torch.nn.Parameter(nf4.to_nf4(w.data, 64, 256),
