@@ -50,17 +50,6 @@ def is_nf4(t: torch.Tensor) -> bool:
     return type(local).__name__ == "NF4Tensor"
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    """The bytes a tensor holds: a DTensor's local shard; a tensor subclass's (NF4, torchao's low-bit optimizer
-    states) inner tensors, each counted as stored."""
-    if hasattr(t, "to_local"):
-        t = t.to_local()
-    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
-        return t.numel() * t.element_size()
-    names, _ = t.__tensor_flatten__()
-    return sum(tensor_bytes(getattr(t, n)) for n in names)
-
-
 def nf4_fits(shape: tuple[int, ...], shards: int = 1) -> bool:
     """Whether a weight of `shape` quantizes to NF4 whole and each of its `shards` row blocks (FSDP2 splits
     dim 0) is whole NF4 blocks too."""
@@ -153,6 +142,17 @@ def _own_rows(whole: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     local = mine.new_zeros(mine.shape)
     local.copy_(mine)
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """The bytes a tensor holds: a DTensor's local shard; a tensor subclass's (NF4, torchao's low-bit optimizer
+    states) inner tensors, each counted as stored."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return t.numel() * t.element_size()
+    names, _ = t.__tensor_flatten__()
+    return sum(tensor_bytes(getattr(t, n)) for n in names)
 
 
 class FrozenLinear(nn.Linear):
