@@ -4,12 +4,16 @@ projection is a multiple of NF4's 64 x 256 blocks, and so is each FSDP half-row 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_one_line_error, cli_inprocess, read_metrics, torchrun
+from conftest import assert_one_line_error, cli_env, cli_inprocess, read_metrics
 from hf_helpers import make_hf_storage
 
 pytestmark = pytest.mark.timeout(900)
@@ -73,25 +77,50 @@ def test_base_precisions_train_alike(capsys, hf):
     assert abs(m["nf4"] - m["bf16"]) / m["bf16"] < 0.02, m
 
 
-def test_fsdp_nf4_two_ranks_equal_one(capsys, hf):
+@pytest.fixture(scope="module")
+def nf4_two_ranks(hf, tmp_path_factory):
+    """10 fp32 steps of an NF4 base, FSDP2 over gloo on 2 ranks (with parallel.fsdp_offload: FSDP2's
+    CPUOffloadPolicy, accepted on CPU, where it changes nothing), through this file's entry below: (the run,
+    each rank's peak of whole NF4 weights alive)."""
+    out = tmp_path_factory.mktemp("nf4-count")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+           "train", "--root", str(hf["root"]), "--resume", "never",
+           *job(hf["model"], "nf4-2", "train.steps=10", "train.lora.base_precision=nf4", "train.precision=fp32",
+                "train.micro_batch=2", "parallel.dp_shard=2", "parallel.fsdp_offload=true")]
+    proc = subprocess.run(cmd, cwd=Path.cwd(), env=cli_env(NF4_COUNT_DIR=str(out)), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_fsdp_nf4_two_ranks_equal_one(capsys, hf, nf4_two_ranks):
     """FSDP2 over gloo, 2 ranks, NF4 base: the loss of each of 10 steps equals the 1-rank run's within 1e-5;
-    each rank's shard of a projection is an NF4Tensor of half the rows (the run's line after sharding). The 2-rank
-    run also sets parallel.fsdp_offload (FSDP2's CPUOffloadPolicy): accepted on CPU, where it changes nothing."""
+    each rank's shard of a projection is an NF4Tensor of half the rows (the run's line after sharding)."""
     root, model = hf["root"], hf["model"]
     one = cli_inprocess(capsys, "train", "--root", root, "--resume", "never",
                         *job(model, "nf4-1", "train.steps=10", "train.lora.base_precision=nf4", "train.precision=fp32",
                              "train.micro_batch=4"))
     assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun(2, "train", "--root", root, "--resume", "never",
-                   *job(model, "nf4-2", "train.steps=10", "train.lora.base_precision=nf4", "train.precision=fp32",
-                        "train.micro_batch=2", "parallel.dp_shard=2", "parallel.fsdp_offload=true"))
-    assert two.returncode == 0, two.stderr[-3000:]
+    two = nf4_two_ranks[0]
     assert "NF4 shard: layers.0.self_attn.q_proj.weight is an NF4Tensor of (128, 256) of (256, 256)" \
         in two.stdout, two.stdout[-3000:]
     a = [r["loss"] for r in read_metrics(root, "nf4-1") if "loss" in r]
     b = [r["loss"] for r in read_metrics(root, "nf4-2") if "loss" in r]
     assert len(a) == len(b) == 10
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
+
+
+def test_fsdp_nf4_rank_holds_one_whole_weight_at_most(nf4_two_ranks):
+    """Each weight is quantized whole after FSDP2 has sharded the NF4 weights, and only this rank's rows of it
+    are kept before the next one is read: at no time does a rank hold more than one whole NF4 weight, the
+    largest (quantizing every weight before sharding any held all 14: both blocks' projections)."""
+    from llmcluster.train.qlora import nf4_module, tensor_bytes
+
+    d, ffn, kv = SHAPE["hidden_size"], SHAPE["intermediate_size"], 128    # 2 KV heads of 64
+    shapes = [(d, d), (kv, d), (kv, d), (d, d), (ffn, d), (ffn, d), (d, ffn)]
+    largest = max(tensor_bytes(nf4_module().to_nf4(torch.zeros(s, dtype=torch.bfloat16), 64, 256)) for s in shapes)
+    for peak in nf4_two_ranks[1]:
+        assert peak == {"bytes": largest, "tensors": 1, "made": 14}, (peak, largest)
 
 
 @pytest.mark.parametrize("bad, needles", [
@@ -153,3 +182,39 @@ def test_nf4_resume_over_other_base_weights_is_refused(capsys, hf, tmp_path):
     bad = cli_inprocess(capsys, "train", "--root", root, *job(other, "q-fp", "train.steps=4",
                                                              "train.lora.base_precision=nf4"))
     assert_one_line_error(bad, "train.init_from's weights sha256")
+
+
+def _count_whole_nf4(out: Path) -> None:
+    """Wrap torchao's `to_nf4` (train/qlora.py quantizes each whole weight with it): the bytes of the NF4 tensors
+    it made that are still alive, at their peak, in out/rank<RANK>.json (rewritten at each new peak)."""
+    import weakref
+
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    from llmcluster.train.qlora import tensor_bytes
+
+    live: dict[int, int] = {}
+    peak = {"bytes": 0, "tensors": 0, "made": 0}
+    made = nf4_tensor.to_nf4
+
+    def counted(w, *args):
+        q = made(w, *args)
+        if q.is_meta:   # shapes only (train/qlora.py prepare_base): no memory
+            return q
+        # Followed by its 4-bit data's storage: nn.Parameter(q) holds a detached NF4Tensor (another object,
+        # the same storage), and FSDP2 copies this rank's rows into a shard of its own, freeing the whole.
+        data = q.quantized_data.untyped_storage()
+        live[id(data)] = tensor_bytes(q)
+        weakref.finalize(data, live.pop, id(data))
+        peak["made"] += 1
+        if sum(live.values()) > peak["bytes"]:
+            peak.update(bytes=sum(live.values()), tensors=len(live))
+        (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(peak))
+        return q
+    nf4_tensor.to_nf4 = counted
+
+
+if __name__ == "__main__":   # torchrun's entry in nf4_two_ranks: the CLI, with whole NF4 weights counted
+    _count_whole_nf4(Path(os.environ["NF4_COUNT_DIR"]))
+    from llmcluster.cli import main
+    sys.exit(main(sys.argv[1:]))

@@ -244,7 +244,7 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims, env: DistEnv,
                          seed: int | None) -> tuple[nn.Module, nn.Module]:
     """(the parallelized model, the plain Llama inside it). Built on the meta device and given memory only
     after TP/FSDP have split it, so no process ever holds more than its shards plus the one weight being
-    drawn: a 70B model never exists whole anywhere. Seeded weights do not depend on the mesh (see
+    drawn (or, for a QLoRA base, quantized: train/qlora.py): a 70B model never exists whole anywhere. Seeded weights do not depend on the mesh (see
     `Llama.init_weights`), so runs at different meshes start from the same point."""
     from llmcluster.model.llama import build_model
 
@@ -254,7 +254,7 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims, env: DistEnv,
     if cfg.train.lora is not None:  # adapters exist before sharding, so FSDP shards them with their block
         from llmcluster.model.lora import apply_lora, init_lora
         apply_lora(raw, cfg.train.lora)
-        line = qlora.prepare_base(raw, cfg, env.device, dims.dp_shard if dims.fsdp else 1)  # nf4: quantized
+        line = qlora.prepare_base(raw, cfg, env.device, dims.dp_shard if dims.fsdp else 1)  # nf4: on meta
         if env.is_main:
             print(line, flush=True)
     if cfg.train.float8 is not None:  # before TP/AC/compile/FSDP wrap the Linear layers (torchtitan's order)
@@ -267,6 +267,8 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims, env: DistEnv,
     model = parallelize(raw, cfg, dims, env) if sharded else raw
     if sharded and env.is_main and (line := qlora.shard_line(raw)):
         print(line, flush=True)
+    # NF4 (already sharded as NF4): each weight read whole and quantized, this rank's rows kept, one at a time
+    qlora.quantize_base(raw, cfg, env.device)
     qlora.materialize(raw, env.device)   # to_empty, NF4 weights kept as quantized
     if cfg.model.tie_embeddings and raw.lm_head.weight is not raw.embed_tokens.weight:
         raw.lm_head.weight = raw.embed_tokens.weight  # to_empty allocates each module's parameters apart

@@ -2,12 +2,17 @@
 bf16 (stored in bf16: no fp32 copy of weights that never change; computed in the run's precision) or nf4 (QLoRA,
 Dettmers et al. 2023: torchao's 4-bit NormalFloat, block 64, scaler block 256).
 
-NF4's scales are per whole weight (its scalers are themselves quantized against the mean of all of them), so a
-weight is quantized whole, as it is read from `train.init_from`, one at a time, before FSDP2 shards it
-(NF4Tensor implements FSDP2's all-gather extension: the local shard is an NF4Tensor of the rows this rank holds).
+NF4's scales are per whole weight (its scalers are themselves quantized against the mean of all of them), so
+quantizing a shard is not quantizing the weight. The NF4 weights are placed on the meta device first, as NF4
+(`prepare_base`), so FSDP2 shards them as NF4 (NF4Tensor implements FSDP2's all-gather extension: the local
+shard is an NF4Tensor of the rows this rank holds) with nothing read yet; then `quantize_base` reads each weight
+whole from `train.init_from`, quantizes it whole and keeps this rank's rows, one weight at a time. So no rank
+holds more than one whole weight at a time (as stored and in bf16 while quantizing, then in NF4 until its rows
+are copied out), on top of its shards; without FSDP (one rank) the whole NF4 base is the rank's anyway.
 Weights whose size does not divide NF4's blocks (or whose FSDP shard would not) stay bf16, as do the embedding,
-the norms and the LM head (QLoRA quantizes the blocks' projections). The adapters are fp32 (model/lora.py), with
-their gradients and optimizer states.
+the norms and the LM head (QLoRA quantizes the blocks' projections); they are loaded shard by shard after
+sharding, like every bf16/fp32 base (train/hf_import.py). The adapters are fp32 (model/lora.py), with their
+gradients and optimizer states.
 
 torchao 0.18 moved NF4 to `torchao.quantization.quantize_.workflows.nf4.nf4_tensor` (the old
 `torchao.dtypes.nf4tensor` path is gone); see docs/training.md.
@@ -31,14 +36,14 @@ BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "nf4": 0.5 + 1 / NF4_BLOCK + 4 / (N
 
 @torch.no_grad()
 def prepare_base(raw: nn.Module, cfg: JobConfig, device: torch.device, shards: int) -> str | None:
-    """Cast the frozen base (still on the meta device) to the chosen precision; for nf4, read each weight that
-    fits NF4's blocks whole from `train.init_from`, quantize it and put it in place (before FSDP shards it).
-    Returns the run's line naming the choice and its bytes per parameter (None: no LoRA)."""
+    """Cast the frozen base (still on the meta device) to the chosen precision; nf4: each weight that fits NF4's
+    blocks (and its `shards` FSDP shards) becomes an NF4 weight on the meta device, to be sharded as NF4 and
+    then filled by `quantize_base`. Returns the run's line naming the choice and its bytes per parameter (None:
+    no LoRA)."""
     lora = cfg.train.lora
     if lora is None:
         return None
     kind = lora.base_precision
-    frozen = [(n, p) for n, p in raw.named_parameters() if not p.requires_grad]
     if kind != "fp32":
         for mod in raw.modules():   # computed in the run's precision whatever they are stored in
             if type(mod) is nn.Linear:
@@ -54,16 +59,12 @@ def prepare_base(raw: nn.Module, cfg: JobConfig, device: torch.device, shards: i
     quantized = 0
     if kind == "nf4":
         nf4 = nf4_module()
-        from llmcluster.train.hf_import import read_whole_weights
-
-        names = nf4_weight_names(raw, shards)
-        for name, w in read_whole_weights(raw, Path(cfg.train.init_from), names):
+        for name in nf4_weight_names(raw, shards):
             mod_name, attr = name.rsplit(".", 1)
-            mod = raw.get_submodule(mod_name)
-            q = nf4.to_nf4(w.to(device=device, dtype=torch.bfloat16), NF4_BLOCK, NF4_SCALER_BLOCK)
-            setattr(mod, attr, nn.Parameter(q, requires_grad=False))
-            quantized += q.numel()
-    n_frozen = sum(p.numel() for _, p in frozen)
+            shaped = nf4.to_nf4(raw.get_parameter(name), NF4_BLOCK, NF4_SCALER_BLOCK)   # meta: shapes only
+            setattr(raw.get_submodule(mod_name), attr, nn.Parameter(shaped, requires_grad=False))
+            quantized += shaped.numel()
+    n_frozen = sum(p.numel() for p in raw.parameters() if not p.requires_grad)
     if kind == "nf4":
         rest = n_frozen - quantized
         nbytes = quantized * BYTES_PER_PARAM["nf4"] + rest * 2
@@ -76,6 +77,50 @@ def prepare_base(raw: nn.Module, cfg: JobConfig, device: torch.device, shards: i
     return (f"LoRA base {kind}: {detail}, {nbytes / max(n_frozen, 1):.3f} bytes/param over the base "
             f"({nbytes / 2**20:.1f} MiB); adapters fp32: {n_train / 1e6:.3f}M params with fp32 grads and "
             f"{cfg.train.optimizer} states")
+
+
+@torch.no_grad()
+def quantize_base(raw: nn.Module, cfg: JobConfig, device: torch.device) -> None:
+    """Fill the NF4 weights `prepare_base` left on the meta device (after FSDP2 has sharded them, if it does):
+    each is read whole from `train.init_from`, quantized whole, and this rank's rows of it (a DTensor's local
+    shard; all of it, unsharded) are put in its place before the next weight is read."""
+    from llmcluster.train.hf_import import read_whole_weights
+
+    names = [n for n, p in raw.named_parameters() if is_nf4(p) and p.is_meta]
+    if not names:
+        return
+    nf4 = nf4_module()
+    for name, w in read_whole_weights(raw, Path(cfg.train.init_from), names):
+        p = raw.get_parameter(name)
+        new = _own_rows(nf4.to_nf4(w.to(device=device, dtype=torch.bfloat16), NF4_BLOCK, NF4_SCALER_BLOCK), p)
+        del w   # the weight as stored; the whole NF4 one is gone with _own_rows's frame (a shard keeps its rows)
+        torch.utils.swap_tensors(p, nn.Parameter(new, requires_grad=False))   # FSDP2 holds `p` itself
+
+
+def _own_rows(whole: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`whole` (an NF4 weight) as `p` holds it: a DTensor of this rank's rows (FSDP2's Shard(0); nf4_fits: an
+    even split into whole NF4 blocks), copied into storage of their own; else `whole` itself."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(p, DTensor):
+        return whole
+    (rows, _), (offset, _) = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    mine = whole.split(rows)[offset // rows]   # views into the whole weight's NF4 data
+    local = mine.new_zeros(mine.shape)
+    local.copy_(mine)
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """The bytes a tensor holds: a DTensor's local shard; a tensor subclass's (NF4, torchao's low-bit optimizer
+    states) inner tensors, each counted as stored."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return t.numel() * t.element_size()
+    names, _ = t.__tensor_flatten__()
+    return sum(tensor_bytes(getattr(t, n)) for n in names)
 
 
 class FrozenLinear(nn.Linear):
