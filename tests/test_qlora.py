@@ -46,7 +46,8 @@ def _late_mean(root: Path, run: str) -> float:
 
 
 def test_nf4_weight_is_quantized_whole_and_fits_check():
-    from llmcluster.train.qlora import BYTES_PER_PARAM, nf4_fits, nf4_module
+    from llmcluster.checkpoint.nf4_base import nf4_fits, nf4_module
+    from llmcluster.train.qlora import BYTES_PER_PARAM
 
     assert nf4_fits((256, 512)) and nf4_fits((256, 512), shards=2) and not nf4_fits((192, 192))
     assert not nf4_fits((64, 256 * 3), shards=2)   # 48 rows... of 64 x 768: 3 scaler blocks, not split in 2
@@ -114,7 +115,8 @@ def test_fsdp_nf4_rank_holds_one_whole_weight_at_most(nf4_two_ranks):
     """Each weight is quantized whole after FSDP2 has sharded the NF4 weights, and only this rank's rows of it
     are kept before the next one is read: at no time does a rank hold more than one whole NF4 weight, the
     largest (quantizing every weight before sharding any held all 14: both blocks' projections)."""
-    from llmcluster.train.qlora import nf4_module, tensor_bytes
+    from llmcluster.checkpoint.nf4_base import nf4_module
+    from llmcluster.train.qlora import tensor_bytes
 
     d, ffn, kv = SHAPE["hidden_size"], SHAPE["intermediate_size"], 128    # 2 KV heads of 64
     shapes = [(d, d), (kv, d), (kv, d), (d, d), (ffn, d), (ffn, d), (d, ffn)]

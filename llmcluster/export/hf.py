@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from llmcluster.config.hf import model_fields_from_hf
 from llmcluster.config.load import validate
-from llmcluster.config.hf import model_fields_from_hf  # noqa: F401  (train.hf_import imports it from here)
 from llmcluster.config.schema import JobConfig, ModelConfig
 from llmcluster.data.tokenizer import EOT, HF_TOKENIZER_FILES
 from llmcluster.errors import UserError

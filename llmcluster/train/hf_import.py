@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmcluster.checkpoint.nf4_base import (  # noqa: F401  (train/qlora.py reads whole weights from here)
-    check_shape, hf_name, is_nf4, read_whole_weights, weight_map)
+from llmcluster.checkpoint.nf4_base import check_shape, hf_name, is_nf4, weight_map
 from llmcluster.config.load import validate
 from llmcluster.config.schema import JobConfig, ModelConfig
 from llmcluster.errors import UserError
@@ -39,7 +38,7 @@ def read_hf_config(path: Path) -> dict:
 
 def model_from_init(model: ModelConfig, path: Path) -> ModelConfig:
     """The model section for `init_from`: config.json's values; a contradicting explicit key is an error."""
-    from llmcluster.export.hf import model_fields_from_hf
+    from llmcluster.config.hf import model_fields_from_hf
 
     try:
         hf = model_fields_from_hf(read_hf_config(path))

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmcluster.checkpoint.nf4_base import (  # noqa: F401  (is_nf4, nf4_fits: imported from here too)
-    NF4_BLOCK, NF4_SCALER_BLOCK, is_nf4, nf4_fits, nf4_module, nf4_weight_names)
+from llmcluster.checkpoint.nf4_base import (NF4_BLOCK, NF4_SCALER_BLOCK, is_nf4, nf4_module, nf4_weight_names,
+                                             read_whole_weights)
 from llmcluster.config.schema import JobConfig
 
 # Bytes per parameter: NF4 is 4 bits, one int8 scaler per 64 values, one fp32 factor per 256 scalers.
@@ -84,7 +84,6 @@ def quantize_base(raw: nn.Module, cfg: JobConfig, device: torch.device) -> None:
     """Fill the NF4 weights `prepare_base` left on the meta device (after FSDP2 has sharded them, if it does):
     each is read whole from `train.init_from`, quantized whole, and this rank's rows of it (a DTensor's local
     shard; all of it, unsharded) are put in its place before the next weight is read."""
-    from llmcluster.train.hf_import import read_whole_weights
 
     names = [n for n, p in raw.named_parameters() if is_nf4(p) and p.is_meta]
     if not names:
