@@ -14,9 +14,8 @@ import yaml
 from conftest import REPO, assert_one_line_error, cli_env, run_cli
 from llmcluster.paths import preset_path
 
-# *-qlora.yaml are fine-tuning plans: their question is `plan --finetune` (tests/test_plan_finetune.py); a full
-# pre-training of their model does not fit their cards, by design
-PLANS = sorted(p for p in (REPO / "plans").glob("*.yaml") if not p.stem.endswith("-qlora"))
+# Every shipped plan, the fine-tuning ones (*-qlora) included: `plan` sizes the method a plan names
+PLANS = sorted((REPO / "plans").glob("*.yaml"))
 
 # The shapes of the lead's configs/llm_*.yaml presets, for a checkout where they have not landed yet.
 PRESET_DIMS = {
