@@ -147,6 +147,34 @@ def test_nf4_without_torchao_is_one_line(capsys, hf, monkeypatch):
     assert_one_line_error(proc, "base_precision=nf4 needs torchao")
 
 
+def _tensor_bytes(step_dir: Path) -> int:
+    """The tensor bytes a DCP checkpoint holds (its metadata: every entry's shape and dtype)."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    return sum(m.size.numel() * torch.empty((), dtype=m.properties.dtype).element_size()
+               for m in md.values() if isinstance(m, TensorStorageMetadata))
+
+
+def _planned_checkpoint_bytes(model: Path) -> float:
+    """The planner's checkpoint size for this file's NF4 job on the HF base at `model`."""
+    import json
+
+    from llmcluster.plan.finetune import checkpoint_bytes
+    from llmcluster.plan.spec import ModelSpec, PlanCluster, PlanSpec
+
+    hf = json.loads((model / "config.json").read_text())
+    spec = ModelSpec(n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
+                     n_kv_heads=hf["num_key_value_heads"], ffn_hidden=hf["intermediate_size"],
+                     vocab_size=hf["vocab_size"], tie_embeddings=hf.get("tie_word_embeddings", False), seq_len=32)
+    lora = {"rank": 8, "alpha": 16, "base_precision": "nf4",
+            "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+    return checkpoint_bytes(PlanSpec(model=spec, cluster=PlanCluster(gpu="RTX4090", nodes=1, gpus_per_node=1),
+                                     training={"lora": lora}))
+
+
 def test_nf4_checkpoint_holds_the_adapters_and_a_resume_requantizes(capsys, hf):
     """An NF4 run's checkpoint holds the adapters and their optimizer state, not the frozen base: a resume
     quantizes train.init_from again and continues bitwise; a resume that changes the base precision is refused."""
@@ -158,6 +186,9 @@ def test_nf4_checkpoint_holds_the_adapters_and_a_resume_requantizes(capsys, hf):
     assert "resumed from" in proc.stdout and "step_3" in proc.stdout
     meta = (root / "checkpoints" / "q-res" / "step_3" / ".metadata").read_bytes()
     assert b"lora_A" in meta and b"q_proj.weight" not in meta          # adapters only, no base weight
+    # the planner's checkpoint size for the method (plan/finetune.checkpoint_bytes) is what the trainer wrote
+    assert _planned_checkpoint_bytes(model) == pytest.approx(_tensor_bytes(root / "checkpoints" / "q-res" / "step_3"),
+                                                             rel=0.03)
     ref = {r["step"]: r["loss"] for r in read_metrics(root, "q-ref") if "loss" in r}
     got = {r["step"]: r["loss"] for r in read_metrics(root, "q-res") if "loss" in r}
     assert all(got[s] == ref[s] for s in range(4, 7)), (ref, got)   # bitwise

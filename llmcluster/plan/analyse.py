@@ -142,7 +142,12 @@ def run_checkpoint(plan: PlanSpec, st: StepTime):
     """The checkpoint/badput model with this step: evaluation runs forwards of one micro-batch (a third of
     its compute without recomputation), a failure loses the step in flight."""
     forward = st.compute_s / (1 + plan.parallel.recomputed_share / 3) / 3 / plan.micro_batches
-    return checkpoint(plan, params(plan.model), st.step_s, forward)
+    size = None
+    if plan.finetune:   # the method's own state: an NF4 run's adapters and their optimizer, not 12 bytes a parameter
+        from llmcluster.plan.finetune import checkpoint_bytes
+
+        size = checkpoint_bytes(plan)
+    return checkpoint(plan, params(plan.model), st.step_s, forward, size)
 
 
 def run_goodput(plan: PlanSpec, ck, ft=None) -> tuple[float, dict[str, float]]:

@@ -101,11 +101,13 @@ def straggler_share(plan: PlanSpec) -> float:
     return fitted().get("straggler_per_node_doubling", 0.0) * math.log2(plan.cluster.nodes)
 
 
-def checkpoint(plan: PlanSpec, params: float, step_s: float = 0.0, forward_s: float = 0.0) -> Checkpoint:
+def checkpoint(plan: PlanSpec, params: float, step_s: float = 0.0, forward_s: float = 0.0,
+               size: float | None = None) -> Checkpoint:
     """`step_s`: the optimizer step's time and `forward_s` one micro-batch's forward (evaluation and the
-    step in flight at a failure); 0 leaves those terms out."""
+    step in flight at a failure); 0 leaves those terms out. `size`: the training state's bytes when they are not
+    pre-training's (a fine-tuning method's: plan/finetune.checkpoint_bytes)."""
     c = plan.cluster
-    size = params * CHECKPOINT_BYTES[plan.parallel.memory_convention]
+    size = params * CHECKPOINT_BYTES[plan.parallel.memory_convention] if size is None else size
     write = size / (c.storage_write_GBps * 1e9)
     mtbf = c.node_mtbf_hours * 3600 / c.nodes
     tau = math.sqrt(2 * write * mtbf)

@@ -182,6 +182,15 @@ def trainer_gap(plan: PlanSpec, f: Method) -> str | None:
     return None
 
 
+def checkpoint_bytes(plan: PlanSpec) -> float:
+    """What a checkpoint of the plan's method holds, the whole model's: its weights and optimizer states (the
+    trainer's DCP state: fp32 weights of a full run; a LoRA run's frozen base as stored, its adapters fp32); an NF4
+    run leaves its frozen base out (checkpointer.skip_frozen: a resume quantizes init_from again)."""
+    f = plan_method(plan)
+    w, g, o = model_state_bytes(plan.model, f.method, f.base, f.optimizer, 1, f.rank, f.targets)
+    return (g if f.base == "nf4" else w) + o      # an NF4 run's trained weights: its adapters, g's bytes exactly
+
+
 def detail(plan: PlanSpec, f: Method, efficiency: float | None = None, stack: str = "llmcluster"):
     """(the row of method `f` on this plan's model, cluster and batch: memory per GPU and per node and its step
     time; the step's terms, plan/finetune_time.FinetuneTime)."""
