@@ -300,6 +300,13 @@ def test_spec_loading(tmp_path):
     assert spec.gpu_model(None).name == "H200" and spec.storage["checkpoints"].write_GBps == 5
     assert spec.gpus_per_node == 8 and spec.min_busbw_GBps == 360
     assert ValidateSpec().gpu_model("NVIDIA H100 80GB HBM3").name == "H100"
+    h200 = spec.gpu_model(None)                     # the PCIe expectation: the table's link, or the spec's
+    assert spec.pcie_expect_GBps(h200) == h200.pcie_h2d_GBps
+    f.write_text("hardware: {gpu: RTX4090, gpus_per_node: 2, pcie_lanes: 8}\n")   # a consumer board's x8/x8
+    box = load_spec(str(f))
+    assert box.pcie_expect_GBps(box.gpu_model(None)) == pytest.approx(box.gpu_model(None).pcie_h2d_GBps / 2)
+    f.write_text("hardware: {gpu: RTX4090, gpus_per_node: 2, pcie_lanes: 8}\nvalidate: {pcie_GBps: 20}\n")
+    assert load_spec(str(f)).pcie_expect_GBps(box.gpu_model(None)) == 20   # a site's own figure wins
     seed = load_spec("seed-a100")                     # a shipped cluster by name
     assert seed.gpu == "A100-80GB" and seed.gpus_per_node == 4 and seed.storage["datasets"].read_GBps == 10
     f.write_text("validate:\n  tolerence: 0.2\n")

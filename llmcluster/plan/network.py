@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from llmcluster.config.gpus import FABRICS
 from llmcluster.errors import UserError
 from llmcluster.plan.spec import PlanCluster
-from llmcluster.config.gpus import FABRICS
 
 
 @dataclass

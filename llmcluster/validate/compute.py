@@ -176,7 +176,7 @@ def check_pcie(device, spec: ValidateSpec, quick: bool) -> CheckResult:
         return r
     name = device_name(device)
     gpu = spec.gpu_model(name)
-    expect = spec.pcie_GBps or (gpu.pcie_h2d_GBps if gpu else None)
+    expect = spec.pcie_expect_GBps(gpu)
     nbytes = (256 if quick else 1024) << 20
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     for memory in ("pinned", "pageable"):

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmcluster.config.cluster import AREAS, Thresholds
 from llmcluster.config.cluster_load import ResolvedCluster
-from llmcluster.config.gpus import GPUSpec, for_device, gpu_spec
+from llmcluster.config.gpus import GPUSpec, for_device, gpu_spec, pcie_h2d_GBps
 
 
 
@@ -44,6 +44,8 @@ class ValidateSpec(Thresholds):
     gpu: str | None = None
     gpus_per_node: int | None = Field(None, ge=0)
     storage: dict[str, StorageExpect] = {}
+    pcie_gen: int | None = None           # hardware.pcie_gen / pcie_lanes: the nodes' link (None: the GPU table's)
+    pcie_lanes: int | None = None
     cluster: str = ""                     # which spec this is, for the report: "seed (clusters/seed-a100.yaml)"
 
     def describe(self) -> str:
@@ -61,6 +63,13 @@ class ValidateSpec(Thresholds):
             return match_device_name(device_name)
         return None
 
+    def pcie_expect_GBps(self, gpu: GPUSpec | None) -> float | None:
+        """The pinned host->device GB/s a GPU should reach: validate.pcie_GBps, else the GPU table's achieved
+        figure on the link the cluster spec names (a consumer board's x8/x8 split halves it; config/gpus.py)."""
+        if self.pcie_GBps or gpu is None:
+            return self.pcie_GBps
+        return pcie_h2d_GBps(gpu, self.pcie_gen, self.pcie_lanes)
+
 
 def from_cluster(resolved: ResolvedCluster) -> ValidateSpec:
     c = resolved.spec
@@ -68,6 +77,7 @@ def from_cluster(resolved: ResolvedCluster) -> ValidateSpec:
     if not resolved.is_default:           # the built-in default says nothing about this node's GPUs
         fields["gpu"] = c.hardware.gpu if c.hardware.spec is not None else None
         fields["gpus_per_node"] = _expected_gpus(c)
+        fields["pcie_gen"], fields["pcie_lanes"] = c.hardware.pcie_gen, c.hardware.pcie_lanes
     storage = {}
     for area in AREAS:
         a = c.storage.area(area)
