@@ -9,12 +9,27 @@ from llmcluster.config import load_job_config
 from llmcluster.errors import UserError
 
 PRESETS = ["llm_tiny", "llm_125m", "llm_1b", "llm_7b", "llm_13b", "llm_70b"]
+FINETUNE_PRESETS = ["llm_8b_qlora", "llm_70b_qlora"]     # QLoRA: the base is the user's, named by train.init_from
+
+
+def test_every_shipped_preset_is_listed_here():
+    from llmcluster.paths import shipped_names
+
+    assert sorted(shipped_names("configs")) == sorted(PRESETS + FINETUNE_PRESETS)
 
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_presets_validate(name):
     cfg = load_job_config(name)
     assert cfg.model.d_model % cfg.model.n_heads == 0
+
+
+@pytest.mark.parametrize("name", FINETUNE_PRESETS)
+def test_finetune_presets_name_their_base_or_say_how_in_one_line(name, tmp_path):
+    with pytest.raises(UserError, match=r"needs train.init_from .*--set train.init_from=DIR"):
+        load_job_config(name)
+    cfg = load_job_config(name, [f"train.init_from={tmp_path}"])
+    assert cfg.train.lora.base_precision == "nf4" and cfg.model.d_model % cfg.model.n_heads == 0
 
 
 def test_llm_7b_has_llama2_7b_parameter_count():
