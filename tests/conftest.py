@@ -154,6 +154,14 @@ def fault_data(tmp_path_factory) -> Path:
     return make_dataset(tmp_path_factory.mktemp("fault-data") / "storage")
 
 
+@pytest.fixture
+def fault_root(fault_data, tmp_path) -> Path:
+    """A fresh storage root of this test's own with fault_data's dataset linked in (the fault-tolerance modules)."""
+    from faultkit import fresh_root
+
+    return fresh_root(fault_data, tmp_path)
+
+
 @pytest.fixture(scope="session")
 def fault_run8(fault_data, tmp_path_factory) -> Path:
     """A storage root where faultkit's llm-tiny ran 8 steps with checkpoints at 4 and 8: the start of many fault

@@ -14,20 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from faultkit import assert_same_weights, copy_run, fresh_root, model_tensors, sets
+from faultkit import assert_same_weights, copy_run, model_tensors, sets
 from llmcluster.cli import main
 from llmcluster.storage.layout import COMPLETE_MARKER
 from llmcluster.train.health import young_daly_steps
 
 
-@pytest.fixture(scope="module")
-def data_root(fault_data):
-    return fault_data
-
-
 @pytest.fixture
-def root(data_root, tmp_path):
-    return fresh_root(data_root, tmp_path)
+def root(fault_root):
+    return fault_root
 
 
 def train(capsys, root, *extra, **over) -> tuple[int, str, str]:

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from conftest import REPO, cli_inprocess
-from faultkit import cli_cmd, copy_run, fresh_root, run, sets, torchrun_cmd, train_env, wait_for
+from faultkit import cli_cmd, copy_run, run, sets, torchrun_cmd, train_env, wait_for
 from llmcluster.errors import UserError
 from llmcluster.storage.layout import OWNER_LOCK
 from llmcluster.checkpoint import ownership
@@ -27,14 +27,9 @@ from llmcluster.checkpoint.checkpointer import verify_checkpoint
 from llmcluster.checkpoint.ownership import RunLock
 
 
-@pytest.fixture(scope="module")
-def data_root(fault_data):
-    return fault_data
-
-
 @pytest.fixture
-def root(data_root, tmp_path):
-    return fresh_root(data_root, tmp_path)
+def root(fault_root):
+    return fault_root
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:

@@ -21,20 +21,15 @@ import pytest
 import torch
 
 from conftest import REPO
-from faultkit import cli_cmd, copy_run, fresh_root, run, sets, torchrun_cmd, train_env, wait_for
+from faultkit import cli_cmd, copy_run, run, sets, torchrun_cmd, train_env, wait_for
 from llmcluster.cli import main
 from llmcluster.storage.layout import COMPLETE_MARKER, OWNER_LOCK
 from llmcluster.checkpoint.checkpointer import verify_checkpoint
 
 
-@pytest.fixture(scope="module")
-def data_root(fault_data):
-    return fault_data
-
-
 @pytest.fixture
-def root(data_root, tmp_path):
-    return fresh_root(data_root, tmp_path)
+def root(fault_root):
+    return fault_root
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:
@@ -367,15 +362,15 @@ def test_second_ctrl_c_aborts_without_a_checkpoint(capsys, root):
         flag.uninstall()
 
 
-def test_resume_over_a_rebuilt_dataset_is_refused_unless_allowed(capsys, root, data_root, tmp_path):
+def test_resume_over_a_rebuilt_dataset_is_refused_unless_allowed(capsys, root, fault_data, tmp_path):
     ds = root / "datasets" / "code"
     ds.unlink()
-    shutil.copytree(data_root / "datasets" / "code", ds)
+    shutil.copytree(fault_data / "datasets" / "code", ds)
     code, out, err = train(capsys, root, train__steps=4, checkpoint__interval_steps=2)
     assert code == 0, err
     # rebuilt from edited sources of the same size: same number of windows, other tokens
     src = tmp_path / "other"
-    shutil.copytree(data_root.parent / "src", src)
+    shutil.copytree(fault_data.parent / "src", src)
     for f in src.iterdir():
         f.write_text(f.read_text().replace("x", "y"))
     shutil.rmtree(ds / "t")
