@@ -14,6 +14,11 @@
 #
 #   bash scripts/test_suite.sh PYTHON WORKERS [PYTEST_ARGS...]
 set -uo pipefail
+# Three streams share two cores, and a CPU training in a test runs an OpenMP team per process: by default each idle
+# OpenMP thread spins for its next task, burning the core another stream's process is waiting for. Measured
+# (2026-12-07, 2 cores, two busy loops beside it): tests/test_qlora.py's three in-process trainings 28.1 s spinning,
+# 14.7 s with passive waits (one CI run had it at 127 s). A user's own CPU run keeps OpenMP's default.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 PY=$1 WORKERS=$2
 shift 2
 if [[ $WORKERS == 0 ]]; then
