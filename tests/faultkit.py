@@ -61,6 +61,15 @@ def copy_run(src_root: Path, root: Path, run: str = "llm-tiny") -> None:
         shutil.copytree(src_root / area / run, root / area / run, symlinks=True)
 
 
+def slowed(tmp_path: Path, sleep: str, **hooks: str) -> tuple[dict, Path]:
+    """The environment of a run whose steps are slowed (LLMCLUSTER_INJECT_SLEEP: the run outlasts what the test
+    waits for or probes), and the file that ends the slowing once the test has seen it: the rest of the run goes at
+    full speed."""
+    go = tmp_path / "go"
+    return cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP=sleep, LLMCLUSTER_INJECT_SLEEP_UNTIL=str(go),
+                   **hooks), go
+
+
 def train_env(**extra: str) -> dict:
     env = cli_env(**extra)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, assert_one_line_error, cli_env, cli_inprocess, overrides, read_metrics
+from faultkit import slowed
 
 torchft = pytest.importorskip("torchft")
 
@@ -66,15 +67,6 @@ def _supervised(root: Path, run: str, items: tuple, env: dict, procs: int = 1):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _slowed(tmp_path: Path, sleep: str, **hooks: str) -> tuple[dict, Path]:
-    """The environment of a run whose steps are slowed (LLMCLUSTER_INJECT_SLEEP: the run outlasts the restarts the
-    test waits for), and the file that ends the slowing once the test has seen what it waits for: the rest of the
-    run goes at full speed."""
-    go = tmp_path / "go"
-    return cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP=sleep, LLMCLUSTER_INJECT_SLEEP_UNTIL=str(go),
-                   **hooks), go
 
 
 def _kill_group(root: Path, run: str, g: int, sig: int = signal.SIGKILL) -> list[int]:
@@ -152,7 +144,7 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tiny_
         # and the Lighthouse waits 5 s (not 2) for a group in its 1 s pause before a quorum goes on without it
         pause, items = 1.0, (*items, "ft.join_timeout_s=5")
     # group 1 stays down 6 s at least, however fast its restart
-    env, go = _slowed(tmp_path, f"0:{pause}", LLMCLUSTER_TEST_FT_RESTART_DELAY_S="6")
+    env, go = slowed(tmp_path, f"0:{pause}", LLMCLUSTER_TEST_FT_RESTART_DELAY_S="6")
     ref = "ft-kill-ref"
 
     def quorum(groups: int, after: int):
@@ -217,7 +209,7 @@ def test_the_writer_group_killed_hands_its_role_to_its_peer(tiny_root, tmp_path)
     identical weights. Steps are slowed to 0.5 s until group 0 has healed, the rest goes at full speed."""
     run, steps = "ft-writer", 100
     items = ("ft.min_replicas=1", f"train.steps={steps}", "checkpoint.interval_steps=20", "log.interval=1")
-    env, go = _slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_RESTART_DELAY_S="6")
+    env, go = slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_RESTART_DELAY_S="6")
     ckpt = tiny_root / "checkpoints" / run
     with _supervised(tiny_root, run, items, env) as proc:
         _wait(lambda: (ckpt / "step_20" / "COMPLETE.json").is_file(), proc, "the step-20 checkpoint", 240)
@@ -268,7 +260,7 @@ def test_a_straggling_group_leaves_the_quorum_and_comes_back_when_it_recovers(ti
     run, steps, slow = "ft-straggler", 100, 20
     items = ("ft.min_replicas=1", f"train.steps={steps}", "ft.straggler_steps=3", "ft.straggler_backoff_s=4",
              "checkpoint.interval_steps=50", "log.interval=1")
-    env, go = _slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_SLOW_GROUP=f"0:1.0:1-{slow},0:0.1,1:0.1")
+    env, go = slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_SLOW_GROUP=f"0:1.0:1-{slow},0:0.1,1:0.1")
 
     def back() -> bool:   # in a quorum of both after its last drop, and past the steps where it could be dropped
         events = _events(tiny_root, run)

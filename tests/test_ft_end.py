@@ -10,7 +10,8 @@ import time
 import pytest
 
 from conftest import assert_one_line_error, cli_inprocess, overrides, read_metrics
-from test_ft import (FT, _digests, _events, _group_1_killed_at_step_4, _job, _kill_group, _slowed, _step, _supervised,
+from faultkit import slowed
+from test_ft import (FT, _digests, _events, _group_1_killed_at_step_4, _job, _kill_group, _step, _supervised,
                      _wait)
 
 pytest.importorskip("torchft")
@@ -30,7 +31,7 @@ def test_a_group_back_after_the_run_finished_ends_without_touching_its_checkpoin
     checkpoint is the writer's, byte for byte, and nothing is set aside."""
     run, steps = "ft-end", 24
     items = ("ft.min_replicas=1", f"train.steps={steps}", "checkpoint.interval_steps=6")
-    env, go = _slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_SLOW_START_S="8")
+    env, go = slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_SLOW_START_S="8")
     final = tiny_root / "checkpoints" / run / f"step_{steps}" / "COMPLETE.json"
     with _supervised(tiny_root, run, items, env) as proc:
         _wait(lambda: _step(tiny_root, run) >= steps - 6, proc, f"step {steps - 6}")
@@ -59,7 +60,7 @@ def test_a_frozen_group_leaves_the_quorum_within_the_ft_timeout_and_figures_coun
     run, steps = "ft-frozen", 40
     items = ("ft.min_replicas=1", f"train.steps={steps}", "checkpoint.interval_steps=20", "ft.timeout_s=5",
              "dist.timeout_s=120", "log.interval=1")
-    env, go = _slowed(tmp_path, "0:0.5")
+    env, go = slowed(tmp_path, "0:0.5")
     with _supervised(tiny_root, run, items, env) as proc:
         _wait(lambda: _step(tiny_root, run) >= 4, proc, "step 4")
         pids = _kill_group(tiny_root, run, 1, signal.SIGSTOP)
@@ -95,7 +96,7 @@ def test_with_min_replicas_equal_to_the_groups_the_healthy_group_waits_for_a_slo
     end bitwise equal."""
     run, steps = "ft-wait", 20
     items = ("ft.min_replicas=2", f"train.steps={steps}", "checkpoint.interval_steps=10", "ft.quorum_timeout_s=3")
-    env, go = _slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_RESTART_DELAY_S="10")
+    env, go = slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_RESTART_DELAY_S="10")
     out = _group_1_killed_at_step_4(tiny_root, run, items, env, go)
     groups = _job(tiny_root, run)["ft"]["groups"]
     assert groups[0]["restarts"] == 0 and groups[1]["restarts"] == 1, (groups, out[-3000:])

@@ -19,6 +19,7 @@ import pytest
 
 import inventory as inv
 from conftest import REPO, cli_env, overrides
+from faultkit import slowed
 from test_ft import DIGEST, FT, _events, _step, _wait
 
 pytest.importorskip("torchft")
@@ -32,10 +33,9 @@ LISTENS = re.compile(r"ft: group (\d) listens on (\S+): ")
 
 
 def _group(c, node, root: Path, run: str, g: int, secret: Path, log: Path, rejoin: bool, items: tuple):
-    env = cli_env(LLMCLUSTER_FT_GROUP=str(g), LLMCLUSTER_FT_GROUPS="2", LLMCLUSTER_FT_REJOIN="1" if rejoin else "0",
-                  TORCHFT_LIGHTHOUSE=f"http://{c.head.fqdn}:{PORT}", RUST_LOG="warn", LLMCLUSTER_TESTING="1",
-                  LLMCLUSTER_INJECT_SLEEP="0:0.5", LLMCLUSTER_INJECT_SLEEP_UNTIL=str(log.parent / "go"),
-                  **{SECRET_ENV: str(secret)})
+    env, _ = slowed(log.parent, "0:0.5", LLMCLUSTER_FT_GROUP=str(g), LLMCLUSTER_FT_GROUPS="2",
+                    LLMCLUSTER_FT_REJOIN="1" if rejoin else "0", TORCHFT_LIGHTHOUSE=f"http://{c.head.fqdn}:{PORT}",
+                    RUST_LOG="warn", **{SECRET_ENV: str(secret)})
     argv = [sys.executable, "-m", "llmcluster", "train", "-c", "llm_tiny", "--root", str(root),
             *overrides(f"run.name={run}", *FT, *items)]
     return c.popen(node, argv, env=env, cwd=REPO, stdout=log.open("a"), stderr=subprocess.STDOUT)

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cli_env
-from test_ft import _digests, _events, _group_1_killed_at_step_4, _job, _slowed, _step, _supervised, _wait
+from faultkit import slowed
+from test_ft import _digests, _events, _group_1_killed_at_step_4, _job, _step, _supervised, _wait
 
 pytest.importorskip("torchft")
 import torch  # noqa: E402
@@ -170,7 +171,7 @@ def test_strangers_neither_heal_nor_are_healed_nor_add_gradients(tiny_root, tmp_
     0 receives nothing, a heal server answers 403 without the proof, and the run ends bitwise where the same run
     without strangers ends (every refused quorum is asked again before the step starts)."""
     items = ("ft.min_replicas=2", "train.steps=40", "checkpoint.interval_steps=20")
-    env, go = _slowed(tmp_path, "0:1.0")
+    env, go = slowed(tmp_path, "0:1.0")
     markers = {m: tmp_path / f"ran-{m}" for m in ("high", "zero", "grads", "poison")}
     with contextlib.ExitStack() as stack:
         ref = stack.enter_context(_supervised(tiny_root, "ft-sec-ref", items, cli_env()))
@@ -210,7 +211,7 @@ def test_a_heal_payload_that_is_not_the_groups_state_restarts_the_group_in_one_l
     # min_replicas 2: group 0 waits for group 1's restarts (with 1 it could finish first on a loaded machine, and
     # group 1, back alone after the end, would rightly end without training: test_ft_end.py)
     items = ("ft.min_replicas=2", f"train.steps={steps}", "checkpoint.interval_steps=10", "ft.quorum_timeout_s=5")
-    env, go = _slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_BAD_HEAL="extra-key")
+    env, go = slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_BAD_HEAL="extra-key")
     out = _group_1_killed_at_step_4(tiny_root, run, items, env, go, then=lambda proc: _wait(
         lambda: any(e["event"] == "ft_heal" and e["group"] == 1 and e["step"] >= 4 for e in _events(tiny_root, run)),
         proc, "group 1's heal", 180))

@@ -56,17 +56,13 @@ def test_the_fence_renders_one_table_of_its_own_and_refuses_what_is_no_address(c
 
 # -- each job kind on the namespace cluster -----------------------------------------------------------------------
 
-def _torchrun(cluster, node, root: Path, steps: int, log: Path, go: Path) -> subprocess.Popen:
-    """One node's torchrun of a 2-node llm_tiny run. Rank 0 sleeps 0.5 s before each step until `go` exists: the
-    run is still training while the test probes its sockets however fast the machine steps (a 200-step run once
-    ended before the probes did), and goes fast once they are done."""
+def _torchrun(cluster, node, root: Path, steps: int, log: Path, env: dict) -> subprocess.Popen:
     from faultkit import sets
 
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"n0.cluster.test:{RDZV}", "--rdzv-id", "inv",
             "-m", "llmcluster", "train", "-c", "llm_tiny", "--root", str(root),
             *sets(train__steps=steps, checkpoint__interval_steps=1000), "--set", "run.name=ns-train"]
-    env = cli_env(LLMCLUSTER_TESTING="1", LLMCLUSTER_INJECT_SLEEP="0:0.5", LLMCLUSTER_INJECT_SLEEP_UNTIL=str(go))
     return cluster.popen(node, argv, env=env, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
@@ -83,15 +79,17 @@ def _wait_for_ranks(cluster, nodes, procs, timeout: float = 120) -> None:
 
 @pytest.mark.slow
 def test_a_two_node_run_trains_behind_the_fence_and_names_every_socket(netcluster, fault_data, tmp_path):
-    from faultkit import fresh_root
+    from faultkit import fresh_root, slowed
 
     c = netcluster
     job = c.nodes[:2]
     root = fresh_root(fault_data, tmp_path)
     inv.fence(c, job)                       # before the start: the run comes up behind it
     logs = [tmp_path / f"{n.name}.log" for n in job]
-    go = tmp_path / "probed"
-    procs = [_torchrun(c, n, root, 200, log, go) for n, log in zip(job, logs)]
+    # rank 0 sleeps 0.5 s before each step until the sockets are probed: however fast the machine steps, the run
+    # is still training then (a 200-step run once ended before the probes did), and goes fast after
+    env, go = slowed(tmp_path, "0:0.5")
+    procs = [_torchrun(c, n, root, 200, log, env) for n, log in zip(job, logs)]
     _wait_for_ranks(c, job, procs)
     problems = []
     for node in job:
