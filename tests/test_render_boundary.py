@@ -34,10 +34,12 @@ the reference every other line / key must match):
 
 from __future__ import annotations
 
+import atexit
 import functools
 import ipaddress
 import re
 import shlex
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -70,6 +72,8 @@ STRINGS = st.one_of(st.text(max_size=40),
 BENIGN = "benign"
 SHA256 = re.compile(r"\b[0-9a-f]{64}\b")
 WORK = Path(tempfile.mkdtemp(prefix="llmc-boundary-"))   # cwd of every bash run: `touch pwned` would land here
+# every process that imports this module makes one (an xdist worker collects it without running it): removed at exit
+atexit.register(shutil.rmtree, WORK, True)
 
 
 # -- reading a bash script back -----------------------------------------------------------------------------------
