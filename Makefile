@@ -61,10 +61,14 @@ demo: venv
 # 2 workers 1178 passed in 2249 s of pytest, one process (TEST_WORKERS=0) 3310 s; 2026-12-06 after the CPU-peak fix
 # 2050 s on 2 workers, and 3 workers gave nothing (2199 s vs 2192 s: the suite is CPU-bound); 2026-12-06 (AVX-512 EPYC)
 # 3 workers beside the serial stream were worse: 1482 s vs 1264-1429 s on 2, 2531 CPU-s (user+sys) for ~2000: ranks of
-# lockstep trainings descheduled by each other. TEST_WORKERS=0 for a debugger.
+# lockstep trainings descheduled by each other. 2026-12-07, after the suite's OpenMP threads wait passively
+# (scripts/test_suite.sh): an idle thread no longer spins on the core another process waits for, and 3 workers win
+# (same machine, same tree, one run each): 2 workers 1383 s (user+sys 2150 CPU-s), 3 workers 1222 s (1951 CPU-s),
+# 3 workers with the slow tests started first (tests/conftest.py slow_first) 1185 s; the serial stream beside
+# them 1010-1116 s. TEST_WORKERS=0 for a debugger.
 # The tests that share the real Slurm or the session's vLLM server mostly wait (a scheduler's clock, a server):
 # they run as a stream of their own beside the workers (scripts/test_suite.sh says why and how).
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 TEST_FAST_WORKERS ?= 2
 test: venv-test sysdeps checkov vllm lmeval
 	bash scripts/test_suite.sh $(PY) $(TEST_WORKERS) $(PYTEST_ARGS)

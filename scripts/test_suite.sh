@@ -7,8 +7,8 @@
 #     of their own CPU, the vLLM ones ~240 s for ~75 s). On one of the two xdist workers, as before, that
 #     worker left a core idle for minutes;
 #   - everything else on WORKERS pytest-xdist workers (`--dist loadgroup`).
-# A third xdist worker would spread CPU-bound tests over three processes on two cores (measured: no gain, the
-# Makefile says); this adds only the stream that waits. Each stream prints its own summary and slowest tests; the
+# The worker count is the Makefile's (3 on 2 cores since the OpenMP threads below wait passively: measured there);
+# this stream adds only tests that wait. Each stream prints its own summary and slowest tests; the
 # exit status is the first failure's. WORKERS=0 (a debugger): one process; a `-m` of the caller's: one stream on
 # the workers.
 #

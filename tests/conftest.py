@@ -364,6 +364,19 @@ def module_fixture_group(item) -> str | None:
     return None
 
 
+def slow_first(items) -> None:
+    """The slow tests start first, each xdist group whole and in its own order (a group holding one slow test
+    moves with it): the workers take tests in collection order, and a 3-5 minute test taken last (the README
+    walk sits late in the alphabet) ran alone on one worker while the others had finished. Longest first is the
+    classic bound on such a tail (LPT scheduling)."""
+    def scope(item) -> str:
+        mark = item.get_closest_marker("xdist_group")
+        return (mark.args[0] if mark.args else mark.kwargs.get("name", "")) if mark else item.nodeid
+
+    slow = {scope(i) for i in items if i.get_closest_marker("slow")}
+    items.sort(key=lambda i: scope(i) not in slow)   # stable: the collection's order within each part
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "serial: shares the one real Slurm or the session's vLLM server (set here, "
                             "from xdist_group): make test runs these one after the other beside the workers")
@@ -383,6 +396,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.serial)   # make test's stream beside the workers (scripts/test_suite.sh)
         elif not item.get_closest_marker("xdist_group") and (group := module_fixture_group(item)):
             item.add_marker(pytest.mark.xdist_group(group))
+    slow_first(items)
     if not any("::" in a for a in config.args):   # whole files collected: a listed id they lack is stale
         files = {i.split("::")[0] for i in ids}
         stale = sorted(i for i in listed - ids if i.split("::")[0] in files)
