@@ -5,7 +5,9 @@
 #     They mostly wait: on the scheduler's clock (a time limit's signal comes 30-90 s in, requeues, a serving
 #     job's health) or on a server (2026-12-06, a quiet 2-core machine: the Slurm ones ~480 s of wall for ~80 s
 #     of their own CPU, the vLLM ones ~240 s for ~75 s). On one of the two xdist workers, as before, that
-#     worker left a core idle for minutes;
+#     worker left a core idle for minutes. The two groups share nothing with each other: they run at once, each
+#     on an xdist worker of this stream (`--dist loadgroup`), one test after the other inside a group. One after
+#     the other in one process, this stream (1110-1202 s, 2026-12-07) was as long as the workers' own;
 #   - everything else on WORKERS pytest-xdist workers (`--dist loadgroup`).
 # The worker count is the Makefile's (3 on 2 cores since the OpenMP threads below wait passively: measured there);
 # this stream adds only tests that wait. Each stream prints its own summary and slowest tests; the
@@ -30,7 +32,7 @@ done
 
 log=$(mktemp -t llmcluster-serial-tests.XXXXXX.log)
 # no cache provider here: two sessions would write .pytest_cache/ at once (the main stream keeps --lf working)
-"$PY" -m pytest -q --durations=10 -p no:cacheprovider -m serial "$@" >"$log" 2>&1 &
+"$PY" -m pytest -q --durations=10 -p no:cacheprovider -n 2 --dist loadgroup -m serial "$@" >"$log" 2>&1 &
 side=$!
 trap 'kill "$side" 2>/dev/null' EXIT
 "$PY" -m pytest -q --durations=20 -n "$WORKERS" --dist loadgroup -m "not serial" "$@"
