@@ -4,6 +4,7 @@ real processes (gloo, 2 groups, the Lighthouse, the supervisor)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -15,6 +16,10 @@ from test_ft import (FT, _digests, _events, _group_1_killed_at_step_4, _job, _ki
                      _wait)
 
 pytest.importorskip("torchft")
+
+
+def _tree_bytes(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_fp16_with_ft_is_refused_in_one_line(tiny_root, capsys):
@@ -40,12 +45,16 @@ def test_a_group_back_after_the_run_finished_ends_without_touching_its_checkpoin
         _wait(lambda: "held 8 s before its quorum" in log1.read_text(), proc, "group 1 back and held")
         go.touch()   # group 0 runs to the end at full speed while group 1, its checkpoint read, is held
         _wait(final.is_file, proc, "the final checkpoint")
-        sealed = final.read_bytes()
+        sealed = _tree_bytes(final.parent)
         out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     log1 = (tiny_root / "logs" / run / "ft" / "group1.log").read_text()
-    assert f"the run finished at step {steps} while this group was away" in log1, log1[-2000:]
-    assert final.read_bytes() == sealed
+    # Either path keeps the invariant: the restarted group met the run's end before its quorum (the writer still
+    # up: "the run finished ... while this group was away"), or after the writer exited, when it resumed from the
+    # final checkpoint itself ("already at step 24 of 24"): which one a machine takes is a matter of its speed.
+    assert re.search(rf"the run finished at step {steps}\b|already at step {steps} of {steps}; nothing to do", log1), \
+        log1[-2000:]
+    assert _tree_bytes(final.parent) == sealed   # the writer's final checkpoint, every file, byte for byte
     assert not list((tiny_root / "checkpoints" / run).glob(".abandoned-*"))
     assert sorted(e["group"] for e in _events(tiny_root, run) if e["event"] == "ft_group_failed") == [1]
     assert _digests(tiny_root, run, out)[0][0] == steps
