@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
 
-.PHONY: venv venv-test sysdeps checkov vllm lmeval demo test test-fast test-compat bench clean-storage
+.PHONY: venv venv-test sysdeps checkov vllm lmeval demo test test-avx2 test-fast test-compat bench clean-storage
 
 # What `make demo` needs: torch (first and pinned, so pip never resolves a multi-GB CUDA build on a CPU machine)
 # and the package with its own dependencies, nothing of the test extras.
@@ -72,6 +72,13 @@ TEST_WORKERS ?= 3
 TEST_FAST_WORKERS ?= 2
 test: venv-test sysdeps checkov vllm lmeval
 	bash scripts/test_suite.sh $(PY) $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# The suite as an AVX2 machine without native bf16 runs it (the kind CI may draw), on an AVX-512 one, as far as
+# software allows: torch's kernels and oneDNN's capped at AVX2, so bf16 is emulated there too and the project's
+# detection (distributed/process_groups.native_low_precision) computes in fp32, as on an AVX2 CPU. What it cannot
+# cap: the cores' speed, and vLLM's CPU engine, which loads the kernels of the CPU it finds.
+test-avx2:
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(MAKE) test
 
 # The distributed training tests (DDP, FSDP, HSDP, TP, resume, resharding, meta init, export, every preset's layer
 # shape) on the oldest torch

@@ -31,18 +31,33 @@ for a in "$@"; do   # the caller's own marker selection: one stream, on the work
 done
 
 log=$(mktemp -t llmcluster-serial-tests.XXXXXX.log)
+# Each stream's JUnit XML and wall time feed the summary at the end (scripts/suite_summary.py): the machine's kind,
+# each stream's time and its ten slowest tests, and every test's time in a TSV to compare machines side by side.
+out=${TEST_SUITE_OUT:-$(mktemp -d -t llmcluster-suite.XXXXXX)}
+mkdir -p "$out"
 # no cache provider here: two sessions would write .pytest_cache/ at once (the main stream keeps --lf working)
-"$PY" -m pytest -q --durations=10 -p no:cacheprovider -n 2 --dist loadgroup -m serial "$@" >"$log" 2>&1 &
+(
+    t0=$SECONDS
+    "$PY" -m pytest -q --durations=10 -p no:cacheprovider -n 2 --dist loadgroup -m serial \
+        --junitxml="$out/serial.xml" "$@" >"$log" 2>&1
+    rc=$?
+    echo $((SECONDS - t0)) >"$out/serial.seconds"
+    exit $rc
+) &
 side=$!
 trap 'kill "$side" 2>/dev/null' EXIT
-"$PY" -m pytest -q --durations=20 -n "$WORKERS" --dist loadgroup -m "not serial" "$@"
+t0=$SECONDS
+"$PY" -m pytest -q --durations=20 -n "$WORKERS" --dist loadgroup -m "not serial" --junitxml="$out/workers.xml" "$@"
 main_rc=$?
+main_s=$((SECONDS - t0))
 echo
 echo "=== the serial tests (Slurm, the session's vLLM server), the stream beside the workers (also in $log):"
 wait "$side"
 side_rc=$?
 trap - EXIT
 cat "$log"
+"$PY" "$(dirname "$0")/suite_summary.py" --tsv "$out/durations.tsv" \
+    "workers ($WORKERS)=$main_s=$out/workers.xml" "serial (Slurm, vLLM)=$(cat "$out/serial.seconds" 2>/dev/null || echo 0)=$out/serial.xml"
 # 5 is "no test collected": PYTEST_ARGS that name no test of one stream; both 5 is a selection of nothing
 if (( main_rc == 5 && side_rc == 5 )); then exit 5; fi
 for rc in "$main_rc" "$side_rc"; do

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import importlib.metadata as md
+import os
 import re
 import subprocess
 import sys
@@ -183,6 +184,28 @@ def test_the_demo_says_which_precision_it_computes_in_and_why(monkeypatch, nativ
     note = D.precision_note(torch.device("cpu"), "bf16")
     assert note.startswith("bf16: this CPU has native bf16" if native else "fp32: this CPU has no avx512_bf16")
     assert D.precision_note(torch.device("cpu"), "fp32") == "fp32: as configured"
+
+
+def test_a_capped_cpu_dispatch_computes_in_fp32_whatever_the_cpu_has(monkeypatch):
+    """ATEN_CPU_CAPABILITY below AVX-512 (how `make test-avx2` stands an AVX-512 machine in for an AVX2 one) or a
+    oneDNN ISA cap below its bf16 kernels emulates bf16: the run computes in fp32 and says why."""
+    from llmcluster.distributed import process_groups as D
+
+    code = ("import torch; from llmcluster.distributed import process_groups as D; "
+            "print(D.native_low_precision(torch.device('cpu'), 'bf16')); print(D.precision_note(torch.device('cpu'), 'bf16'))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "False", out
+    assert re.match(r"fp32: (torch's CPU kernels are capped at AVX2|this CPU has no avx512_bf16)", out[1]), out
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    for isa, bf16, fp16 in (("ALL", True, True), ("AVX2", False, False), ("AVX512_CORE", False, False),
+                            ("AVX512_CORE_BF16", True, False), ("AVX512_CORE_AMX", True, False),
+                            ("AVX10_1_512", True, True)):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+        assert (D._dispatch_allows("BF16"), D._dispatch_allows("FP16")) == (bf16, fp16), isa
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")
+    assert not D._dispatch_allows("BF16")
 
 
 _TEARDOWN_WORKER = textwrap.dedent("""

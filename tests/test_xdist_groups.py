@@ -20,9 +20,10 @@ def test_loadgroup_keeps_a_group_on_one_worker(tmp_path):
         "    with open(os.environ['WHERE'], 'a') as f:\n"
         "        f.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n")
     where = tmp_path / "where.txt"
+    # the timeout guards a hang, it times nothing: two workers' start took 5 s on a quiet machine, > 120 s under load
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
                            "--dist", "loadgroup", "test_grouped.py"], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "WHERE": str(where)}, timeout=120)
+                          env={**os.environ, "WHERE": str(where)}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     workers = where.read_text().split()
     assert len(workers) == 6 and len(set(workers)) == 1, workers

@@ -301,7 +301,10 @@ def gather_floats(value: float, env: DistEnv) -> list[float]:
 
 def native_low_precision(device: torch.device, precision: str) -> bool:
     """Whether `precision` runs natively here. On CPUs without avx512_bf16/amx (e.g. AVX2-only parts),
-    bf16 matmuls are emulated and ~50x slower than fp32: better to compute in fp32 and say so."""
+    bf16 matmuls are emulated and ~50x slower than fp32: better to compute in fp32 and say so. The CPU's flags
+    are not enough: torch's kernels run at the capability its dispatcher chose (ATEN_CPU_CAPABILITY caps it) and
+    oneDNN's matmuls at its own (ONEDNN_MAX_CPU_ISA), and a cap below AVX-512 emulates bf16 whatever the CPU
+    has. Honouring the caps is also how an AVX-512 machine stands in for an AVX2 one (`make test-avx2`)."""
     if precision == "fp32" or device.type == "cuda":
         return True
     try:
@@ -309,9 +312,22 @@ def native_low_precision(device: torch.device, precision: str) -> bool:
     except OSError:
         return False
     if precision == "bf16":
-        return "avx512_bf16" in flags or "amx_bf16" in flags
+        return ("avx512_bf16" in flags or "amx_bf16" in flags) and _dispatch_allows("BF16")
     # the hook first: set, it says so on stderr even where the CPU has fp16 anyway (avx512_fp16 parts)
-    return test_hook(FORCE_CPU_FP16) == "1" or "avx512_fp16" in flags or "amx_fp16" in flags
+    return test_hook(FORCE_CPU_FP16) == "1" or (("avx512_fp16" in flags or "amx_fp16" in flags)
+                                                 and _dispatch_allows("FP16"))
+
+
+def _dispatch_allows(kind: str) -> bool:
+    """Whether torch's CPU dispatch and oneDNN's ISA cap both leave the native `kind` (BF16|FP16) kernels on."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    # oneDNN's ISA names in order: SSE41 < AVX < AVX2 [_VNNI[_2]] < AVX512_CORE [_VNNI|_BF16] < AVX10_1_512
+    # (its FP16) < ... _AMX ...: bf16 from _BF16 up, fp16 from AVX10_1_512 (AVX512_CORE_FP16) up
+    if kind == "BF16":
+        return isa in ("ALL", "DEFAULT") or "BF16" in isa or "FP16" in isa or "AMX" in isa or "AVX10" in isa
+    return isa in ("ALL", "DEFAULT") or "FP16" in isa or "AVX10" in isa
 
 
 def precision_note(device: torch.device, precision: str) -> str:
@@ -323,8 +339,13 @@ def precision_note(device: torch.device, precision: str) -> str:
     if native_low_precision(device, precision):
         return (f"{precision}: this CPU has native {kind} ({flags}): autocast runs the matmuls in {kind}, "
                 "while weights, optimizer state and the loss stay fp32")
-    return (f"fp32: this CPU has no {flags}, so {precision} would be emulated (about 50x slower than fp32); "
-            "computing in fp32")
+    try:
+        has = any(f in open("/proc/cpuinfo").read() for f in (f"avx512_{kind}", f"amx_{kind}"))
+    except OSError:
+        has = False
+    why = (f"torch's CPU kernels are capped at {torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY, "
+           "ONEDNN_MAX_CPU_ISA)") if has and not _dispatch_allows(kind.upper()) else f"this CPU has no {flags}"
+    return f"fp32: {why}, so {precision} would be emulated (about 50x slower than fp32); computing in fp32"
 
 
 def resolve_precision(cfg: JobConfig, env: DistEnv) -> str:
