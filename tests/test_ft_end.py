@@ -85,7 +85,8 @@ def test_a_frozen_group_leaves_the_quorum_within_the_ft_timeout_and_figures_coun
         go.touch()
         out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    assert recovered_s < 30, f"group 0 committed alone only {recovered_s:.1f} s after the freeze"
+    # < 60: the bound tells ft.timeout_s (5) from dist.timeout_s (120) with room for a loaded machine
+    assert recovered_s < 60, f"group 0 committed alone only {recovered_s:.1f} s after the freeze"
     print(f"SIGSTOP -> group 0 committing alone again: {recovered_s:.1f} s (ft.timeout_s 5, dist.timeout_s 120)")
     digests = _digests(tiny_root, run, out)
     assert digests[0] == digests[1] and digests[0][0] == steps, digests

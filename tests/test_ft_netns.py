@@ -88,7 +88,8 @@ def test_ft_groups_on_two_nodes_heal_across_the_bridge_and_survive_a_link_down(n
     rc1 = g1.wait(240)
     out = logs[0].read_text()
     assert rc0 == 0 and rc1 == 0, (out[-2000:], logs[1].read_text()[-2000:])
-    assert alone_s < 30, f"group 0 committed alone only {alone_s:.1f} s after the link went down"
+    # < 60: the bound tells ft.timeout_s (5) from dist.timeout_s (120) with room for a loaded machine
+    assert alone_s < 60, f"group 0 committed alone only {alone_s:.1f} s after the link went down"
     d0 = {int(g): (int(s), h) for g, s, h in re.findall(r"ft: group (\d) finished at step (\d+), weights sha256 "
                                                          r"([0-9a-f]{16})", out + logs[1].read_text())}
     assert d0[0] == d0[1] and d0[0][0] == steps, d0

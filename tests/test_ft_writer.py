@@ -39,7 +39,7 @@ def test_a_holder_whose_group_left_the_quorum_loses_its_lock_at_once_and_finds_i
         new.acquire(for_s=0.0)
     new.presume_gone({"ft_group": 0, "lighthouse": LH}, "its group 0 left the run's quorum")
     t0 = time.monotonic()
-    assert new.acquire(for_s=0.0) and time.monotonic() - t0 < 1.0
+    assert new.acquire(for_s=0.0) and time.monotonic() - t0 < 5.0   # at once, not after lock_stale_s (600 s)
     assert any("taking over the owner lock" in m and "its group 0 left the run's quorum" in m for m in logs), logs
     assert new.gone is None and json.loads((d / OWNER_LOCK).read_text())["ft_group"] == 1
     assert "lost the owner lock" in owner.heartbeat(force=True)   # the cut-off writer: the existing lost path
@@ -65,7 +65,7 @@ def test_a_recreated_group_0_watching_its_dead_predecessors_lock_sees_the_peers_
     t0 = time.monotonic()
     with pytest.raises(UserError, match="already has a writer"):
         recreated.acquire(for_s=5.0)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 4.0   # told at once, not after its 5 s of watching (room for a loaded machine)
     peer.release()
 
 
