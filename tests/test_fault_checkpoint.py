@@ -203,6 +203,24 @@ def test_loss_spike_is_logged_and_optionally_skipped(capsys, root, monkeypatch):
     assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
+def test_fp16_scaler_rolls_forward_over_a_nan_and_a_skipped_spike(capsys, root, monkeypatch):
+    """fp16 with torch's GradScaler (forced on for this CPU): `unscale_` runs every step, so a step skipped for a
+    NaN loss or a spike must still update() the scaler; on 536452b the next step's `unscale_` raised "unscale_()
+    has already been called on this optimizer since the last update()" (issue 64)."""
+    for k, v in {"LLMCLUSTER_TESTING": "1", "LLMCLUSTER_TEST_FORCE_CPU_FP16": "1",
+                 "LLMCLUSTER_INJECT_NAN_AT_STEP": "3", "LLMCLUSTER_INJECT_SPIKE_AT_STEP": "14"}.items():
+        monkeypatch.setenv(k, v)
+    code, out, err = train(capsys, root, train__steps=15, train__precision="fp16", train__skip_spikes=True,
+                           train__spike_zscore=4, train__spike_window=10, checkpoint__interval_steps=100,
+                           train__warmup_steps=0, train__schedule="constant", train__lr=1e-4)
+    assert code == 0, err
+    assert "device cpu, fp16," in out, out   # really fp16 with its scaler, not demoted to fp32
+    assert "warning: step 3: non-finite loss nan" in out, out
+    assert re.search(r"warning: step 14: loss spike .*: update skipped", out), out
+    rec = [json.loads(x) for x in (root / "logs" / "llm-tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert rec[-1]["step"] == 15 and math.isfinite(rec[-1]["loss"]), rec[-1]
+
+
 # -- bad input ----------------------------------------------------------------------------------
 def _one_line(code, err, *needles):
     lines = err.strip().splitlines()
