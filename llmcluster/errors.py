@@ -56,10 +56,12 @@ class DiskFull(UserError):
 
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-# torch's zip writer (torch.save, hence DCP's shards) swallows the errno of a short write and says this instead
-TORCH_WRITE_FAILED = ("unexpected pos", "file write failed")
-# ...so a write failure in its words counts as a full disk when the target has less than this left after it (a
-# failed write leaves its partial file in place: a full disk reads as ~0 free, another I/O error does not)
+# Libraries that swallow the errno of a short write and say so in their own words: torch's zip writer (torch.save,
+# hence DCP's shards) raises RuntimeError "[enforce fail at inline_container.cc:...] unexpected pos ..." or "file
+# write failed", numpy's tofile an OSError without errno "N requested and M written" (data prepare's shards)
+SHORT_WRITE_WORDS = ("unexpected pos", "file write failed", "requested and")
+# ...so a short write counts as a full disk when the target has less than this left after it (a failed write
+# leaves its partial file in place: a full disk reads as ~0 free, another I/O error does not)
 FULL_SLACK_BYTES = 64 << 20
 DISK_FULL = "disk full"   # every DiskFull line starts so: checkpoint ranks agree on errors as strings
 
@@ -99,7 +101,8 @@ def is_disk_full(e: BaseException, target=None) -> bool:
     for x in _chain(e):
         if isinstance(x, OSError) and x.errno in DISK_FULL_ERRNOS:
             return True
-        if isinstance(x, RuntimeError) and any(w in str(x) for w in TORCH_WRITE_FAILED):
+        short = isinstance(x, RuntimeError) or (isinstance(x, OSError) and not x.errno)
+        if short and any(w in str(x) for w in SHORT_WRITE_WORDS):
             free = free_bytes(target) if target is not None else None
             return free is None or free < FULL_SLACK_BYTES
     return False
@@ -113,15 +116,22 @@ def disk_full_line(what: str, target, intact: str, need: int | None = None, hint
     return f"{DISK_FULL} writing {what} to {target}: {needs}{room}; {intact}{f' ({hint})' if hint else ''}"
 
 
+def remove_failed_write(e: BaseException, tmp, what: str, intact: str, need: int | None = None,
+                        hint: str = "") -> None:
+    """After `e` failed a write into the temporary directory `tmp`: `tmp` goes; a full disk raises one DiskFull line
+    (decided before the removal: torch's words count only while its partial file still fills the disk). Otherwise
+    returns, and the caller re-raises `e`."""
+    full = isinstance(e, Exception) and not isinstance(e, UserError) and is_disk_full(e, tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    if full:
+        raise DiskFull(disk_full_line(what, os.path.dirname(os.path.abspath(tmp)), intact, need, hint)) from None
+
+
 @contextlib.contextmanager
 def removed_on_failure(tmp, what: str, intact: str, need: int | None = None, hint: str = ""):
-    """A write into the temporary directory `tmp`: on any failure `tmp` goes; a full disk becomes one DiskFull line
-    (decided before the removal: torch's words count only while its partial file still fills the disk)."""
+    """A write into `tmp` as a block: remove_failed_write on any failure."""
     try:
         yield
     except BaseException as e:
-        full = isinstance(e, Exception) and not isinstance(e, UserError) and is_disk_full(e, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if full:
-            raise DiskFull(disk_full_line(what, os.path.dirname(os.path.abspath(tmp)), intact, need, hint)) from None
+        remove_failed_write(e, tmp, what, intact, need, hint)
         raise

@@ -8,12 +8,12 @@ import json
 import math
 import re
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import resize_disk, small_disk
 from faultkit import assert_same_weights, copy_run, model_tensors, sets
 from llmcluster.cli import main
 from llmcluster.storage.layout import COMPLETE_MARKER
@@ -265,22 +265,10 @@ def test_unwritable_storage_is_a_one_line_error(capsys, tmp_path):
 
 @pytest.fixture
 def tiny_fs(root, request):
-    """A small tmpfs mounted as the run's checkpoint directory (its size the test's param, 1536k by default: room
-    for one checkpoint, not two); remounted larger by `_grow` to free space."""
-    d = ckpts(root)
-    d.mkdir(parents=True)
-    size = getattr(request, "param", "1536k")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()}): needs root")
-    try:
+    """A small tmpfs as the run's checkpoint directory (its size the test's param, 1536k by default: room for one
+    checkpoint, not two)."""
+    with small_disk(ckpts(root), getattr(request, "param", "1536k")) as d:
         yield d
-    finally:
-        subprocess.run(["umount", str(d)], check=True)
-
-
-def _grow(d, size="8m"):
-    subprocess.run(["mount", "-o", f"remount,size={size}", str(d)], check=True)
 
 
 # 1536k: the disk fills in one of our own writes (an errno); 1700k: inside a DCP shard, where torch's zip writer
@@ -298,7 +286,7 @@ def test_full_disk_keeps_previous_checkpoint_and_says_how_much_space(capsys, roo
     assert re.search(r"it needs about 1\.\d MB, 0\.\d MB free", err), err
     assert verify_checkpoint(tiny_fs / "step_2") is None   # every file as its checksum says: bitwise intact
     assert sorted(p.name for p in tiny_fs.iterdir()) == ["step_2"]   # no step_4, no .tmp-step_4-*
-    _grow(tiny_fs)   # space freed: the run goes on from step_2
+    resize_disk(tiny_fs, "8m")   # space freed: the run goes on from step_2
     code, out, err = train(capsys, root, **common)
     assert code == 0 and "resumed from" in out and "step_2 (step 2)" in out, (out, err)
     assert verify_checkpoint(tiny_fs / "step_4") is None
