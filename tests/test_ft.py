@@ -509,6 +509,30 @@ def test_a_scan_that_raced_the_launchers_death_keeps_the_ranks_to_kill(monkeypat
     assert sup.trees == [[11, 12], [21, 22, 23]]          # group 1: its ranks stay, to be killed with it
 
 
+
+def test_a_group_that_filled_the_disk_is_not_restarted(monkeypatch):
+    """Issue 64: a group exiting with EXIT_DISK_FULL stops the run with that code (as bad input does) instead of
+    being restarted onto the same full disk. Unit test of the supervisor's loop (processes stood in for)."""
+    from llmcluster.errors import EXIT_DISK_FULL
+    from llmcluster.launch import ft_local
+
+    class Proc:
+        def __init__(self, pid, rc):
+            self.pid, self.returncode = pid, rc
+
+        def poll(self):
+            return self.returncode
+
+    sup = ft_local.Supervisor.__new__(ft_local.Supervisor)
+    sup.procs, sup.done, sup.restarts = [Proc(11, None), Proc(21, EXIT_DISK_FULL)], [False, False], [0, 0]
+    sup.restart_at, sup.stopping, sup.lighthouse = {}, None, None
+    stopped = []
+    monkeypatch.setattr(sup, "_look", lambda force=False: False)
+    monkeypatch.setattr(sup, "_record", lambda *a, **k: None)
+    monkeypatch.setattr(sup, "_stop", lambda why: stopped.append(why) or 75)
+    monkeypatch.setattr(sup, "_group_failed", lambda *a: pytest.fail("the group was restarted"))
+    assert sup._supervise() == EXIT_DISK_FULL and stopped == [""] and sup.restart_at == {}
+
 @pytest.mark.slow   # real processes
 def test_the_supervisor_killed_outright_leaves_no_lighthouse_or_group_behind(tiny_root):
     """The Lighthouse and the groups run in sessions of their own: they get SIGTERM when their supervisor dies."""
