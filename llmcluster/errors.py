@@ -56,6 +56,9 @@ class DiskFull(UserError):
 
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# Libraries that raise their own exception with the errno's words in it: safetensors' SafetensorError "I/O error: No
+# space left on device (os error 28)" (export)
+NO_SPACE_WORDS = tuple(os.strerror(n) for n in DISK_FULL_ERRNOS)
 # Libraries that swallow the errno of a short write and say so in their own words: torch's zip writer (torch.save,
 # hence DCP's shards) raises RuntimeError "[enforce fail at inline_container.cc:...] unexpected pos ..." or "file
 # write failed", numpy's tofile an OSError without errno "N requested and M written" (data prepare's shards)
@@ -100,6 +103,8 @@ def is_disk_full(e: BaseException, target=None) -> bool:
     """Whether `e` (from a write under `target`) means the disk or the quota is full."""
     for x in _chain(e):
         if isinstance(x, OSError) and x.errno in DISK_FULL_ERRNOS:
+            return True
+        if not isinstance(x, OSError) and any(w in str(x) for w in NO_SPACE_WORDS):
             return True
         short = isinstance(x, RuntimeError) or (isinstance(x, OSError) and not x.errno)
         if short and any(w in str(x) for w in SHORT_WRITE_WORDS):

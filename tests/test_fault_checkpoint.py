@@ -302,3 +302,29 @@ def test_full_disk_at_the_first_checkpoint_claims_no_earlier_one(capsys, root, t
     assert code == EXIT_DISK_FULL and len(lines) == 1, (code, err)
     assert "disk full writing checkpoint step_2" in lines[0] and "there is no earlier checkpoint" in lines[0], err
     assert "intact" not in lines[0] and list(tiny_fs.iterdir()) == []
+
+
+def test_export_onto_a_full_disk_keeps_the_earlier_export(capsys, root, fault_run8):
+    """Issue 64: one line and EXIT_DISK_FULL (safetensors says "No space left on device" in an error of its own),
+    no temporary left, the earlier export bitwise as it was, and the export done once space is freed."""
+    from llmcluster.errors import EXIT_DISK_FULL
+
+    copy_run(fault_run8, root)     # checkpoints 4 and 8
+    export = ["export", "--run", "llm-tiny", "--root", str(root)]
+    with small_disk(root / "models", "2m") as disk:
+        assert main([*export, "--step", "4"]) == 0
+        before = {p.name: p.read_bytes() for p in (disk / "llm-tiny").iterdir()}
+        used = sum(len(b) for b in before.values())
+        resize_disk(disk, f"{(used >> 10) + 100}k")   # room for the small files, not for a second model
+        capsys.readouterr()
+        code = main(export)
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert code == EXIT_DISK_FULL and len(lines) == 1 and "Traceback" not in err, (code, err)
+        assert "disk full writing the export of step_8" in lines[0], err
+        assert f"the earlier export at {disk / 'llm-tiny'} is intact" in lines[0], err
+        assert [p.name for p in disk.iterdir()] == ["llm-tiny"]   # no .tmp-llm-tiny-*
+        assert {p.name: p.read_bytes() for p in (disk / "llm-tiny").iterdir()} == before
+        resize_disk(disk, "4m")
+        assert main(export) == 0
+        assert json.loads((disk / "llm-tiny" / "llmcluster.json").read_text())["step"] == 8
