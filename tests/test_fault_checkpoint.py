@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import resize_disk, small_disk
+from conftest import resize_disk, run_cli, small_disk
 from faultkit import assert_same_weights, copy_run, model_tensors, sets
 from llmcluster.cli import main
 from llmcluster.storage.layout import COMPLETE_MARKER
@@ -273,12 +273,13 @@ def tiny_fs(root, request):
 
 # 1536k: the disk fills in one of our own writes (an errno); 1700k: inside a DCP shard, where torch's zip writer
 # says "[enforce fail at inline_container.cc:672] unexpected pos": an 85-line traceback on 536452b (issue 64)
-@pytest.mark.parametrize("tiny_fs", ["1536k", "1700k"], indirect=True)
-def test_full_disk_keeps_previous_checkpoint_and_says_how_much_space(capsys, root, tiny_fs):
+@pytest.mark.parametrize("tiny_fs,async_", [("1536k", False), ("1700k", False), ("1700k", True)],
+                         indirect=["tiny_fs"])
+def test_full_disk_keeps_previous_checkpoint_and_says_how_much_space(capsys, root, tiny_fs, async_):
     from llmcluster.checkpoint.checkpointer import verify_checkpoint
     from llmcluster.errors import EXIT_DISK_FULL
 
-    common = dict(train__steps=4, checkpoint__interval_steps=2, checkpoint__keep_last=2)
+    common = dict(train__steps=4, checkpoint__interval_steps=2, checkpoint__keep_last=2, checkpoint__async=async_)
     code, out, err = train(capsys, root, **common)
     lines = err.strip().splitlines()
     assert code == EXIT_DISK_FULL and len(lines) == 1 and "Traceback" not in err, (code, err)
@@ -303,6 +304,19 @@ def test_full_disk_at_the_first_checkpoint_claims_no_earlier_one(capsys, root, t
     assert "disk full writing checkpoint step_2" in lines[0] and "there is no earlier checkpoint" in lines[0], err
     assert "intact" not in lines[0] and list(tiny_fs.iterdir()) == []
 
+
+@pytest.mark.slow   # two real ranks
+@pytest.mark.parametrize("tiny_fs", ["1300k"], indirect=True)
+def test_full_disk_on_two_ranks_is_one_line_with_its_exit_code(root, tiny_fs):
+    """2 ranks said one line already, but "the previous checkpoint is intact" when there was none, and exit 2."""
+    from llmcluster.errors import EXIT_DISK_FULL
+
+    proc = run_cli("train", "-c", "llm_tiny", "--root", root, "--procs-per-node", "2",
+                   *sets(train__steps=2, checkpoint__interval_steps=2))
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == EXIT_DISK_FULL and len(lines) == 1 and "Traceback" not in proc.stderr, proc
+    assert "disk full writing checkpoint step_2" in lines[0] and "there is no earlier checkpoint" in lines[0]
+    assert list(tiny_fs.iterdir()) == []
 
 def test_export_onto_a_full_disk_keeps_the_earlier_export(capsys, root, fault_run8):
     """Issue 64: one line and EXIT_DISK_FULL (safetensors says "No space left on device" in an error of its own),
