@@ -484,6 +484,16 @@ def test_jobs_status_shows_each_group_and_its_pids(tmp_path, capsys):
     assert "group0=DOWN(pids 11,12, restarts 0)" in proc.stdout and "group1=DROPPED(pids 21, restarts 2, dropped 1)" in proc.stdout
 
 
+def test_jobs_status_says_disk_full(tmp_path, capsys):
+    from llmcluster.errors import EXIT_DISK_FULL
+
+    logs = tmp_path / "storage" / "logs" / "r"
+    logs.mkdir(parents=True)
+    (logs / "job.json").write_text(json.dumps({"run": "r", "scheduler": "local", "kind": "train",
+                                               "job_id": "local-1", "state": "FAILED", "exit_code": EXIT_DISK_FULL}))
+    proc = cli_inprocess(capsys, "jobs", "status", "r", "--root", str(tmp_path / "storage"))
+    assert proc.returncode == 0 and "state=FAILED" in proc.stdout and "detail=disk full: free space" in proc.stdout
+
 def test_a_scan_that_raced_the_launchers_death_keeps_the_ranks_to_kill(monkeypatch):
     """A launcher SIGKILLed hands its ranks to init before wait() sees it dead: a /proc scan in between finds it
     alone. That scan must not replace the tree, or the supervisor kills the launcher's pid only and its ranks
