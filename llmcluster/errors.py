@@ -121,6 +121,19 @@ def disk_full_line(what: str, target, intact: str, need: int | None = None, hint
     return f"{DISK_FULL} writing {what} to {target}: {needs}{room}; {intact}{f' ({hint})' if hint else ''}"
 
 
+def unnamed_disk_full(e: BaseException) -> DiskFull | None:
+    """The DiskFull line of a write that has none of its own (a record, a log line: appends, which leave what was
+    written before as it was), or None when `e` is not a full disk. The file is the one the OSError names."""
+    if not is_disk_full(e):
+        return None
+    intact = "what was written before it is intact"
+    name = next((x.filename for x in _chain(e) if isinstance(x, OSError) and x.filename), None)
+    if name is None:   # an open file's write() names no file: say what was raised, not some other disk's space
+        return DiskFull(f"{DISK_FULL}: {' '.join(str(e).split())[:200]}; {intact}")
+    where = os.path.abspath(os.fsdecode(name))
+    return DiskFull(disk_full_line(os.path.basename(where), os.path.dirname(where), intact))
+
+
 def remove_failed_write(e: BaseException, tmp, what: str, intact: str, need: int | None = None,
                         hint: str = "") -> None:
     """After `e` failed a write into the temporary directory `tmp`: `tmp` goes; a full disk raises one DiskFull line

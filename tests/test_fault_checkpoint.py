@@ -318,6 +318,21 @@ def test_full_disk_on_two_ranks_is_one_line_with_its_exit_code(root, tiny_fs):
     assert "disk full writing checkpoint step_2" in lines[0] and "there is no earlier checkpoint" in lines[0]
     assert list(tiny_fs.iterdir()) == []
 
+def test_full_disk_under_the_run_records_is_one_line(root):
+    """The records (metrics.jsonl, events.jsonl) have no disk-full line of their own: the CLI's is still one line,
+    EXIT_DISK_FULL, and the checkpoints (another disk here) stay complete. A subprocess: the run's files stay open."""
+    from llmcluster.checkpoint.checkpointer import verify_checkpoint
+    from llmcluster.errors import EXIT_DISK_FULL
+
+    with small_disk(root / "logs", "16k"):
+        proc = run_cli("train", "-c", "llm_tiny", "--root", root,
+                       *sets(train__steps=400, checkpoint__interval_steps=10, log__interval=1))
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == EXIT_DISK_FULL and len(lines) == 1 and "Traceback" not in proc.stderr, proc
+    assert "disk full: [Errno 28] No space left on device; what was written before it is intact" in lines[0]
+    steps = sorted(ckpts(root).glob("step_*"))
+    assert steps and all(verify_checkpoint(d) is None for d in steps)
+
 def test_export_onto_a_full_disk_keeps_the_earlier_export(capsys, root, fault_run8):
     """Issue 64: one line and EXIT_DISK_FULL (safetensors says "No space left on device" in an error of its own),
     no temporary left, the earlier export bitwise as it was, and the export done once space is freed."""
