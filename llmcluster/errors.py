@@ -10,7 +10,6 @@ torch's zip writer's own words), `is_disk_full` decides once; the writer removes
 of what it needed, what was free and what is intact. A restart would fill the disk again: nothing restarts it.
 """
 
-import contextlib
 import errno
 import os
 import shutil
@@ -144,12 +143,3 @@ def remove_failed_write(e: BaseException, tmp, what: str, intact: str, need: int
     if full:
         raise DiskFull(disk_full_line(what, os.path.dirname(os.path.abspath(tmp)), intact, need, hint)) from None
 
-
-@contextlib.contextmanager
-def removed_on_failure(tmp, what: str, intact: str, need: int | None = None, hint: str = ""):
-    """A write into `tmp` as a block: remove_failed_write on any failure."""
-    try:
-        yield
-    except BaseException as e:
-        remove_failed_write(e, tmp, what, intact, need, hint)
-        raise
