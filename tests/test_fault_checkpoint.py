@@ -305,6 +305,25 @@ def test_full_disk_at_the_first_checkpoint_claims_no_earlier_one(capsys, root, t
     assert "intact" not in lines[0] and list(tiny_fs.iterdir()) == []
 
 
+def test_full_disk_at_the_marker_removes_the_unsealed_step(capsys, root, monkeypatch):
+    """The disk filling at the last write (COMPLETE.json, after step_N's rename) left an unsealed step_N holding the
+    whole checkpoint's bytes: the disk stayed full. The marker's write fails here as ENOSPC would."""
+    import errno
+
+    from llmcluster.checkpoint import checkpointer
+    from llmcluster.errors import EXIT_DISK_FULL
+
+    real = checkpointer._write_json_atomic
+
+    def full_at_step_4_marker(path, obj):
+        if path.name == COMPLETE_MARKER and path.parent.name == "step_4":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, obj)
+    monkeypatch.setattr(checkpointer, "_write_json_atomic", full_at_step_4_marker)
+    code, _, err = train(capsys, root, train__steps=4, checkpoint__interval_steps=2, checkpoint__keep_last=2)
+    assert code == EXIT_DISK_FULL and "disk full writing checkpoint step_4" in err and "step_2 is intact" in err, err
+    assert sorted(p.name for p in ckpts(root).iterdir()) == ["step_2"]
+
 @pytest.mark.slow   # two real ranks
 @pytest.mark.parametrize("tiny_fs", ["1300k"], indirect=True)
 def test_full_disk_on_two_ranks_is_one_line_with_its_exit_code(root, tiny_fs):

@@ -361,7 +361,9 @@ class Checkpointer:
                     self.prune(step)
             except OSError as e:
                 error = self._message(e, step)
-        self._agree(_broadcast_obj(error), tmp if not final.exists() else None, agreed=True)
+        # renamed but not sealed (the marker's write failed: a full disk) -> the unsealed step_N is ours to remove
+        half = tmp if tmp.exists() or not final.exists() else None if (final / COMPLETE_MARKER).is_file() else final
+        self._agree(_broadcast_obj(error), half, agreed=True)
         self.last_write_s = time.time() - t0
         return final
 
