@@ -7,6 +7,7 @@ environment but the engine locations (MACHINE_ENV). A test that wants a variable
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -100,6 +101,25 @@ def cli_inprocess(capsys, *args) -> subprocess.CompletedProcess:
         code = e.code if isinstance(e.code, int) else 1
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(list(args), code, out, err)
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str):
+    """A tmpfs of `size` mounted on `path` (a full disk for real: issue 64), unmounted at the end; the test is
+    skipped where mounting needs a root this user is not."""
+    path.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()}): needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def resize_disk(path: Path, size: str) -> None:
+    """small_disk's tmpfs at `path` made `size` (space freed, as a user would)."""
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(path)], check=True)
 
 
 def free_port() -> int:

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_one_line_error, cli_inprocess
+from conftest import assert_one_line_error, cli_inprocess, resize_disk, small_disk
 from llmcluster.data.tokenizer import EOT, byte_tokenizer, train_bpe
 
 SAMPLES = [
@@ -114,6 +114,31 @@ def test_a_bad_dataset_name_is_called_a_dataset_name(capsys, storage, tmp_path):
                          "--tokenizer", "byte")
     assert_one_line_error(proc, "invalid dataset name 'my data'")
     assert "run name" not in proc.stderr
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_existing_dataset(capsys, storage, tmp_path):
+    """Issue 64: `data prepare` onto a full disk was a 21-line traceback. Now one line and its own exit code, the
+    partial write removed, the dataset it was to replace (--force) bitwise as it was, and done once space is freed."""
+    from llmcluster.errors import EXIT_DISK_FULL
+
+    small, big = tmp_path / "small", tmp_path / "big"
+    small.mkdir()
+    big.mkdir()
+    (small / "a.py").write_text("def f(x):\n    return x\n" * 100)
+    rng = np.random.default_rng(0)   # ~1 MB of source: ~2 MB of uint16 byte tokens, 8 times the disk
+    (big / "b.py").write_text("".join(chr(c) for c in rng.integers(97, 123, 1 << 20)))
+    prepare = ("data", "prepare", "--name", "d", "--root", storage, "--tokenizer", "byte", "--source")
+    with small_disk(storage / "datasets" / "code", "256k") as disk:
+        assert cli_inprocess(capsys, *prepare, small).returncode == 0
+        before = {p: p.read_bytes() for p in sorted((disk / "d").rglob("*")) if p.is_file()}
+        proc = cli_inprocess(capsys, *prepare, big, "--force")
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == EXIT_DISK_FULL and len(lines) == 1 and "Traceback" not in proc.stderr, proc
+        assert "disk full writing dataset d" in lines[0] and f"the existing {disk / 'd'} is intact" in lines[0]
+        assert [p.name for p in disk.iterdir()] == ["d"]      # no .tmp-d-*
+        assert {p: p.read_bytes() for p in sorted((disk / "d").rglob("*")) if p.is_file()} == before
+        resize_disk(disk, "16m")
+        assert cli_inprocess(capsys, *prepare, big, "--force").returncode == 0
 
 
 def test_sampler_is_deterministic_resumable_and_rank_partitioned(tiny_root):

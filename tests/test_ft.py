@@ -484,6 +484,16 @@ def test_jobs_status_shows_each_group_and_its_pids(tmp_path, capsys):
     assert "group0=DOWN(pids 11,12, restarts 0)" in proc.stdout and "group1=DROPPED(pids 21, restarts 2, dropped 1)" in proc.stdout
 
 
+def test_jobs_status_says_disk_full(tmp_path, capsys):
+    from llmcluster.errors import EXIT_DISK_FULL
+
+    logs = tmp_path / "storage" / "logs" / "r"
+    logs.mkdir(parents=True)
+    (logs / "job.json").write_text(json.dumps({"run": "r", "scheduler": "local", "kind": "train",
+                                               "job_id": "local-1", "state": "FAILED", "exit_code": EXIT_DISK_FULL}))
+    proc = cli_inprocess(capsys, "jobs", "status", "r", "--root", str(tmp_path / "storage"))
+    assert proc.returncode == 0 and "state=FAILED" in proc.stdout and "detail=disk full: free space" in proc.stdout
+
 def test_a_scan_that_raced_the_launchers_death_keeps_the_ranks_to_kill(monkeypatch):
     """A launcher SIGKILLed hands its ranks to init before wait() sees it dead: a /proc scan in between finds it
     alone. That scan must not replace the tree, or the supervisor kills the launcher's pid only and its ranks
@@ -508,6 +518,30 @@ def test_a_scan_that_raced_the_launchers_death_keeps_the_ranks_to_kill(monkeypat
     assert sup._look(force=True)                          # group 0's new rank is news: job.json is rewritten
     assert sup.trees == [[11, 12], [21, 22, 23]]          # group 1: its ranks stay, to be killed with it
 
+
+
+def test_a_group_that_filled_the_disk_is_not_restarted(monkeypatch):
+    """Issue 64: a group exiting with EXIT_DISK_FULL stops the run with that code (as bad input does) instead of
+    being restarted onto the same full disk. Unit test of the supervisor's loop (processes stood in for)."""
+    from llmcluster.errors import EXIT_DISK_FULL
+    from llmcluster.launch import ft_local
+
+    class Proc:
+        def __init__(self, pid, rc):
+            self.pid, self.returncode = pid, rc
+
+        def poll(self):
+            return self.returncode
+
+    sup = ft_local.Supervisor.__new__(ft_local.Supervisor)
+    sup.procs, sup.done, sup.restarts = [Proc(11, None), Proc(21, EXIT_DISK_FULL)], [False, False], [0, 0]
+    sup.restart_at, sup.stopping, sup.lighthouse = {}, None, None
+    stopped = []
+    monkeypatch.setattr(sup, "_look", lambda force=False: False)
+    monkeypatch.setattr(sup, "_record", lambda *a, **k: None)
+    monkeypatch.setattr(sup, "_stop", lambda why: stopped.append(why) or 75)
+    monkeypatch.setattr(sup, "_group_failed", lambda *a: pytest.fail("the group was restarted"))
+    assert sup._supervise() == EXIT_DISK_FULL and stopped == [""] and sup.restart_at == {}
 
 @pytest.mark.slow   # real processes
 def test_the_supervisor_killed_outright_leaves_no_lighthouse_or_group_behind(tiny_root):

@@ -5,6 +5,7 @@ Llama made by transformers; the engine runs in test_serve_vllm.py / test_serve_s
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -335,6 +336,19 @@ def test_port_and_timeout_are_checked_before_launching(hf_root, tmp_path, flag, 
                 engine(tmp_path, cpu=False), "--cluster", "rtx4090-box", flag, value)
     assert_one_line_error(p, flag)
     assert not (hf_root / "logs" / "bad-flags").exists()
+
+
+def test_a_port_in_use_is_refused_before_launching(hf_root, tmp_path):
+    """Issue 64: a server already on --port answered /health for ours, while the new one kept starting and was
+    recorded RUNNING. One line (as `monitor serve` says it), exit 2, no record and no process."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        p = run_cli("serve", "start", "--model", "hfx", "--root", hf_root, "--name", "busy-port", "--engine-python",
+                    engine(tmp_path, cpu=False), "--cluster", "rtx4090-box", "--port", port, "--timeout", "5")
+    assert_one_line_error(p, f"cannot listen on 127.0.0.1:{port}: Address already in use")
+    assert not (hf_root / "logs" / "busy-port").exists()   # no launch.sh, so nothing it started either
 
 
 def fake_server(tmp_path: Path, port: int, own_group: bool, ignore_term: bool = False) -> subprocess.Popen:

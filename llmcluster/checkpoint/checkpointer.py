@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llmcluster.errors import UserError
+from llmcluster.errors import DISK_FULL, DiskFull, UserError, disk_full_line, is_disk_full
 from llmcluster.storage.layout import ABANDONED_PREFIX, COMPLETE_MARKER, TMP_PREFIX, Storage, sha256_file
 from llmcluster.testing import test_hook
 from llmcluster.distributed import compat
@@ -361,7 +361,9 @@ class Checkpointer:
                     self.prune(step)
             except OSError as e:
                 error = self._message(e, step)
-        self._agree(_broadcast_obj(error), tmp if not final.exists() else None, agreed=True)
+        # renamed but not sealed (the marker's write failed: a full disk) -> the unsealed step_N is ours to remove
+        half = tmp if tmp.exists() or not final.exists() else None if (final / COMPLETE_MARKER).is_file() else final
+        self._agree(_broadcast_obj(error), half, agreed=True)
         self.last_write_s = time.time() - t0
         return final
 
@@ -380,16 +382,17 @@ class Checkpointer:
         _barrier()
         if self.rank == 0 and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(error)
+        raise (DiskFull if error.startswith(DISK_FULL) else UserError)(error)   # agreed on as strings
 
     def _message(self, e: BaseException, step: int) -> str:
-        os_err = _find_exc(e, OSError)
-        if os_err is not None and os_err.errno in (errno.ENOSPC, errno.EDQUOT):
-            free = shutil.disk_usage(self.dir).free
+        # whatever raised it: an errno (our writes, DCP's) or torch's zip writer's words (a 1-rank DCP shard)
+        if is_disk_full(e, self.dir):
             need = self.last_bytes or getattr(self, "_estimate", 0)
-            return (f"disk full writing checkpoint step_{step} to {self.dir}: it needs about "
-                    f"{max(need, 1) / 1e6:.1f} MB, {free / 1e6:.1f} MB free; the previous checkpoint "
-                    "is intact (free space or lower checkpoint.keep_last)")
+            earlier = [s for s, _, ok in self.storage.checkpoint_steps(self.run) if ok and s != step]
+            intact = f"step_{earlier[-1]} is intact" if earlier else "there is no earlier checkpoint"
+            return disk_full_line(f"checkpoint step_{step}", self.dir, intact, need,
+                                  "free space or lower checkpoint.keep_last" if earlier else "free space")
+        os_err = _find_exc(e, OSError)
         if os_err is None:
             raise e
         return f"cannot write checkpoint step_{step} to {self.dir}: {os_err.strerror or os_err}"

@@ -12,7 +12,7 @@ import os
 import sys
 
 from llmcluster import __version__
-from llmcluster.errors import EXIT_INTERRUPTED, EXIT_USAGE, RunFailure, UserError
+from llmcluster.errors import EXIT_INTERRUPTED, EXIT_USAGE, RunFailure, UserError, unnamed_disk_full
 
 # (module under llmcluster.cli, in --help order)
 _COMMAND_MODULES = (
@@ -86,3 +86,12 @@ def run(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `llmcluster ... | head`
         return 0
+    except Exception as e:   # a full disk under a writer without a line of its own (records, logs): still one line
+        full = unnamed_disk_full(e)
+        if full is None:
+            raise
+        from llmcluster.storage import exit_reason
+
+        exit_reason.write("fatal", str(full))   # a rank's: a requeue would fill the disk again
+        say(f"llmcluster {args.command}: error: {full}")
+        return full.exit_code

@@ -199,15 +199,14 @@ def render(f: Facts, name: str) -> str:
 
 def init_cluster(out: Path, name: str = "cluster", force: bool = False, facts: Facts | None = None) -> str:
     """Write the commented cluster.yaml to `out` (never over an existing file unless `force`); returns the text."""
-    import yaml
-
+    from llmcluster.config import strict_yaml
     from llmcluster.config.cluster import ClusterSpec
     from llmcluster.config.load import validate
 
     if out.exists() and not force:
         raise UserError(f"{out} exists: not overwriting it (--force to replace it, or -o another path)")
     text = render(facts or detect(), name)
-    validate(yaml.safe_load(text), ClusterSpec, "cluster init")   # never write a file the loader refuses
+    validate(strict_yaml.load(text), ClusterSpec, "cluster init")   # never write a file the loader refuses
     try:
         out.write_text(text)
     except OSError as e:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcluster.config.cluster import ClusterSpec, old_format_key
-from llmcluster.config.load import apply_overrides, read_yaml, validate
+from llmcluster.config.load import apply_overrides, check_kind, read_yaml, validate
 from llmcluster.errors import UserError
 from llmcluster.paths import STORAGE_ENV, locate_shipped, resolve_storage_root
 
@@ -59,6 +59,7 @@ def _nodes_override(data: dict[str, Any], overrides: list[str]) -> None:
 
 def cluster_from_data(data: dict[str, Any], source: str, overrides: list[str] | None = None) -> ClusterSpec:
     """Validate a cluster mapping (a file's, or a plan's inline `cluster:` section) with `--set` applied."""
+    check_kind(data, source, "cluster spec")   # first: a plan's `cluster:` is not an old-format cluster spec
     check_format(data, source)
     overrides = list(overrides or [])
     _nodes_override(data, overrides)

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from llmcluster.config import strict_yaml
 from llmcluster.errors import UserError
 from llmcluster.paths import locate_shipped
 
@@ -21,7 +22,9 @@ def read_yaml(path: str | Path, what: str = "config") -> dict[str, Any]:
     if not p.is_file():
         raise UserError(f"{what} file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        data = strict_yaml.load(p.read_text(encoding="utf-8"))
+    except strict_yaml.DuplicateKey as e:
+        raise UserError(f"{p}: {e.problem}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -34,6 +37,31 @@ def read_yaml(path: str | Path, what: str = "config") -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError(f"{p}: a {what} must be a YAML mapping of sections, got {type(data).__name__}")
     return data
+
+
+# Top-level keys that only one kind of our files has, and what that kind is for: a file given where another kind is
+# expected is named as what it is (a plan given to `train -c` failed on "model: input should be a valid dictionary").
+KINDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "job config": (("run", "data", "train", "checkpoint", "log", "job", "serve"), "`llmcluster train -c FILE`"),
+    "plan": (("cluster", "training"), "`llmcluster plan FILE`"),   # and `model:` (PLAN_NEEDS)
+    "cluster spec": (("nodes", "hardware", "topology", "storage", "scheduler", "monitoring", "validate",
+                      "reliability", "provision"), "`--cluster FILE`"),
+}
+
+
+# A plan always has a model; an old-format cluster spec's `cluster:` section (check_format's line) has none.
+PLAN_NEEDS = "model"
+
+
+def check_kind(data: dict[str, Any], source: str | Path, expected: str) -> None:
+    """A one-line UserError when `data` has none of `expected`'s own keys but another kind's."""
+    if any(k in data for k in KINDS[expected][0]):
+        return
+    for kind, (keys, use) in KINDS.items():
+        if kind == "plan" and PLAN_NEEDS not in data:
+            continue
+        if kind != expected and any(k in data for k in keys):
+            raise UserError(f"{source} is a {kind}, not a {expected}: use it with {use}")
 
 
 def locate_config(name_or_path: str) -> Path:
@@ -51,7 +79,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in parts):
         raise UserError(f"override {item!r}: bad key path {key!r}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = strict_yaml.load(raw) if raw.strip() else ""
+    except strict_yaml.DuplicateKey as e:
+        raise UserError(f"override {item!r}: {e.problem}") from None
     except yaml.YAMLError:
         value = raw  # not YAML: keep the string, the schema decides
     return parts, value
@@ -185,6 +215,7 @@ def load_job_config(name_or_path: str | None, overrides: list[str] | None = None
         path = locate_config(name_or_path)
         data = read_yaml(path)
         source = str(name_or_path)
+        check_kind(data, source, "job config")
     apply_overrides(data, list(overrides or []), JobConfig)
     return validate(data, JobConfig, source)
 

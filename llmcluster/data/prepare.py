@@ -32,7 +32,7 @@ import numpy as np
 
 from llmcluster.data.shards import FORMAT, META, ShardWriter, is_val, publish, token_dtype
 from llmcluster.data.sources import MAX_RECORD_BYTES, SKIP_DIRS, collect_units, iter_documents, shard_slice
-from llmcluster.errors import UserError
+from llmcluster.errors import UserError, remove_failed_write
 from llmcluster.storage.layout import Storage, sha256_file
 
 # The stdlib's generated data tables (pydoc's topic texts, codec maps) are megabytes of string literals, not code
@@ -265,10 +265,16 @@ def prepare(root: Path, name: str, kind: str, sources: list[Path] | None, tokeni
         }
         (tmp / META).write_text(json.dumps(meta, indent=2))
         publish(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        remove_failed_write(e, tmp, f"dataset {name}", _intact(final))
         raise
     return final
+
+
+def _intact(final: Path) -> str:
+    """What a failed prepare or merge left as it was (the disk-full line names only what exists)."""
+    what = f"the existing {final} is intact" if final.exists() else "nothing else was written"
+    return f"the partial write is removed; {what}"
 
 
 # -- merge ---------------------------------------------------------------------------------------------
@@ -350,8 +356,8 @@ def merge(root: Path, name: str, kind: str, n: int | None = None, force: bool = 
                 "seconds": round(time.time() - t0 + sum(m["seconds"] for m in metas), 2)}
         (tmp / META).write_text(json.dumps(meta, indent=2))
         publish(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        remove_failed_write(e, tmp, f"dataset {name}", _intact(final) + f"; its {n} slices are intact")
         raise
     # The slices are in the dataset now (verified on the way in). Only they go: scratch/data-<name>/ also
     # holds the slices of the name's other kinds, and a slice still being written (.tmp-*) is not ours.

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from llmcluster.config import strict_yaml
 from llmcluster.errors import UserError
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", re.ASCII)
@@ -96,7 +97,9 @@ ALLOWED = {
 
 def _read(path: Path, shown: str) -> dict:
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = strict_yaml.load(path.read_text())
+    except strict_yaml.DuplicateKey as e:
+        raise UserError(f"--tasks {shown}: {e.problem}") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:   # a `!function` tag lands here
         first = str(e).splitlines()[0] if str(e) else ""
         raise UserError(f"--tasks {shown}: not a task YAML we can read as data ({type(e).__name__}: {first})") \

@@ -22,7 +22,7 @@ from llmcluster.config.hf import model_fields_from_hf
 from llmcluster.config.load import validate
 from llmcluster.config.schema import JobConfig, ModelConfig
 from llmcluster.data.tokenizer import EOT, HF_TOKENIZER_FILES
-from llmcluster.errors import UserError
+from llmcluster.errors import DiskFull, UserError, disk_full_line, is_disk_full
 from llmcluster.config.cluster_load import storage_root
 from llmcluster.storage.layout import AREAS, DATASET_KINDS, Storage
 
@@ -184,8 +184,15 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
         check_export_target(root, out)   # again: minutes have passed, and someone may have made it meanwhile
         swapping = True                  # from here `tmp` may hold what was at `out`
         _swap_in(tmp, out)
-    except OSError as e:
-        raise UserError(f"cannot write the export to {out}: {e.strerror or e}") from None
+    except Exception as e:   # a full disk: whatever the writer raised (safetensors says it in its own error)
+        if not swapping and is_disk_full(e, tmp):
+            need = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+            intact = f"{ckpt} is untouched" + (f"; the earlier export at {out} is intact" if is_our_export(out)
+                                               else "")
+            raise DiskFull(disk_full_line(f"the export of step_{step}", out.parent, intact, need)) from None
+        if isinstance(e, OSError):
+            raise UserError(f"cannot write the export to {out}: {e.strerror or e}") from None
+        raise
     finally:
         # our own temporary, or after a swap what `out` held: removed only when that is ours (or empty)
         if not swapping or not tmp.exists() or _replaceable(tmp):

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from llmcluster.distributed import HOST_RANKS_ENV
-from llmcluster.errors import EXIT_FAILURE, EXIT_FT_DROPPED, EXIT_PREEMPTED, EXIT_USAGE, UserError
+from llmcluster.errors import EXIT_DISK_FULL, EXIT_FAILURE, EXIT_FT_DROPPED, EXIT_PREEMPTED, EXIT_USAGE, UserError
 from llmcluster.launch.ft_auth import SECRET_ENV, create_secret
 from llmcluster.render import argv_element
 from llmcluster.testing import test_hook
@@ -279,9 +279,9 @@ class Supervisor:
                     continue
                 if rc == 0:
                     self.done[g] = True
-                elif rc == EXIT_USAGE:   # bad input: every group would say the same
-                    self._stop("")
-                    return EXIT_USAGE
+                elif rc in (EXIT_USAGE, EXIT_DISK_FULL):   # bad input: every group would say the same; a full
+                    self._stop("")                          # disk: a restart would only fill it again
+                    return rc
                 elif rc == EXIT_FT_DROPPED:   # a straggler the others left behind: not a failure, back later
                     self.dropped[g] += 1
                     backoff = self.cfg.ft.straggler_backoff_s

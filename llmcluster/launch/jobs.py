@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from llmcluster.console import terminal_text
-from llmcluster.errors import UserError
+from llmcluster.errors import EXIT_DISK_FULL, UserError
 from llmcluster.storage.job_record import read_record
 from llmcluster.launch.scheduler import ACTIVE_STATES, get
 from llmcluster.storage.layout import Storage
@@ -72,6 +72,9 @@ def status(root: Path, run: str, as_json: bool = False) -> int:
     info = {"run": run, "scheduler": rec["scheduler"], "job_id": rec.get("job_id"), **state(logs, rec)}
     if isinstance(rec.get("ft"), dict):   # ft: each replica group's state and processes, as its supervisor saw them
         info.update(ft_groups(rec["ft"]))
+    # a full disk is not retried: say why it stopped (its code: 74, or Slurm's "74:0")
+    if str(info.get("exit_code")).split(":")[0] == str(EXIT_DISK_FULL) and not info.get("detail"):
+        info["detail"] = "disk full: free space, then run it again (it resumes from its last checkpoint)"
     if as_json:
         print(json.dumps(info))
     else:

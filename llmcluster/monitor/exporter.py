@@ -10,6 +10,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, start_http_server
 
 from llmcluster.errors import UserError
+from llmcluster.monitor.listen import cannot_listen
 from llmcluster.monitor.node_metrics import NodeCollector
 from llmcluster.monitor.nvml_metrics import GpuCollector
 
@@ -39,7 +40,7 @@ def serve(bind: str, port: int, storage_root: Path | None, expected_gpus: int | 
     try:
         server, _thread = start_http_server(port, addr=bind, registry=registry)
     except OSError as e:
-        raise UserError(f"cannot listen on {bind}:{port}: {e.strerror or e}") from None
+        raise cannot_listen(bind, port, e) from None
     host, actual_port = server.server_address[:2]
     gpu_note = (f"{gpus.count} GPU(s) via NVML" if gpus.error is None else f"GPUs absent ({gpus.error})")
     if expected_gpus is not None:

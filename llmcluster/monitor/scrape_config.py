@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 
+from llmcluster.config import strict_yaml
 from llmcluster.config.cluster import ClusterSpec, is_duration
 from llmcluster.config.hostlist import expand_hostlist  # noqa: F401  (re-exported: monitor config --slurm-nodelist)
 from llmcluster.errors import UserError
@@ -134,7 +134,7 @@ def kubernetes_manifests(namespace: str, image: str, port: int, train_port_name:
     for f in RULE_FILES:
         if not (rules_dir / f).is_file():  # a wheel install has no repo checkout next to the package
             raise UserError(f"rule file {rules_dir / f} not found: run from a checkout of the llmcluster repo")
-        groups += yaml.safe_load((rules_dir / f).read_text())["groups"]
+        groups += strict_yaml.load((rules_dir / f).read_text())["groups"]
     rule = {
         "apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
         "metadata": {"name": "llmcluster", "namespace": namespace, "labels": labels},

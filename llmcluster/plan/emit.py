@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
 from pydantic import ValidationError
 
+from llmcluster.config import strict_yaml
 from llmcluster.config.load import read_yaml
 from llmcluster.config.schema import JobConfig
 from llmcluster.errors import UserError
@@ -36,7 +36,7 @@ def job_config(plan: PlanSpec, candidate: dict) -> dict:
     for item in candidate["set"]:
         key, value = item.split("=", 1)
         section, name = key.split(".", 1)
-        cfg[section][name] = yaml.safe_load(value)
+        cfg[section][name] = strict_yaml.load(value)
     preset = preset_path(m.name) if m.name else None
     if preset is not None:
         cfg = _over_preset(read_yaml(preset, "preset"), cfg)

@@ -6,7 +6,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from llmcluster.config.load import apply_overrides, read_yaml, validate
+from llmcluster.config.load import KINDS, apply_overrides, check_kind, read_yaml, validate
 from llmcluster.errors import UserError
 from llmcluster.paths import locate_shipped, preset_path
 from llmcluster.plan.spec import PlanCluster, PlanSpec
@@ -62,7 +62,7 @@ def locate_plan(name_or_path: str | Path) -> Path:
 
 
 # A job config's sections that no plan has (PlanSpec forbids them): a file holding one is planned as a job config.
-JOB_SECTIONS = ("run", "data", "train", "checkpoint", "log", "job", "serve")
+JOB_SECTIONS = KINDS["job config"][0]
 # The planner reads no weights: a QLoRA job config may leave train.init_from (required to train) to the user.
 PLANNED_INIT_FROM = "train.init_from=not-read-by-the-planner"
 
@@ -157,6 +157,7 @@ def load_plan(path: str | Path, overrides: list[str] | None = None, cluster: str
     data = read_yaml(path, "plan")
     if any(k in data for k in JOB_SECTIONS):
         return job_config_plan(path, list(overrides or []), cluster)
+    check_kind(data, path, "plan")
     if "cost" in data:
         raise UserError(f"{path}: 'cost' belongs to the cluster spec now: use cluster.cost (see docs/cluster.md)")
     overrides = list(overrides or [])

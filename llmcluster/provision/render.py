@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from llmcluster import __version__
+from llmcluster.config import strict_yaml
 from llmcluster.config.cluster import CPU_ONLY, ClusterSpec, check_storage_root
 from llmcluster.errors import UserError
 from llmcluster.paths import asset_dir
@@ -48,7 +49,7 @@ class Rendered:
 
 
 def versions() -> dict:
-    return yaml.safe_load(VERSIONS_FILE.read_text())
+    return strict_yaml.load(VERSIONS_FILE.read_text())
 
 
 def host_names(spec: ClusterSpec) -> tuple[list[str], list[str]]:

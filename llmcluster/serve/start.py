@@ -313,6 +313,11 @@ def build(args, cfg, root: Path):
         raise UserError(f"--port {args.port}: expected 1..65535")
     if not 0 < args.timeout < float("inf"):
         raise UserError(f"--timeout {args.timeout:g}: expected a positive number of seconds")
+    host = args.host or ("127.0.0.1" if args.scheduler == "local" else "0.0.0.0")
+    if args.scheduler == "local" and args.port is not None:   # elsewhere the port is the node's, found at run time
+        from llmcluster.monitor.listen import check_can_listen
+
+        check_can_listen(host, args.port)   # else a server already there would answer /health for ours
     cluster = load_cluster(args.cluster).spec
     target = eng.resolve_target(args.model, args.root, cfg.run.storage)
     if args.scheduler == "k8s":   # the image's python, not one on this host
@@ -325,7 +330,6 @@ def build(args, cfg, root: Path):
         raise UserError(f"{target.directory}: " + "; ".join(problems))
     name = check_run_name(args.name or f"serve-{target.name}")
     line_text(str(root), "storage root")
-    host = args.host or ("127.0.0.1" if args.scheduler == "local" else "0.0.0.0")
     port = args.port or (free_port(host) if args.scheduler == "local" else 8000)
     job = ServeJob(name, args.scheduler, root, engine, target, sizing, host, port,
                    next_launch_id(root / "logs" / name), cfg.serve.slo.ttft_p99_ms, auth=not args.no_auth)

@@ -285,9 +285,11 @@ class Trainer:
                          f"{cfg.train.spike_window} steps){': update skipped' if spike_skip else ''}")
         if finite and not spike_skip and commit:
             self.scaler.step(self.optimizer)  # fp16: skips by itself on inf gradients
-            self.scaler.update()
         else:
             self.optimizer.zero_grad(set_to_none=True)
+        # fp16: roll the scaler forward on skipped steps too. `unscale_` above ran on every step, and torch refuses
+        # the next step's `unscale_` until an update() (a NaN's inf gradients back the scale off, like an overflow)
+        self.scaler.update()
         if commit:   # ft: a step not committed did not happen (its batch is drawn again)
             self.scheduler.step()
         return loss_v, norm_v, finite
