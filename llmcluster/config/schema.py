@@ -373,7 +373,7 @@ class FtConfig(Section):
     enabled: bool = False
     min_replicas: int = Field(1, ge=1)          # groups a step needs to commit; fewer: the step waits (quorum)
     # A quorum not formed in this long is asked again (the healthy groups wait for min_replicas; a group gives up
-    # after QUORUM_TRIES of them in a row, ft.py); also how long a stranger in the quorum is borne.
+    # after QUORUM_TRIES of them in a row, ft/group.py); also how long a stranger in the quorum is borne.
     quorum_timeout_s: float = Field(60.0, gt=0)
     # The cross-group all-reduce, should_commit and a heal: a group hung or cut off (no reset) leaves the quorum
     # within this, not dist.timeout_s (torchtitan's ft timeout is 10 s too). Inside a group: dist.timeout_s.

@@ -33,7 +33,7 @@ from llmcluster.storage.events import EVENTS, read_events
 from llmcluster.storage.job_record import write_record
 
 GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV = "LLMCLUSTER_FT_GROUP", "LLMCLUSTER_FT_GROUPS", "TORCHFT_LIGHTHOUSE"
-# "1" for a group started again while the others train: it joins as a reader (train/ft_writer.py), never
+# "1" for a group started again while the others train: it joins as a reader (ft/writer.py), never
 # re-taking the writer's lock its dead predecessor left (a live peer takes the role over instead).
 REJOIN_ENV = "LLMCLUSTER_FT_REJOIN"
 NOT_INSTALLED = "ft.enabled: true needs torchft, which is not installed here: pip install 'llmcluster[ft]'"

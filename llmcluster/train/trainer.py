@@ -43,8 +43,8 @@ from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
 from llmcluster.train.health import (BusyTimer, CollectiveFailure, FaultInjector, LossSpikeDetector, SampleLog,
                                      is_collective_error, young_daly_steps)
 from llmcluster.train.evaluate import Evaluator
-from llmcluster.train import ft
-from llmcluster.train.ft_quorum import RunFinished, StopAsked
+from llmcluster.ft import group as ft
+from llmcluster.ft.quorum import RunFinished, StopAsked
 from llmcluster.storage.events import EventLog
 from llmcluster.train.metrics import device_peak_flops, peak_note, record_step
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
@@ -92,7 +92,7 @@ class Trainer:
         self.ckpt = ft.checkpointer(cfg, Checkpointer(self.storage, cfg.run.name, env.rank, env.world_size,
                                  cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, log=self.log,
                                  lock_stale_s=cfg.checkpoint.lock_stale_s, dist_timeout_s=cfg.dist.timeout_s))
-        env.writer = self.ckpt.claim()   # ft: False in a group that reads (train/ft_writer.py)
+        env.writer = self.ckpt.claim()   # ft: False in a group that reads (ft/writer.py)
         self.events = EventLog(self.storage.run_logs(cfg.run.name), env.is_main)
         try:
             self._build(resume, foreign_ok)
@@ -317,7 +317,7 @@ class Trainer:
         try:
             with GarbageCollection(self.cfg.train.gc_interval) as self.gc:  # at the same steps on every rank
                 return self._fit()
-        except RunFinished as e:   # an ft group back after the run ended (ft_quorum.py)
+        except RunFinished as e:   # an ft group back after the run ended (ft/quorum.py)
             self.log(str(e))
             return 0
         except StopAsked:          # a stop signal while an ft group waited for its quorum
@@ -340,7 +340,7 @@ class Trainer:
             t0 = time.perf_counter()
             self.gc.step(self.step + 1)
             loss, norm, applied = self.train_step()
-            if self.ft and not self.ft.committed:   # not applied: the same batch again (ft.py), unless told to stop
+            if self.ft and not self.ft.committed:   # not applied: the same batch again (ft/group.py), unless told to stop
                 if D.all_reduce_max(1.0 if self.preempt.set else 0.0, self.env) > 0:
                     return self._preempted(False)
                 continue

@@ -1,5 +1,5 @@
 """An ft group's quorum on a cluster's terms (issues 49, 52): the address the group listens on, who may be in its
-quorum, waiting for one, and the end of the run seen from a group that was away. `self` below is train/ft.py's
+quorum, waiting for one, and the end of the run seen from a group that was away. `self` below is ft/group.py's
 Replica."""
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ class StrangerInQuorum(Exception):
 
 
 class QuorumNotFormed(Exception):
-    """The Lighthouse formed no quorum with this group within ft.quorum_timeout_s: asked again (ft.py)."""
+    """The Lighthouse formed no quorum with this group within ft.quorum_timeout_s: asked again (group.py)."""
 
 
 class StopAsked(Exception):
-    """A stop signal came while the group waited for a quorum: the trainer checkpoints and exits (ft.py)."""
+    """A stop signal came while the group waited for a quorum: the trainer checkpoints and exits (group.py)."""
 
 
 class RunFinished(Exception):
-    """The run reached its final step while this group was away: the group ends without training (ft.py)."""
+    """The run reached its final step while this group was away: the group ends without training (group.py)."""
 
 
 QUORUM_TRIES = 10   # quorums not formed in a row before a group gives up (with the default 60 s: 10 minutes)

@@ -20,7 +20,7 @@ Data: each group reads its own shard of the global batch (dp_rank = group x dp_s
 committed with fewer groups trains on those groups' shards only (fewer samples; the missing shards are not
 replayed). One group writes checkpoints, events and metrics (group 0 from the start, the run's lock holder); the
 others write nothing but their own log lines; when the writer dies, another group takes the role over
-(train/ft_writer.py).
+(ft/writer.py).
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ import time
 from datetime import timedelta
 
 from llmcluster.errors import RunFailure, UserError
+from llmcluster.ft import writer as ft_writer
+from llmcluster.ft.quorum import BoundManagerServer, QuorumTap, ask_quorum, end_if_finished, own_address
+from llmcluster.ft.writer import FIRST_WRITER
 from llmcluster.launch.ft_auth import RunKey, secret_from_env, shown
 from llmcluster.launch.ft_local import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, NOT_INSTALLED, REJOIN_ENV
 from llmcluster.testing import test_hook
-from llmcluster.train import ft_writer
-from llmcluster.train.ft_quorum import BoundManagerServer, QuorumTap, ask_quorum, end_if_finished, own_address
-from llmcluster.train.ft_writer import FIRST_WRITER
 SLOW_GROUP_ENV = "LLMCLUSTER_TEST_FT_SLOW_GROUP"
 SLOW_START_ENV = "LLMCLUSTER_TEST_FT_SLOW_START_S"   # test hook: seconds a restarted group waits before its quorum
 TIMINGS = ("quorum", "copy", "allreduce", "commit")   # ft's parts of a step, timed on every rank (metrics ft_s)
@@ -106,7 +106,7 @@ class Replica:
     def __init__(self, trainer):
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
-        from llmcluster.train.ft_transport import SignedTransport
+        from llmcluster.ft.transport import SignedTransport
 
         self.t = trainer
         cfg, env = trainer.cfg, trainer.env
@@ -158,7 +158,7 @@ class Replica:
         self.busy: list[float] | None = None
         self.slow_steps = [0] * self.groups
         self.leaving: str | None = None
-        # The writer's role (ft_writer.py): the groups in this step's quorum, and every group's entry after the
+        # The writer's role (writer.py): the groups in this step's quorum, and every group's entry after the
         # step's all-reduce.
         self.role = ft_writer.WriterRole(trainer, self.group, self.groups)
         self.present = [self.group]
@@ -174,7 +174,7 @@ class Replica:
 
     # -- the state a healing peer copies -----------------------------------------------------------
     def _state(self) -> dict:
-        from llmcluster.train.ft_transport import tensor_bytes
+        from llmcluster.ft.transport import tensor_bytes
 
         self.send_t0 = time.perf_counter()   # the sender's own time of the send starts here (start_step)
         state = self._own_state()
@@ -182,7 +182,7 @@ class Replica:
         return state
 
     def _own_state(self) -> dict:
-        """What a healing peer copies; also what a payload received is checked against (ft_transport.checked)."""
+        """What a healing peer copies; also what a payload received is checked against (transport.checked)."""
         t = self.t
         return {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(), "step": t.step,
                 "train": t.train_state(), "slow_steps": list(self.slow_steps)}
@@ -269,7 +269,7 @@ class Replica:
         """Gradients and the loss, averaged over the groups in the quorum (one flat all-reduce). With
         ft.straggler_steps, the same all-reduce carries every group's compute time (`busy_s()`, this rank's; read
         only then: on CUDA it waits for the forward's end event) in a slot of its own, and every group's writer
-        entry (ft_writer.py)."""
+        entry (writer.py)."""
         import torch
 
         grads = [getattr(p.grad, "_local_tensor", p.grad) for p in model.parameters() if p.grad is not None]
@@ -322,7 +322,7 @@ class Replica:
         """Test hook (LLMCLUSTER_TESTING=1): LLMCLUSTER_TEST_FT_SLOW_GROUP=group:seconds[:steps], the compute time a
         group reports (its ranks are all rank 0..P-1 of their own world, so LLMCLUSTER_INJECT_BUSY cannot single
         one group out)."""
-        from llmcluster.train.health import per_rank
+        from llmcluster.testing import per_rank
 
         for seconds, steps in per_rank(test_hook(SLOW_GROUP_ENV), self.group):
             if steps is None or step in steps:
@@ -331,7 +331,7 @@ class Replica:
 
     def _judge_stragglers(self, busy: list[float]) -> None:
         """After a committed step: count each group's slow steps; the slowest group over ft.straggler_steps in a
-        row leaves the quorum (never below ft.min_replicas; a writer's role passes to a peer, ft_writer.py). Every
+        row leaves the quorum (never below ft.min_replicas; a writer's role passes to a peer, writer.py). Every
         rank of every group sees the same all-reduced times and counts, so all take the same decision; the dropped
         group leaves after this step (`leaving`), the writer records it (ft_straggler)."""
         t, ft = self.t, self.t.cfg.ft
@@ -376,5 +376,5 @@ class Replica:
 
 def checkpointer(cfg, ckpt):
     """A group's checkpointer: every group reads checkpoints (a full stop resumes every group from the same one);
-    one writes them (ft_writer.py)."""
+    one writes them (writer.py)."""
     return ft_writer.checkpointer(group()[0], ckpt) if cfg.ft.enabled else ckpt
