@@ -167,6 +167,11 @@ class TrainConfig(Section):
     # AdamW's states: fp32, or 8-bit / 4-bit block-quantized (torchao.optim; train/optimizer.py)
     optimizer: Literal["adamw", "adamw8bit", "adamw4bit"] = "adamw"
 
+    @property
+    def last_step(self) -> int:
+        """The step this run ends at: stop_at when it comes first, else steps."""
+        return min(self.steps, self.stop_at) if self.stop_at else self.steps
+
 
 def low_bit_lora_checks(cfg) -> None:
     """QLoRA's and the low-bit optimizers' refusals (train/qlora.py): each one line."""

@@ -32,7 +32,8 @@ from datetime import timedelta
 
 from llmcluster.errors import RunFailure, UserError
 from llmcluster.ft import writer as ft_writer
-from llmcluster.ft.quorum import BoundManagerServer, QuorumTap, ask_quorum, end_if_finished, own_address
+from llmcluster.ft.quorum import (BoundManagerServer, QuorumTap, ask_quorum, end_if_finished, own_address,
+                                  record_end)
 from llmcluster.ft.writer import FIRST_WRITER
 from llmcluster.launch.ft_auth import RunKey, secret_from_env, shown
 from llmcluster.launch.ft_local import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, NOT_INSTALLED, REJOIN_ENV
@@ -158,6 +159,8 @@ class Replica:
         self.busy: list[float] | None = None
         self.slow_steps = [0] * self.groups
         self.leaving: str | None = None
+        self.ended = False                    # the run's end found recorded: this group said so, and trained none
+        self.final_digest: str | None = None  # the weights of the final step, as recorded (quorum.record_end)
         # The writer's role (writer.py): the groups in this step's quorum, and every group's entry after the
         # step's all-reduce.
         self.role = ft_writer.WriterRole(trainer, self.group, self.groups)
@@ -229,8 +232,7 @@ class Replica:
             raise RunFailure(f"ft: group {self.group} refused the heal from replica {peer} at step {t.step}: "
                              f"{self.transport.refused}; the group stops and its launcher starts it again")
         q = self.tap.last
-        if q is not None and len(q.replica_ids) == 1 and self.groups > 1:   # alone: has the run ended without us?
-            end_if_finished(self)
+        end_if_finished(self)   # every quorum, of any size: has the run ended without us? (invariant 2)
         now = time.perf_counter()
         heal_s = now - t0
         send_s = now - self.send_t0 if self.send_t0 is not None else 0.0
@@ -356,9 +358,13 @@ class Replica:
         if g == self.group:
             self.leaving = line
 
+    def record_end(self) -> None:
+        record_end(self)
+
     def shutdown(self, reason: str | None) -> None:
-        if reason == "completed":   # the replicas' agreement, checkable from their logs (the tests compare them)
-            self.t.log(f"ft: group {self.group} finished at step {self.t.step}, weights sha256 {self.digest()}")
+        if reason == "completed" and not self.ended:   # the replicas' agreement, checkable from their logs (the
+            digest = self.final_digest or self.digest()  # tests compare them); a group that ended said the writer's
+            self.t.log(f"ft: group {self.group} finished at step {self.t.step}, weights sha256 {digest}")
         elif reason == "dropped" and self.role.mine:   # a peer takes the role over: the attempt goes on there
             self.t.events.hand_over()                   # (no exit line), and close() releases the lock for it
         self.manager.shutdown(wait=False)

@@ -4,10 +4,16 @@ Replica."""
 
 from __future__ import annotations
 
+import json
 import time
 
 from llmcluster.errors import EXIT_FAILURE, RunFailure, UserError
 from llmcluster.launch.ft_auth import RunKey, shown
+from llmcluster.storage.layout import COMPLETE_MARKER
+from llmcluster.storage.owned import read_text, replace_atomically
+
+# checkpoints/<run>/FINISHED.json: the run's end, decided once (docs/fault-tolerance.md, "Invariants" 2)
+END_RECORD = "FINISHED.json"
 
 
 def own_address(lighthouse_url: str) -> str:
@@ -125,16 +131,47 @@ def ask_quorum(self) -> None:
             time.sleep(0.5)
 
 
+def record_end(self) -> None:
+    """Invariant 2's one writer: the group whose own save sealed the run's final step (train.last_step) records
+    it, with its weights' digest, before it says it finished; every later quorum reads it (end_if_finished). A
+    group that did not seal it (a reader, or a writer that found the step committed already) records nothing, so
+    the digest is always the one of the weights in the final checkpoint. Rank 0 alone: the record is one file."""
+    t = self.t
+    final = t.storage.step_dir(t.cfg.run.name, t.step)
+    if t.env.rank != 0 or not t.env.writer or t.ckpt.refused or not (final / COMPLETE_MARKER).is_file():
+        return
+    self.final_digest = self.digest()
+    record = {"step": t.step, "weights_sha256": self.final_digest, "group": self.group, "checkpoint": final.name,
+              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    replace_atomically(t.ckpt.dir / END_RECORD, json.dumps(record) + "\n")
+
+
+def _recorded_end(t) -> tuple[int, str] | None:
+    """(step, digest) when the record names this config's last step, above the group's own, and that step is still
+    there (an operator's roll-back moves it aside, and with it the end); None otherwise. A record that is not the
+    caller's own file or not a record's shape counts as none: it can only stop groups, never make them train."""
+    text, _why = read_text(t.ckpt.dir / END_RECORD)
+    try:
+        record = json.loads(text or "null")
+        step, digest = int(record["step"]), str(record["weights_sha256"])
+    except (ValueError, TypeError, KeyError):
+        return None
+    final = t.storage.step_dir(t.cfg.run.name, step) / COMPLETE_MARKER
+    return (step, digest) if step == t.cfg.train.last_step and t.step < step and final.is_file() else None
+
+
 def end_if_finished(self) -> None:
-    """A group that comes back after the run finished (the writer sealed the final step and left) must not
-    train the last steps again alone and write over the run's final checkpoints: it ends here. Decided by
-    the group's rank 0 and shared, so every rank of the group agrees."""
-    from llmcluster.checkpoint.checkpointer import COMPLETE_MARKER
+    """Before every step, in a quorum of any size, and while waiting for one: a group that finds the run's end
+    recorded (a group back after the run finished, or a quorum of late groups) must not train the last steps
+    again and write over the run's final checkpoint: it ends here, naming the writer's digest, not its own.
+    Decided by the group's rank 0 and shared, so every rank of the group agrees."""
     from llmcluster.distributed import process_groups as D
 
     t = self.t
-    final = t.storage.step_dir(t.cfg.run.name, t.cfg.train.steps) / COMPLETE_MARKER
-    if D.all_reduce_max(1.0 if t.env.rank == 0 and final.is_file() else 0.0, t.env) > 0:
-        raise RunFinished(f"ft: group {self.group}: the run finished at step {t.cfg.train.steps} while this "
-                          f"group was away (at step {t.step}): it ends without training; the final checkpoint "
-                          "stays the writer's")
+    end = _recorded_end(t) if t.env.rank == 0 else None
+    if D.all_reduce_max(1.0 if end else 0.0, t.env) > 0:
+        step, digest = end or (t.cfg.train.last_step, "?")   # the line is rank 0's
+        self.ended = True
+        raise RunFinished(f"ft: group {self.group}: the run finished at step {step} (weights sha256 {digest}) "
+                          f"while this group was away (at step {t.step}): it ends without training; the final "
+                          "checkpoint stays the writer's")

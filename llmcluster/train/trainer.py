@@ -329,7 +329,7 @@ class Trainer:
 
     def _fit(self) -> int:
         cfg, t = self.cfg, self.cfg.train
-        last_step = min(t.steps, t.stop_at) if t.stop_at else t.steps
+        last_step = t.last_step
         if self.step >= last_step:
             self.log(f"run {cfg.run.name}: already at step {self.step} of {last_step}; nothing to do")
             self.events.noop(f"already at step {self.step} of {last_step}; nothing to do")
@@ -358,6 +358,8 @@ class Trainer:
                 raise self.ckpt.lost_error()
             if stop > 0 or (self.ft and self.ft.leaving):   # ft: dropped as a straggler (ft.py), started again later
                 return self._preempted(saved) if stop > 0 else EXIT_FT_DROPPED
+        if self.ft:   # the writer records the run's end for every group still to come (ft/quorum.py)
+            self.ft.record_end()
         self.log(f"run {cfg.run.name}: finished step {self.step}; checkpoints in "
                  f"{self.storage.run_checkpoints(cfg.run.name)}")
         return 0
