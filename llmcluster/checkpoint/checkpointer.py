@@ -204,7 +204,8 @@ class Checkpointer:
         move = [d for d in dirs if d not in kept]
         if not move:
             return None, kept
-        aside = base = self.dir / f"{ABANDONED_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{self.attempt[-6:]}"
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        aside = base = self.dir / f"{ABANDONED_PREFIX}{stamp}-{self.attempt[-6:]}"
         while any((aside / d.name).exists() for d in move):   # the same step set aside twice within a second
             aside = base.with_name(f"{base.name}.{len(list(self.dir.glob(base.name + '*')))}")
         aside.mkdir(parents=True, exist_ok=True)
