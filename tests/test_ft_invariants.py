@@ -52,13 +52,11 @@ def _late_groups_end_without_training(root: Path, tmp_path: Path, run: str, grou
         out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     logs = _logs(root, run, groups, out)
-    writer = _digests(root, run, out)[0]
-    assert writer[0] == last, writer
-    record = json.loads((root / "checkpoints" / run / RECORD).read_text())
-    assert (record["step"], record["weights_sha256"], record["group"]) == (last, writer[1], 0), record
     # invariant 1: the final checkpoint is the first writer's, byte for byte; nothing was set aside
     assert _tree(final) == sealed
     assert not list((root / "checkpoints" / run).glob(".abandoned-*"))
+    writer = _digests(root, run, out)[0]
+    assert writer[0] == last, writer
     # invariant 2: every late group ended before training a step, naming the writer's digest, not one of its own
     for g in late:
         assert f"the run finished at step {last} (weights sha256 {writer[1]}) while this group was away" in logs[g], \
@@ -71,6 +69,8 @@ def _late_groups_end_without_training(root: Path, tmp_path: Path, run: str, grou
     assert set(finished) == {(last, writer[1])} and len(finished) == groups, finished
     exits = [e for e in _events(root, run) if e["event"] == "exit"]
     assert [e["reason"] for e in exits] == ["completed"], exits
+    record = json.loads((root / "checkpoints" / run / RECORD).read_text())
+    assert (record["step"], record["weights_sha256"], record["group"]) == (last, writer[1], 0), record
     print(f"late groups {late}: ended without training; writer's digest {writer[1]}")
 
 
