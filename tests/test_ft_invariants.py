@@ -90,3 +90,36 @@ def test_a_late_group_does_not_retrain_to_stop_at_nor_replace_its_checkpoint(tin
     1 killed at 25 and slow to come back: step_30 stays the writer's, untouched, and group 1 ends without training."""
     items = ("ft.min_replicas=1", "train.steps=40", "train.stop_at=30", "checkpoint.interval_steps=10")
     _late_groups_end_without_training(tiny_root, tmp_path, "ft-stopat", 2, 30, [1], 25, items)
+
+
+def test_the_end_counts_for_the_configs_last_step_above_the_group_and_names_the_recorded_digest(tmp_path):
+    """end_if_finished's reading, without processes: the last step committed ends a group below it, with the
+    record's digest (or says it was not recorded: a writer that died between the two); a run extended past an
+    old end, a group already at the end, or an end rolled back by an operator (its step moved aside) trains on."""
+    from types import SimpleNamespace
+
+    from llmcluster.config.schema import TrainConfig
+    from llmcluster.ft.quorum import _recorded_end
+    from llmcluster.storage.layout import COMPLETE_MARKER, Storage
+
+    storage = Storage(tmp_path)
+    ckpts = storage.run_checkpoints("r")
+
+    def end(step: int, **train):
+        t = SimpleNamespace(cfg=SimpleNamespace(run=SimpleNamespace(name="r"), train=TrainConfig(**train)),
+                            storage=storage, ckpt=SimpleNamespace(dir=ckpts), step=step)
+        return _recorded_end(t)
+
+    assert end(18, steps=24) is None                                   # nothing committed at the end
+    (ckpts / "step_24").mkdir(parents=True)
+    (ckpts / "step_24" / COMPLETE_MARKER).write_text("{}")
+    assert end(18, steps=24) == (24, "not recorded: its writer left before recording it")
+    (ckpts / RECORD).write_text(json.dumps({"step": 24, "weights_sha256": "ab" * 8, "group": 0}))
+    assert end(18, steps=24) == (24, "ab" * 8)
+    assert end(24, steps=24) is None                                   # at the end already: nothing to do
+    assert end(18, steps=40) is None                                   # extended: the old end is not this one
+    assert end(18, steps=40, stop_at=24) == (24, "ab" * 8)             # stop_at is the end when it comes first
+    (ckpts / RECORD).write_text("[not a record")
+    assert end(18, steps=24) == (24, "not recorded: its writer left before recording it")
+    (ckpts / "step_24").rename(tmp_path / "aside")                     # an operator's roll-back
+    assert end(18, steps=24) is None

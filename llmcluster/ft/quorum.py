@@ -147,17 +147,22 @@ def record_end(self) -> None:
 
 
 def _recorded_end(t) -> tuple[int, str] | None:
-    """(step, digest) when the record names this config's last step, above the group's own, and that step is still
-    there (an operator's roll-back moves it aside, and with it the end); None otherwise. A record that is not the
-    caller's own file or not a record's shape counts as none: it can only stop groups, never make them train."""
+    """(the last step, its weights' digest) when the run has ended above this group's step: this config's last step
+    is committed (its marker: an operator's roll-back moves it aside, and with it the end; an extended run has
+    another last step). The digest is the record's; a writer that died between sealing the step and recording it
+    left none, and the run has ended all the same. A record that is not the caller's own file, not a record's
+    shape or of another step gives no digest: it can only name one, never start or stop a group."""
+    last = t.cfg.train.last_step
+    if t.step >= last or not (t.storage.step_dir(t.cfg.run.name, last) / COMPLETE_MARKER).is_file():
+        return None
     text, _why = read_text(t.ckpt.dir / END_RECORD)
     try:
         record = json.loads(text or "null")
-        step, digest = int(record["step"]), str(record["weights_sha256"])
+        if int(record["step"]) == last:
+            return last, str(record["weights_sha256"])
     except (ValueError, TypeError, KeyError):
-        return None
-    final = t.storage.step_dir(t.cfg.run.name, step) / COMPLETE_MARKER
-    return (step, digest) if step == t.cfg.train.last_step and t.step < step and final.is_file() else None
+        pass
+    return last, "not recorded: its writer left before recording it"
 
 
 def end_if_finished(self) -> None:
