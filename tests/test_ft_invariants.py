@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from faultkit import slowed
-from test_ft import _digests, _events, _kill_group, _step, _supervised, _wait
+from test_ft import _digests, _events, _job, _kill_group, _step, _supervised, _wait
 
 pytest.importorskip("torchft")
 
@@ -123,3 +123,47 @@ def test_the_end_counts_for_the_configs_last_step_above_the_group_and_names_the_
     assert end(18, steps=24) == (24, "not recorded: its writer left before recording it")
     (ckpts / "step_24").rename(tmp_path / "aside")                     # an operator's roll-back
     assert end(18, steps=24) is None
+
+
+@pytest.mark.slow   # real processes: ~1-2 minutes on a loaded 2-core machine
+def test_a_group_hung_while_its_process_lives_leaves_by_its_watchdog_and_the_other_goes_on(tiny_root, tmp_path):
+    """Issue 62's third reproduction, invariant 3 (ft/watchdog.py): 2 groups, ft.min_replicas=1; group 1's training
+    thread blocks for good before step 6's all-reduce while its process (and torchft's heartbeat) lives. Without
+    the watchdog the Lighthouse forms no quorum without more than half of the heartbeating groups, so group 0
+    commits nothing for as long as group 1 hangs (this test then times out waiting for group 0 alone). With it,
+    group 1 records a `hang` event and SIGKILLs itself within ft.step_deadline_s; group 0 goes on alone, group 1
+    is started again and heals; both finish with the same weights; exit 0; only group 1 is blamed."""
+    run, steps, hang = "ft-hang", 40, 6
+    items = ("ft.min_replicas=1", f"train.steps={steps}", "checkpoint.interval_steps=10", "ft.timeout_s=8",
+             "ft.quorum_timeout_s=10", "ft.step_deadline_s=25", "log.interval=1")
+    env, go = slowed(tmp_path, "0:0.5", LLMCLUSTER_TEST_FT_HANG_AT_STEP=f"1:{hang}")
+
+    def quorum(groups: int, after: int):
+        return lambda: any(e["event"] == "ft_quorum" and e["groups"] == groups and e["step"] >= after
+                           for e in _events(tiny_root, run))
+    with _supervised(tiny_root, run, items, env) as proc:
+        _wait(quorum(2, 0), proc, "both groups in a quorum")
+        pid0 = _job(tiny_root, run)["ft"]["groups"][0]["pid"]
+        _wait(quorum(1, hang - 1), proc, "a quorum of group 0 alone after group 1 hung", 150)
+        _wait(lambda: any(e["event"] == "hang" for e in _events(tiny_root, run)), proc, "the hang event", 30)
+        alone = _step(tiny_root, run)
+        _wait(lambda: _step(tiny_root, run) >= alone + 2, proc, "steps committed by group 0 alone")
+        _wait(quorum(2, alone), proc, "group 1 back in the quorum", 150)
+        go.touch()
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    events = _events(tiny_root, run)
+    hangs = [e for e in events if e["event"] == "hang"]
+    assert [(e["group"], e["step"]) for e in hangs] == [(1, hang)], hangs
+    assert 25 <= hangs[0]["waited_s"] < 60 and hangs[0]["deadline_s"] == 25, hangs
+    assert [e["group"] for e in events if e["event"] == "ft_group_failed"] == [1]   # the group that hung, only
+    job = _job(tiny_root, run)
+    assert job["ft"]["groups"][0]["pid"] == pid0 and job["ft"]["groups"][0]["restarts"] == 0, job
+    assert job["ft"]["groups"][1]["restarts"] == 1, job
+    heals = [e for e in events if e["event"] == "ft_heal" and e["group"] == 1 and e["step"] > hang]
+    assert heals and all(e["peer"] == 0 for e in heals), heals
+    log1 = (tiny_root / "logs" / run / "ft" / "group1.log").read_text()
+    assert f"ft: group 1 made no progress on step {hang} for" in log1, log1[-3000:]
+    digests = _digests(tiny_root, run, out)
+    assert digests[0] == digests[1] and digests[0][0] == steps, digests
+    print(f"group 1 hung at step {hang}: left after {hangs[0]['waited_s']} s; finished {digests[0]}")

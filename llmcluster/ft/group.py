@@ -34,12 +34,16 @@ from llmcluster.errors import RunFailure, UserError
 from llmcluster.ft import writer as ft_writer
 from llmcluster.ft.quorum import (BoundManagerServer, QuorumTap, ask_quorum, end_if_finished, own_address,
                                   record_end)
+from llmcluster.ft.watchdog import Watchdog, append_event
 from llmcluster.ft.writer import FIRST_WRITER
 from llmcluster.launch.ft_auth import RunKey, secret_from_env, shown
 from llmcluster.launch.ft_local import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, NOT_INSTALLED, REJOIN_ENV
 from llmcluster.testing import test_hook
 SLOW_GROUP_ENV = "LLMCLUSTER_TEST_FT_SLOW_GROUP"
 SLOW_START_ENV = "LLMCLUSTER_TEST_FT_SLOW_START_S"   # test hook: seconds a restarted group waits before its quorum
+# Test hook: group:step[,group:step...]: the group's training thread blocks before that step's all-reduce while its
+# process lives (a stuck kernel); once per group, not in a restart (ft/watchdog.py must end it).
+HANG_ENV = "LLMCLUSTER_TEST_FT_HANG_AT_STEP"
 TIMINGS = ("quorum", "copy", "allreduce", "commit")   # ft's parts of a step, timed on every rank (metrics ft_s)
 
 
@@ -167,6 +171,16 @@ class Replica:
         self.present = [self.group]
         self.writers = None
         self.timings: dict[str, list[float]] = {k: [] for k in TIMINGS}   # this rank's ft seconds, each step
+        # A group that makes no progress leaves (watchdog.py): started with the training loop (Trainer._fit).
+        self.watchdog = Watchdog(group=self.group, timeout_s=cfg.ft.timeout_s,
+                                 first_step_deadline_s=cfg.ft.first_step_deadline_s,
+                                 step_deadline_s=cfg.ft.step_deadline_s, on_expiry=self._hung, log=trainer.log)
+
+    def _hung(self, step: int, waited: float, deadline: float) -> None:
+        """The watchdog's record, before it kills this process: the group that hung is the one named."""
+        t = self.t
+        append_event(t.storage.run_logs(t.cfg.run.name), "hang", step, group=self.group, rank=t.env.rank,
+                     waited_s=round(waited, 3), deadline_s=round(deadline, 3))
 
     def take_timings(self) -> dict[str, float]:
         """The median seconds of each of ft's parts of a step since the last call (the metrics record's ft_s)."""
@@ -224,7 +238,8 @@ class Replica:
         t0 = time.perf_counter()
         step_before = t.step
         self.send_t0 = None
-        ask_quorum(self)
+        with self.watchdog.suspended():   # bounded by ft.quorum_timeout_s x QUORUM_TRIES and ft.timeout_s (a heal)
+            ask_quorum(self)
         if self.transport.refused:   # a payload that failed its proof or its check: the group starts again
             q = self.tap.last
             peer = shown(q.replica_ids[q.recover_src_replica_rank]) if q and q.recover_src_replica_rank is not None \
@@ -278,6 +293,7 @@ class Replica:
         slots = torch.zeros(self.groups if self.t.cfg.ft.straggler_steps else 0, device=loss.device)
         if slots.numel():
             slots[self.group] = self._slow_hook(self.t.step + 1) or busy_s()
+        self._hang_hook(self.t.step + 1)
         writers = torch.zeros(self.groups, device=loss.device)
         writers[self.group] = self.role.entry()
         t0 = time.perf_counter()
@@ -319,6 +335,21 @@ class Replica:
                 self._judge_stragglers(self.busy)
         self.busy = self.writers = None
         return self.committed
+
+    def _hang_hook(self, step: int) -> None:
+        """Test hook (LLMCLUSTER_TESTING=1): LLMCLUSTER_TEST_FT_HANG_AT_STEP=group:step, the training thread blocked
+        for good before the step's all-reduce while the process (and torchft's heartbeat) lives; not in a group
+        started again (REJOIN)."""
+        spec = test_hook(HANG_ENV)
+        if not spec or os.environ.get(REJOIN_ENV) == "1":
+            return
+        for item in filter(None, spec.split(",")):
+            g, _, at = item.partition(":")
+            if int(g) == self.group and int(at) == step:
+                self.t.log(f"ft: group {self.group} hangs at step {step} (test hook {HANG_ENV})")
+                import threading
+
+                threading.Event().wait()   # forever: only the watchdog (or a kill) ends it
 
     def _slow_hook(self, step: int) -> float | None:
         """Test hook (LLMCLUSTER_TESTING=1): LLMCLUSTER_TEST_FT_SLOW_GROUP=group:seconds[:steps], the compute time a
@@ -362,6 +393,7 @@ class Replica:
         record_end(self)
 
     def shutdown(self, reason: str | None) -> None:
+        self.watchdog.stop()
         if reason == "completed" and not self.ended:   # the replicas' agreement, checkable from their logs (the
             digest = self.final_digest or self.digest()  # tests compare them); a group that ended said the writer's
             self.t.log(f"ft: group {self.group} finished at step {self.t.step}, weights sha256 {digest}")

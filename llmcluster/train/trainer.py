@@ -336,6 +336,8 @@ class Trainer:
             return 0
         self._announce()
         self.model.train()
+        if self.ft:   # a group that makes no progress leaves (ft/watchdog.py)
+            self.ft.watchdog.start()
         while self.step < last_step:
             t0 = time.perf_counter()
             self.gc.step(self.step + 1)
@@ -345,13 +347,16 @@ class Trainer:
                     return self._preempted(False)
                 continue
             self.step += 1
+            if self.ft:
+                self.ft.watchdog.committed(self.step)
             self._time_step(time.perf_counter() - t0)
             self._check_bad_step(loss, norm, applied)
             final = self.step == last_step
-            val = self.evaluator(self.step) if self.evaluator.due(self.step) else {}
-            if self.metrics.due(self.step) or val or final:
-                self._record(loss, norm, val)
-            saved = self._checkpoint(final)
+            with self._suspended():   # an evaluation and a checkpoint have deadlines of their own
+                val = self.evaluator(self.step) if self.evaluator.due(self.step) else {}
+                if self.metrics.due(self.step) or val or final:
+                    self._record(loss, norm, val)
+                saved = self._checkpoint(final)
             # One agreement per step: 2 = rank 0 lost the owner lock (stop, write nothing), 1 = a stop signal.
             stop = D.all_reduce_max(2.0 if self.ckpt.heartbeat() else 1.0 if self.preempt.set else 0.0, self.env)
             if stop >= 2:
@@ -359,6 +364,7 @@ class Trainer:
             if stop > 0 or (self.ft and self.ft.leaving):   # ft: dropped as a straggler (ft.py), started again later
                 return self._preempted(saved) if stop > 0 else EXIT_FT_DROPPED
         if self.ft:   # the writer records the run's end for every group still to come (ft/quorum.py)
+            self.ft.watchdog.stop()
             self.ft.record_end()
         self.log(f"run {cfg.run.name}: finished step {self.step}; checkpoints in "
                  f"{self.storage.run_checkpoints(cfg.run.name)}")
@@ -380,6 +386,10 @@ class Trainer:
         self.step_times: list[float] = []   # since the last record (their median is reported)
         self.busy: list[float] = []
         self.recent_dt: collections.deque[float] = collections.deque(maxlen=20)   # interval=auto's step time
+
+    def _suspended(self):
+        """ft: the watchdog suspended (ft/watchdog.py); otherwise nothing."""
+        return self.ft.watchdog.suspended() if self.ft else contextlib.nullcontext()
 
     def _time_step(self, dt: float) -> None:
         self.dt = dt
@@ -425,6 +435,8 @@ class Trainer:
     def _preempted(self, saved: bool) -> int:
         """Every rank agreed on the stop flag: checkpoint within the grace period, exit for requeue."""
         deadline = (self.preempt.at or time.time()) + self.cfg.checkpoint.grace_period_s
+        if self.ft:   # a stop's checkpoint is bounded by checkpoint.grace_period_s
+            self.ft.watchdog.stop()
         self._log_saved(self.ckpt.wait_pending())
         if not saved and self.save(deadline=deadline) is None:
             self.log(f"preempted at step {self.step}: no checkpoint within checkpoint.grace_period_s="
