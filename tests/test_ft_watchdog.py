@@ -106,3 +106,46 @@ def test_a_step_deadline_not_above_the_collective_timeout_is_refused():
     with pytest.raises(ValueError, match="ft.step_deadline_s .5. must be above ft.timeout_s .10."):
         FtConfig(step_deadline_s=5)
     assert FtConfig(step_deadline_s=30).step_deadline_s == 30 and FtConfig().step_deadline_s is None
+
+
+def test_a_group_that_gave_up_waiting_for_a_quorum_is_started_again_uncharged(tmp_path, monkeypatch):
+    """Invariant 3's budget rule (launch/ft_local.py): a healthy group that exits EXIT_FT_NO_QUORUM (10 quorum
+    timeouts in a row: the others did not come) is started again and not charged; any other exit is charged.
+    Unit test of the supervisor's loop (processes stood in for)."""
+    from llmcluster.errors import EXIT_FT_NO_QUORUM
+    from llmcluster.launch import ft_local
+    from llmcluster.storage.events import read_events
+    from llmcluster.train.procs import _code_from_reasons
+
+    class Proc:
+        def __init__(self, pid, rc):
+            self.pid, self.returncode = pid, rc
+
+        def poll(self):
+            return self.returncode
+
+    sup = ft_local.Supervisor.__new__(ft_local.Supervisor)
+    sup.groups, sup.logs = 2, tmp_path
+    sup.procs, sup.trees = [Proc(10, EXIT_FT_NO_QUORUM), Proc(20, -9)], [[10], [20]]
+    sup.restarts, sup.waited, sup.dropped, sup.done = [0, 0], [0, 0], [0, 0], [False, False]
+    sup.restart_at, sup.stopping, sup.lighthouse = {}, None, None
+    monkeypatch.setattr(sup, "_signal_group", lambda g, sig: None)
+    monkeypatch.setattr(sup, "_look", lambda force=False: False)
+    monkeypatch.setattr(sup, "_record", lambda state, code=None: None)
+    monkeypatch.setattr(ft_local, "POLL_S", 0)
+    started = []
+
+    def start(g):
+        started.append(g)
+        sup.procs[g] = Proc(30 + g, 0)   # back, and finishes
+    monkeypatch.setattr(sup, "_start_group", start)
+    assert sup._supervise() == 0
+    assert sup.restarts == [0, 1] and sup.waited == [1, 0] and sorted(started) == [0, 1]
+    events = [(e["event"], e["group"]) for e in read_events(tmp_path / "events.jsonl", warn=None)]
+    assert sorted(events) == [("ft_group_failed", 1), ("ft_group_waited", 0)]
+    # a group of several ranks: the ranks' words give the code (a real failure on one rank is worse)
+    for r, word in enumerate(("no_quorum", "no_quorum")):
+        (tmp_path / f"exit-rank{r}").write_text(word + " RunFailure: ...\n")
+    assert _code_from_reasons(tmp_path, 2) == EXIT_FT_NO_QUORUM
+    (tmp_path / "exit-rank1").write_text("failed x\n")
+    assert _code_from_reasons(tmp_path, 2) == 1

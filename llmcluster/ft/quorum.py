@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 
-from llmcluster.errors import EXIT_FAILURE, RunFailure, UserError
+from llmcluster.errors import EXIT_FAILURE, EXIT_FT_NO_QUORUM, RunFailure, UserError
 from llmcluster.launch.ft_auth import RunKey, shown
 from llmcluster.storage.layout import COMPLETE_MARKER
 from llmcluster.storage.owned import read_text, replace_atomically
@@ -111,7 +111,7 @@ def ask_quorum(self) -> None:
             if waits >= QUORUM_TRIES:
                 raise RunFailure(f"ft: group {self.group}: no quorum of ft.min_replicas={t.cfg.ft.min_replicas} "
                                  f"group(s) in {waits} tries of {t.cfg.ft.quorum_timeout_s:g} s "
-                                 f"(ft.quorum_timeout_s): {e}") from None
+                                 f"(ft.quorum_timeout_s): {e}", exit_code=EXIT_FT_NO_QUORUM) from None
             t.log(f"ft: step {t.step + 1}: no quorum of ft.min_replicas={t.cfg.ft.min_replicas} group(s) within "
                   f"{t.cfg.ft.quorum_timeout_s:g} s (ft.quorum_timeout_s); waiting for the others ({waits} of "
                   f"{QUORUM_TRIES})")

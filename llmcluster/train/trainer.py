@@ -26,7 +26,7 @@ from llmcluster.config.load import saved_config_dict
 from llmcluster.config.schema import JobConfig
 from llmcluster.data.dataset import META, data_sources, open_training_data
 from llmcluster.data.prefetch import Prefetcher
-from llmcluster.errors import EXIT_FT_DROPPED, EXIT_PREEMPTED, UserError
+from llmcluster.errors import EXIT_FT_DROPPED, EXIT_FT_NO_QUORUM, EXIT_PREEMPTED, UserError
 from llmcluster.model import flops_per_token, param_count
 from llmcluster.model.llama import cross_entropy_sum
 from llmcluster.config.cluster_load import storage_root
@@ -504,7 +504,9 @@ def train_cli(args, cfg: JobConfig) -> int:   # cfg: loaded from args by cli/tra
         exit_reason.write("fatal", str(e))
         raise
     except BaseException as e:  # NCCL timeout, a lost peer, ...: the launcher may requeue
-        exit_reason.write("failed", f"{type(e).__name__}: {e}")
+        # ft: a group that gave up waiting for the others' quorum is not charged for it (launch/ft_local.py)
+        word = "no_quorum" if getattr(e, "exit_code", None) == EXIT_FT_NO_QUORUM else "failed"
+        exit_reason.write(word, f"{type(e).__name__}: {e}")
         raise
     finally:
         if trainer is not None:
