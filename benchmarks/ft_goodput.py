@@ -20,7 +20,7 @@ restart could be weighed against).
 
 `cost` is ft's price on a run without failures: the same run, unpadded, as DDP (restart path) and as 2 ft groups
 (--cost-rounds of each, interleaved), each step's time (the metrics' step_time_s, the median after the warm-up) side by side, and ft's parts of a step as
-the trainer times them on each rank (metrics ft_s, train/ft.py):
+the trainer times them on each rank (metrics ft_s, ft/group.py):
   - quorum: the round trip to the Lighthouse through the group's Manager before every step (torchft's
     use_async_quorum would overlap it with the forward; not used: docs/fault-tolerance.md says why);
   - copy: the gradients copied into one flat buffer before the all-reduce and back after it (DDP reduces its
@@ -56,7 +56,7 @@ from llmcluster.launch.goodput import run_goodput  # noqa: E402
 TINY = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
         "model.vocab_size=257", "model.max_seq_len=64", "data.dataset=b", "data.seq_len=32", "train.micro_batch=4",
         "train.precision=fp32", "train.threads=1", "log.progress=false", "log.eval_interval=100000", "log.interval=1"]
-PARTS = ("quorum", "copy", "allreduce", "commit")   # train/ft.py TIMINGS
+PARTS = ("quorum", "copy", "allreduce", "commit")   # ft/group.py TIMINGS
 WARMUP = 5   # steps left out of the cost medians
 MAX_ATTEMPTS = 10   # the restart path gives up after this many (a run that cannot finish)
 

@@ -21,6 +21,7 @@ EXIT_DOES_NOT_FIT = 3   # `plan`: the plan's own layout does not fit in GPU memo
 EXIT_DISK_FULL = 74     # EX_IOERR: a write found no space (or quota) left; what was written before is intact
 EXIT_PREEMPTED = 75     # EX_TEMPFAIL: the run checkpointed on a signal; launchers requeue it
 EXIT_FT_DROPPED = 76    # an ft replica group left the quorum as a straggler: started again after ft.straggler_backoff_s
+EXIT_FT_NO_QUORUM = 77  # an ft group gave up waiting for a quorum (the others did not come): not its own failure
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
 
 

@@ -29,3 +29,23 @@ def test_hook(name: str, environ=os.environ) -> str:
             print(f"warning: {name} is set but ignored: test hooks act only with {TESTING_ENV}=1",
                   file=sys.stderr, flush=True)
     return value if active else ""
+
+
+# The specs of the step-indexed hooks, read here so that every room that has hooks (train, ft) reads them alike.
+def hook_steps(spec: str) -> set[int]:
+    """'3,7-9' -> {3, 7, 8, 9}."""
+    out: set[int] = set()
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        out |= set(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def per_rank(spec: str, rank: int) -> list[tuple[float, set[int] | None]]:
+    """'rank:seconds[:steps],...' -> [(seconds, steps or None for every step)] of this rank."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        fields = item.split(":")
+        if int(fields[0]) == rank:
+            out.append((float(fields[1]), hook_steps(fields[2].replace(";", ",")) if len(fields) > 2 else None))
+    return out

@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"monitor"},                                      # metrics, scrape configs, the run's tracking sinks
     {"serve", "provision"},                           # vLLM start, bench and its API keys; Ansible
     {"eval"},                                         # lm-eval over exports, checkpoints and served endpoints
+    {"ft"},                                           # per-step fault tolerance's training side (torchft)
     {"train"},                                        # the training loop (it schedules downstream evaluations)
     {"validate"},                                     # cluster checks (run small trainings)
     {"cli"},                                          # the thin CLI over all of it
@@ -43,7 +44,7 @@ ONLY = {   # room -> the rooms (besides its own) it may import at all
     "errors": set(),
 }
 NO_TORCH = ["plan", "launch", "storage", "provision", "config", "render"]   # head node, fast start
-NEVER_TRAINING_LOOP = ["launch", "export", "eval", "serve", "plan", "monitor", "checkpoint"]
+NEVER_TRAINING_LOOP = ["launch", "export", "eval", "serve", "plan", "monitor", "checkpoint", "ft"]
 
 
 def _room(module: str) -> str:
@@ -104,7 +105,8 @@ def test_rooms_with_a_closed_list(room):
 @pytest.mark.parametrize("room", NEVER_TRAINING_LOOP)
 def test_no_room_but_the_cli_and_validate_reaches_the_training_loop(room):
     """launch, export, eval, serve (and the rooms below them) never import the trainer's room: reading a
-    checkpoint or a run's records does not mean importing the training loop."""
+    checkpoint or a run's records does not mean importing the training loop. Nor does ft: the trainer drives it
+    (a Replica is given the trainer), never the other way."""
     bad = [f"{m} imports {d}" for m, d in _crossings() if _room(m) == room and _room(d) == "train"]
     assert not bad, "\n".join(bad)
 
@@ -145,3 +147,11 @@ def test_no_core_module_imports_the_cli():
 def test_the_check_can_fail():
     """The graph reader sees function-level imports (the kind a quick grep for '^from' misses)."""
     assert "llmcluster.model.lora" in GRAPH["llmcluster.train.parallelize"]
+
+
+def test_no_room_but_train_imports_ft():
+    """ft is the training side of fault tolerance: launch renders and supervises the groups without it (no torch
+    on the head node), and only the training loop drives a group."""
+    above = {"train", "validate", "cli", "__main__"}
+    bad = [f"{m} imports {d}" for m, d in _crossings() if _room(d) == "ft" and _room(m) not in above]
+    assert not bad, "\n".join(bad)

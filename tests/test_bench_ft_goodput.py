@@ -32,4 +32,4 @@ def test_ft_step_cost_side_by_side_and_term_by_term():
     cost = b.step_cost({"ddp": [ddp, ddp], "ft": [ft, ft]})   # two rounds of each, each with its warm-up
     assert cost["ddp_step_s"] == 1.0 and cost["ft_step_s"] == 1.25 and cost["ratio"] == 1.25
     assert cost["ft_parts_s"] == parts and cost["rest_s"] == pytest.approx(0.25 - 0.18)
-    assert b.PARTS == __import__("llmcluster.train.ft", fromlist=["TIMINGS"]).TIMINGS   # the trainer's own names
+    assert b.PARTS == __import__("llmcluster.ft.group", fromlist=["TIMINGS"]).TIMINGS   # the trainer's own names

@@ -224,8 +224,9 @@ def test_retention_counts_only_steps_up_to_the_one_written(tmp_path):
         ck.save(step, model, opt, {})
         assert verify_checkpoint(ck.dir / f"step_{step}") is None
     assert sorted(int(d.name[5:]) for d in ck.dir.glob("step_*")) == [20, 30, 50]
-    ck.save(20, model, opt, {})            # rewriting a complete step moves the old one aside
-    assert len(list(ck.dir.glob(".abandoned-*/step_20"))) == 1
+    sealed = (ck.dir / "step_20" / "COMPLETE.json").read_bytes()
+    assert ck.save(20, model, opt, {}) is None   # a committed step is final: the rewrite is discarded (issue 62)
+    assert (ck.dir / "step_20" / "COMPLETE.json").read_bytes() == sealed and not list(ck.dir.glob(".abandoned-*"))
 
 
 # -- one writer ---------------------------------------------------------------------------------

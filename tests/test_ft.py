@@ -356,7 +356,7 @@ def test_group_0_started_by_hand_beside_a_live_writer_peer_reads_and_another_run
     from llmcluster.errors import UserError
     from llmcluster.launch.ft_local import LIGHTHOUSE_ENV, REJOIN_ENV
     from llmcluster.storage.layout import Storage
-    from llmcluster.train import ft_writer
+    from llmcluster.ft import writer as ft_writer
 
     storage = Storage(tmp_path)
     held = RunLock(storage.run_checkpoints("r"), "r", 60.0, print)
@@ -383,7 +383,7 @@ def test_the_live_group_count_is_a_gauge_and_groups_on_one_host_get_their_own_po
     from llmcluster.config.schema import JobConfig
     from llmcluster.launch.ft_local import GROUP_ENV, GROUPS_ENV
     from llmcluster.monitor.train_metrics import TrainMetrics
-    from llmcluster.train import ft
+    from llmcluster.ft import group as ft
 
     m = TrainMetrics("r", 0, None)
     m.ft_groups(1)
@@ -431,7 +431,7 @@ def test_the_heal_sender_records_its_own_time_of_the_send():
     over again)."""
     from types import SimpleNamespace
 
-    from llmcluster.train import ft
+    from llmcluster.ft import group as ft
 
     emitted = []
     trainer = SimpleNamespace(step=7, log=lambda _m: None, metrics=SimpleNamespace(ft_groups=lambda _n: None),
@@ -454,7 +454,7 @@ def test_a_group_taking_the_writers_role_over_writes_from_its_rank_0_only(rank):
     from types import SimpleNamespace
 
     from llmcluster.distributed.process_groups import DistEnv
-    from llmcluster.train.ft_writer import WriterRole
+    from llmcluster.ft.writer import WriterRole
 
     calls = []
     ckpt = SimpleNamespace(take_lock=lambda wait: True)

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from llmcluster.errors import UserError  # noqa: E402
 from llmcluster.launch.ft_auth import RunKey, create_secret, read_secret  # noqa: E402
-from llmcluster.train.ft_transport import HealRefused, SignedTransport, checked, decode, encode  # noqa: E402
+from llmcluster.ft.transport import HealRefused, SignedTransport, checked, decode, encode  # noqa: E402
 
 LISTENS = re.compile(r"ft: group (\d) listens on \S+: (?:ManagerServer (\S+), )?heal server (\S+) ")
 

@@ -84,7 +84,7 @@ def test_the_evidence_takes_only_the_lock_it_names(tmp_path, record):
 
 
 def _role(group: int, writer: bool, log: list):
-    from llmcluster.train.ft_writer import WriterRole
+    from llmcluster.ft.writer import WriterRole
 
     lock = SimpleNamespace(gone=None, presume_gone=lambda fields, why="": setattr(lock, "gone", fields and (fields, why)),
                            release=lambda: None)

@@ -145,7 +145,7 @@ def _quorum(t, step, *groups, of=2):
 
 
 def test_ft_goodput_is_the_runs_across_all_its_groups():
-    """Issue 52: an ft run of 2 groups (the writer's records, shaped as train/ft.py and launch/ft_local.py write them).
+    """Issue 52: an ft run of 2 groups (the writer's records, shaped as ft/group.py and launch/ft_local.py write them).
     Steps take 1 s. Group 1 is SIGKILLed during step 4 (that step takes 4 s: the all-reduce fails, the quorum
     goes on without it, the step is retried), is down for steps 5-8 (committed by group 0 alone), heals and is
     back from step 9 (step 4 too was committed by group 0 alone); later it is dropped as a straggler for steps

@@ -29,7 +29,7 @@ def test_three_groups_render_strictly_hardened_with_every_groups_metrics_ports_d
         tmp_path, monkeypatch):
     from llmcluster.config.schema import JobConfig
     from llmcluster.launch.k8s.pod import METRICS_PORT
-    from llmcluster.train.ft import port_slot
+    from llmcluster.ft.group import port_slot
 
     objects = render(tmp_path, "jobset", *FT3)
     validate_all(objects)                    # core schemas and the JobSet CRD, unknown fields refused
@@ -48,7 +48,7 @@ def test_three_groups_render_strictly_hardened_with_every_groups_metrics_ports_d
         argv = c["args"]
         procs = int(argv[argv.index("--nproc-per-node") + 1])
         ports = [p for p in c["ports"] if p.get("name") != "rdzv"]
-        # the ports the group's ranks serve on (train/ft.py's port_slot, LLMCLUSTER_FT_GROUP = g) are declared
+        # the ports the group's ranks serve on (ft/group.py's port_slot, LLMCLUSTER_FT_GROUP = g) are declared
         monkeypatch.setenv("LLMCLUSTER_FT_GROUP", str(g))
         monkeypatch.setenv("LLMCLUSTER_FT_GROUPS", "3")
         serve = [METRICS + port_slot(cfg, r, procs) for r in range(procs)]

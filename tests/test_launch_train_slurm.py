@@ -194,8 +194,8 @@ def test_cancel_leaves_the_last_complete_checkpoint_intact(root):
         assert hashlib.sha256((last / rel).read_bytes()).hexdigest() == digest, rel
 
 
-@pytest.mark.skipif(not (REPO / "llmcluster" / "train" / "ft.py").is_file(),
-                    reason="needs the trainer's ft side (llmcluster/train/ft.py)")
+@pytest.mark.skipif(not (REPO / "llmcluster" / "ft" / "group.py").is_file(),
+                    reason="needs the trainer's ft side (llmcluster/ft/group.py)")
 def test_ft_two_groups_one_step_killed_relaunched_in_the_allocation(root):
     """Issue 37's Slurm acceptance: 2 nodes, 2 replica groups (one node each); group 1's step is SIGKILLed
     mid-run (as a lost node would end it); the batch script relaunches that step alone, the allocation is kept
@@ -257,8 +257,8 @@ def lose_node(node: str, job: str) -> list[int]:
     return killed
 
 
-@pytest.mark.skipif(not (REPO / "llmcluster" / "train" / "ft.py").is_file(),
-                    reason="needs the trainer's ft side (llmcluster/train/ft.py)")
+@pytest.mark.skipif(not (REPO / "llmcluster" / "ft" / "group.py").is_file(),
+                    reason="needs the trainer's ft side (llmcluster/ft/group.py)")
 def test_ft_a_lost_node_moves_its_group_to_the_spare_node_and_the_other_group_never_stops(root):
     """Issue 54's Slurm acceptance: 2 replica groups of one node each and a spare node (ft.spare_nodes=1, the job
     holds n1-n3 with --no-kill). Group 1's node n2 is lost as Slurm sees it (`scontrol update state=down`) and its

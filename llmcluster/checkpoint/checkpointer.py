@@ -7,8 +7,10 @@ then stop with the same one line):
  1. write into checkpoints/<run>/.tmp-step_<N>-<attempt>/ (unique per attempt): DCP shards (model +
     optimizer, resharding-friendly), train_state.json (step, sampler, scheduler, config, dataset digest) and
     rng/rank_<r>.json;
- 2. every rank hashes the files it wrote; rank 0 checks it still owns the run, moves an existing step_<N>
-    aside (.abandoned-<time>/) and renames the directory to step_<N>;
+ 2. every rank hashes the files it wrote; rank 0 checks it still owns the run and renames the directory to
+    step_<N>. An existing step_<N> that verifies is committed and final: it is kept, this write is discarded and
+    the checkpointer writes no more (`set_aside`, the one place a step leaves its name); one that fails
+    verification is moved aside (.abandoned-<time>/) first;
  3. rank 0 writes COMPLETE.json (sha256 of every file) last, through a temp file + rename + fsync, then
     prunes: only steps up to the one just written count, and that one is never deleted.
 A directory without the marker, or whose files no longer match it, is never loaded. The marker proves a
@@ -144,6 +146,7 @@ class Checkpointer:
         self.lock = RunLock(self.dir, run, lock_stale_s, log, 2 * dist_timeout_s if dist_timeout_s else None)
         self.claim_poll_s = min(CLAIM_POLL_S, (dist_timeout_s or CLAIM_POLL_S * 4) / 4)
         self.attempt = self.lock.attempt        # rank 0's, once claim() has run
+        self.refused: str | None = None         # why this process writes no more: it found a committed step
 
     @property
     def staging(self):
@@ -192,8 +195,24 @@ class Checkpointer:
         if self.rank == 0:
             self.lock.release()
 
-    def _abandoned_dir(self) -> Path:
-        return self.dir / f"{ABANDONED_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{self.attempt[-6:]}"
+    def set_aside(self, dirs: list[Path], rollback: bool = False) -> tuple[Path | None, list[Path]]:
+        """The one place a step_<N> leaves its name (rank 0; docs/fault-tolerance.md, "Invariants" 1). A step that
+        verifies is committed and final: a late group's retrained copy of it is another trajectory's weights, so
+        only an operator's `--resume PATH` roll-back (`rollback`) moves one. The rest go to one .abandoned-<time>/.
+        Returns (that folder or None, the steps kept because they verify)."""
+        kept = [] if rollback else [d for d in dirs if verify_checkpoint(d) is None]
+        move = [d for d in dirs if d not in kept]
+        if not move:
+            return None, kept
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        aside = base = self.dir / f"{ABANDONED_PREFIX}{stamp}-{self.attempt[-6:]}"
+        while any((aside / d.name).exists() for d in move):   # the same step set aside twice within a second
+            aside = base.with_name(f"{base.name}.{len(list(self.dir.glob(base.name + '*')))}")
+        aside.mkdir(parents=True, exist_ok=True)
+        for d in move:
+            os.rename(d, aside / d.name)
+        _fsync_dir(self.dir)
+        return aside, kept
 
     def prepare_start(self, resume: str, path: Path | None, start: int) -> None:
         """Collective, after find_resume: step directories above the start step are not this trajectory's.
@@ -210,15 +229,17 @@ class Checkpointer:
                 error = (f"run {self.run} already has checkpoints up to step {higher[-1][0]}: choose another "
                          "run.name or --resume auto")
             elif higher:
-                aside = self._abandoned_dir()
-                names = ", ".join(d.name for _s, d in higher)
                 try:
-                    aside.mkdir(parents=True)
-                    for _s, d in higher:
-                        os.rename(d, aside / d.name)
-                    _fsync_dir(self.dir)
-                    self.log((f"set aside {names} (failed verification) in {aside}" if resume == "auto" else
-                              f"rolled back to step {start}: moved {names} to {aside}") + self._stale_export([s for s, _ in higher]))
+                    aside, kept = self.set_aside([d for _s, d in higher], rollback=resume != "auto")
+                    moved = [(s, d) for s, d in higher if d not in kept]
+                    names = ", ".join(d.name for _s, d in moved)
+                    if moved:
+                        self.log((f"set aside {names} (failed verification) in {aside}" if resume == "auto" else
+                                  f"rolled back to step {start}: moved {names} to {aside}")
+                                 + self._stale_export([s for s, _ in moved]))
+                    if kept:   # committed by a live writer since this process chose its start: not ours to move
+                        error = (f"run {self.run}: {kept[0].name} was committed after this process chose to resume "
+                                 f"from step {start}; a committed step is final: start again to resume from it")
                 except OSError as e:
                     error = f"cannot set aside the checkpoints above step {start} in {self.dir}: {e.strerror or e}"
         error = _broadcast_obj(error)
@@ -248,6 +269,8 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         self.wait_pending()
+        if self.refused:   # invariant 1: this process found a committed step where it wrote; it writes no more
+            return None
         if self.rank == 0:
             self.lock.progress()  # the hang watchdog counts a save from its start
         t0 = time.time()
@@ -341,14 +364,17 @@ class Checkpointer:
             error = self._message(e, step)
         self._agree(error, tmp)
         files = {k: v for part in _gather_obj(mine) for k, v in part.items()}
+        refused = None
         if self.rank == 0:
             try:
                 error = self.lock.heartbeat(force=True)  # a writer presumed dead must not seal a step
-                if error is None:
-                    if final.exists():  # an earlier write of this step (e.g. one that failed verification)
-                        aside = self._abandoned_dir()
-                        aside.mkdir(parents=True, exist_ok=True)
-                        os.rename(final, aside / final.name)
+                aside, kept = self.set_aside([final]) if error is None and final.exists() else (None, [])
+                if kept:
+                    refused = (f"{final} is already committed (it verifies): a committed step is final, so this "
+                               "write is discarded and this process writes no more checkpoints")
+                    shutil.rmtree(tmp, ignore_errors=True)
+                elif error is None:
+                    if aside:   # an earlier write of this step that failed verification
                         self.log(f"moved the earlier {final.name} to {aside}")
                     os.rename(tmp, final)
                     _fsync_dir(self.dir)
@@ -361,10 +387,16 @@ class Checkpointer:
                     self.prune(step)
             except OSError as e:
                 error = self._message(e, step)
+        error, refused = _broadcast_obj((error, refused))
         # renamed but not sealed (the marker's write failed: a full disk) -> the unsealed step_N is ours to remove
         half = tmp if tmp.exists() or not final.exists() else None if (final / COMPLETE_MARKER).is_file() else final
-        self._agree(_broadcast_obj(error), half, agreed=True)
+        self._agree(error, half, agreed=True)
         self.last_write_s = time.time() - t0
+        if refused:
+            self.refused = refused
+            if self.rank == 0:
+                self.log(refused)
+            return None
         return final
 
     def _async_group(self):

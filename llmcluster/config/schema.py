@@ -167,6 +167,11 @@ class TrainConfig(Section):
     # AdamW's states: fp32, or 8-bit / 4-bit block-quantized (torchao.optim; train/optimizer.py)
     optimizer: Literal["adamw", "adamw8bit", "adamw4bit"] = "adamw"
 
+    @property
+    def last_step(self) -> int:
+        """The step this run ends at: stop_at when it comes first, else steps."""
+        return min(self.steps, self.stop_at) if self.stop_at else self.steps
+
 
 def low_bit_lora_checks(cfg) -> None:
     """QLoRA's and the low-bit optimizers' refusals (train/qlora.py): each one line."""
@@ -373,12 +378,19 @@ class FtConfig(Section):
     enabled: bool = False
     min_replicas: int = Field(1, ge=1)          # groups a step needs to commit; fewer: the step waits (quorum)
     # A quorum not formed in this long is asked again (the healthy groups wait for min_replicas; a group gives up
-    # after QUORUM_TRIES of them in a row, ft.py); also how long a stranger in the quorum is borne.
+    # after QUORUM_TRIES of them in a row, ft/group.py); also how long a stranger in the quorum is borne.
     quorum_timeout_s: float = Field(60.0, gt=0)
     # The cross-group all-reduce, should_commit and a heal: a group hung or cut off (no reset) leaves the quorum
     # within this, not dist.timeout_s (torchtitan's ft timeout is 10 s too). Inside a group: dist.timeout_s.
     timeout_s: float = Field(10.0, gt=0)
     join_timeout_s: float = Field(60.0, gt=0)    # how long the Lighthouse waits for more groups before a quorum
+    # The watchdog (ft/watchdog.py, issue 62 invariant 3): a group that commits no step within this (outside a
+    # checkpoint, an evaluation, its quorum or a heal) records a `hang` event and SIGKILLs itself, so that its
+    # heartbeat ends and the others form a quorum without it. None: ft.timeout_s + 3 x the median committed step
+    # once 5 are known. Above ft.timeout_s: a healthy group waits that long on a hung peer's collective.
+    step_deadline_s: float | None = Field(None, gt=0)
+    # The same until this process's 5th committed step (1st with step_deadline_s): model build, compile.
+    first_step_deadline_s: float = Field(300.0, gt=0)
     lighthouse: str | None = None               # HOST:PORT of a running Lighthouse; None: the launcher starts one
     # A group whose compute time is over the other groups' median x log.straggler_factor for this many committed
     # steps in a row leaves the quorum instead of pacing every step (0: never); its launcher starts it again after
@@ -388,6 +400,14 @@ class FtConfig(Section):
     # Slurm: nodes allocated beyond the groups' (job.nodes), idle until a group loses a node; the group is then
     # relaunched on one (the job is submitted with --no-kill, so a lost node ends only its own steps).
     spare_nodes: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _deadline(self):
+        if self.step_deadline_s is not None and self.step_deadline_s <= self.timeout_s:
+            raise ValueError(f"ft.step_deadline_s ({self.step_deadline_s:g}) must be above ft.timeout_s "
+                             f"({self.timeout_s:g}): a healthy group waits ft.timeout_s on a hung peer's collective, "
+                             "and its own watchdog must not fire meanwhile")
+        return self
 
     @field_validator("lighthouse")
     @classmethod

@@ -36,7 +36,7 @@ class DistEnv:
     local_rank: int
     local_world_size: int
     device: torch.device
-    writer: bool = True   # False in a replica group other than the writer (train/ft.py): rank 0 writes nothing
+    writer: bool = True   # False in a replica group other than the writer (ft/group.py): rank 0 writes nothing
 
     @property
     def is_main(self) -> bool:

@@ -7,8 +7,8 @@ heal (a copy of the model). So every group of a run holds one secret, and:
 
   * a group's replica id carries a MAC of its group number and the uuid torchft gives it at start
     (`llmcluster_group_<g>:<uuid>~<mac>`): a quorum holding any other member, or one group twice, is refused by
-    every group before torchft configures the cross-group process group (train/ft.py);
-  * a heal is a request and a payload both MACed with the secret over a fresh nonce (train/ft_transport.py): a
+    every group before torchft configures the cross-group process group (ft/group.py);
+  * a heal is a request and a payload both MACed with the secret over a fresh nonce (ft/transport.py): a
     stranger can neither fetch the state nor serve one that is loaded.
 
 The secret is 32 random bytes in `logs/<run>/ft/secret`, mode 0600, created with O_EXCL under a temporary name and

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from llmcluster.distributed import HOST_RANKS_ENV
-from llmcluster.errors import EXIT_DISK_FULL, EXIT_FAILURE, EXIT_FT_DROPPED, EXIT_PREEMPTED, EXIT_USAGE, UserError
+from llmcluster.errors import (EXIT_DISK_FULL, EXIT_FAILURE, EXIT_FT_DROPPED, EXIT_FT_NO_QUORUM, EXIT_PREEMPTED,
+                               EXIT_USAGE, UserError)
 from llmcluster.launch.ft_auth import SECRET_ENV, create_secret
 from llmcluster.render import argv_element
 from llmcluster.testing import test_hook
@@ -33,7 +34,7 @@ from llmcluster.storage.events import EVENTS, read_events
 from llmcluster.storage.job_record import write_record
 
 GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV = "LLMCLUSTER_FT_GROUP", "LLMCLUSTER_FT_GROUPS", "TORCHFT_LIGHTHOUSE"
-# "1" for a group started again while the others train: it joins as a reader (train/ft_writer.py), never
+# "1" for a group started again while the others train: it joins as a reader (ft/writer.py), never
 # re-taking the writer's lock its dead predecessor left (a live peer takes the role over instead).
 REJOIN_ENV = "LLMCLUSTER_FT_REJOIN"
 NOT_INSTALLED = "ft.enabled: true needs torchft, which is not installed here: pip install 'llmcluster[ft]'"
@@ -126,6 +127,7 @@ class Supervisor:
         self.procs: list[subprocess.Popen | None] = [None] * groups
         self.restarts = [0] * groups
         self.dropped = [0] * groups   # times each group left the quorum as a straggler (not failures)
+        self.waited = [0] * groups    # times each group gave up waiting for a quorum (not failures: the others')
         self.done = [False] * groups
         self.trees: list[list[int]] = [[] for _ in range(groups)]   # each group's launcher and ranks, as last seen
         self.seen = 0.0
@@ -209,7 +211,7 @@ class Supervisor:
     def _record(self, state: str, code: int | None = None) -> None:
         self._look(force=True)
         groups = [{"group": g, "pid": p.pid if p else None, "pids": self.trees[g], "restarts": self.restarts[g],
-                   "dropped": self.dropped[g], "state": self._state(g, p)} for g, p in enumerate(self.procs)]
+                   "dropped": self.dropped[g], "waited": self.waited[g], "state": self._state(g, p)} for g, p in enumerate(self.procs)]
         rec = {**self.base, "run": self.cfg.run.name, "scheduler": "local", "kind": "train", "job_id": f"local-{os.getpid()}",
                "pid": os.getpid(), "state": state, "procs_per_node": int(self.argv_procs()),
                "ft": {"lighthouse": self.address, "lighthouse_pid": self.lighthouse.pid if self.lighthouse else None,
@@ -288,6 +290,8 @@ class Supervisor:
                     print(f"[llmcluster] replica group {g} left the quorum as a straggler; starting it again in "
                           f"{backoff:g} s (ft.straggler_backoff_s)", file=sys.stderr, flush=True)
                     self.restart_at[g] = time.monotonic() + backoff
+                elif rc == EXIT_FT_NO_QUORUM:   # it waited for groups that did not come: theirs is the failure
+                    self._group_waited(g, rc)
                 else:
                     self._group_failed(g, p, rc)
                     if self.restarts[g] > MAX_RESTARTS:
@@ -306,6 +310,17 @@ class Supervisor:
                  else ""), file=sys.stderr, flush=True)
         if self.restarts[g] <= MAX_RESTARTS:
             self.restart_at[g] = time.monotonic() + float(test_hook(RESTART_DELAY_ENV) or 0)
+
+    def _group_waited(self, g: int, rc: int) -> None:
+        """A group that gave up waiting for a quorum (ft/quorum.py, QUORUM_TRIES) is started again at once and not
+        charged: a healthy group waiting on a hung or dead one must not use up its own restart budget (issue 62,
+        invariant 3); the group that hung is charged by its own exit (its watchdog's SIGKILL)."""
+        self._signal_group(g, signal.SIGKILL)
+        self.waited[g] += 1
+        self._event("ft_group_waited", group=g, pids=self.trees[g], exit_code=rc)
+        print(f"[llmcluster] replica group {g} gave up waiting for a quorum (exit {rc}); starting it again, not "
+              "counted as its failure", file=sys.stderr, flush=True)
+        self.restart_at[g] = time.monotonic() + float(test_hook(RESTART_DELAY_ENV) or 0)
 
     def _stop(self, why: str) -> int:
         """SIGTERM every live group, wait for their checkpoint, SIGKILL what is left. The run's code: 75 (resume

@@ -18,7 +18,7 @@ interval between two consecutive lines:
   - anything else (shutdown after the last checkpoint, an unknown event): `other`.
 So productive_s + sum(badput_s) == wall_s exactly. No torch here: the head node runs this.
 
-An ft run (per-step fault tolerance, train/ft.py) also records ft_quorum, ft_heal, ft_group_failed, ft_straggler and
+An ft run (per-step fault tolerance, ft/group.py) also records ft_quorum, ft_heal, ft_group_failed, ft_straggler and
 ft_lighthouse_lost. They split no interval, but the goodput is the run's across all its groups (each holds 1/n of
 the allocation): a step committed by k of the n groups (the quorum recorded before it) is productive for k/n of its
 interval, and each missing group's 1/n is badput: `startup` once it failed (ft_group_failed since it was last in a

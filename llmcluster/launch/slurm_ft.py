@@ -109,7 +109,7 @@ def body(spec: LaunchSpec, srun: list[str], port_python: str, free_port: str, co
         '    gnodes=$(IFS=,; echo "${mine[*]}"); ghead=$(node_addr "${mine[0]}")',
         f'    rm -f "${EXIT_DIR_ENV}"/exit-rank*   # this launch\'s reasons only (a rank killed outright writes none)',
         '    echo "[llmcluster] group $g: nodes $gnodes, rendezvous $ghead:$gport (relaunch $relaunches)"',
-        f"    export {REJOIN_ENV}=$rejoin   # a relaunched group joins as a reader (train/ft_writer.py)",
+        f"    export {REJOIN_ENV}=$rejoin   # a relaunched group joins as a reader (ft/writer.py)",
         "    " + shell_join(group_srun) + " &",
         "    srun_pid=$! rejoin=1",
         '    while :; do wait "$srun_pid"; rc=$?; [ "$rc" -gt 128 ] && kill -0 "$srun_pid" 2>/dev/null && continue;'

@@ -12,7 +12,9 @@ An ft run (per-step fault tolerance, docs/fault-tolerance.md) adds, from its wri
 (`group` that left the quorum, its `busy_s`, the others' `median_s`, `steps` slow in a row); and from
 the supervisor (launch/ft_local.py, one appended line each): ft_group_failed (`group`, `pids`, `exit_code`),
 ft_lighthouse_lost; ft_writer (`group`, `previous`) from a group that takes the writer's role over; and ft_stranger
-(`replica_ids`: a quorum refused for a member without the run's secret, docs/security.md).
+(`replica_ids`: a quorum refused for a member without the run's secret, docs/security.md); from any group, `hang`
+(`group`, `rank`, `waited_s`, `deadline_s`: its watchdog found no progress and killed it, ft/watchdog.py); and from
+the supervisor, ft_group_waited (`group`, `pids`, `exit_code`: it gave up waiting for a quorum; not a failure).
 
 No torch here: the head node reads these files.
 """
@@ -49,7 +51,8 @@ OPTIONAL = {"ckpt": records.integer(0), "reason": records.TEXT, "pid": records.i
             "bytes": records.number(0), "seconds": records.number(0), "side": records.TEXT,
             "groups": records.integer(0), "of": records.integer(1), "replica_ids": records.LIST, "busy_s": records.number(0),
             "median_s": records.number(0), "steps": records.integer(0), "pids": records.LIST,
-            "exit_code": records.integer(), "code": records.integer()}
+            "exit_code": records.integer(), "code": records.integer(), "rank": records.integer(0),
+            "waited_s": records.number(0), "deadline_s": records.number(0)}
 
 
 def read_events(path: Path, warn=records.note) -> list[dict]:

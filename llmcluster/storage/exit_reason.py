@@ -14,7 +14,8 @@ from pathlib import Path
 from llmcluster.storage.owned import replace_atomically
 
 EXIT_DIR_ENV = "LLMCLUSTER_EXIT_DIR"
-REASONS = ("completed", "preempted", "failed", "fatal", "dropped")   # dropped: an ft group left as a straggler
+# dropped: an ft group left as a straggler; no_quorum: an ft group gave up waiting for the others' quorum
+REASONS = ("completed", "preempted", "failed", "fatal", "dropped", "no_quorum")
 
 
 def write(reason: str, detail: str = "") -> None:

@@ -35,7 +35,7 @@ from collections import deque
 from pathlib import Path
 
 from llmcluster.errors import EXIT_FAILURE as EXIT_RUNTIME, RunFailure
-from llmcluster.testing import test_hook
+from llmcluster.testing import hook_steps, per_rank, test_hook
 
 
 class LossSpikeDetector:
@@ -129,20 +129,12 @@ def read_sample_log(path: Path) -> dict[int, list[int]]:
 
 
 # -- fault injection (test hooks) ------------------------------------------------------------------
-def _steps(spec: str) -> set[int]:
-    out: set[int] = set()
-    for part in filter(None, spec.split(",")):
-        lo, _, hi = part.partition("-")
-        out |= set(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 class FaultInjector:
     """Reads the LLMCLUSTER_INJECT_* hooks once; a no-op when none is set or LLMCLUSTER_TESTING is not 1."""
 
     def __init__(self, rank: int, environ=os.environ):
-        self.nan_steps = _steps(test_hook("LLMCLUSTER_INJECT_NAN_AT_STEP", environ))
-        self.spike_steps = _steps(test_hook("LLMCLUSTER_INJECT_SPIKE_AT_STEP", environ))
+        self.nan_steps = hook_steps(test_hook("LLMCLUSTER_INJECT_NAN_AT_STEP", environ))
+        self.spike_steps = hook_steps(test_hook("LLMCLUSTER_INJECT_SPIKE_AT_STEP", environ))
         self.sleeps = per_rank(test_hook("LLMCLUSTER_INJECT_SLEEP", environ), rank)
         self.sleep_until = test_hook("LLMCLUSTER_INJECT_SLEEP_UNTIL", environ)
         self.busy = per_rank(test_hook("LLMCLUSTER_INJECT_BUSY", environ), rank)
@@ -204,16 +196,6 @@ class BusyTimer:
             return self._host
         self._end.synchronize()   # already complete after the step's sync: a no-op that makes the read safe
         return self._begin.elapsed_time(self._end) / 1e3      # ms -> s
-
-
-def per_rank(spec: str, rank: int) -> list[tuple[float, set[int] | None]]:
-    """'rank:seconds[:steps],...' -> [(seconds, steps or None for every step)] of this rank."""
-    out = []
-    for item in filter(None, spec.split(",")):
-        fields = item.split(":")
-        if int(fields[0]) == rank:
-            out.append((float(fields[1]), _steps(fields[2].replace(";", ",")) if len(fields) > 2 else None))
-    return out
 
 
 def young_daly_steps(save_s: float, mtbf_s: float, step_s: float) -> tuple[float, int]:

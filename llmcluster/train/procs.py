@@ -19,13 +19,13 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from llmcluster.errors import EXIT_FAILURE, EXIT_FT_DROPPED, EXIT_PREEMPTED, EXIT_USAGE, UserError
+from llmcluster.errors import EXIT_FAILURE, EXIT_FT_DROPPED, EXIT_FT_NO_QUORUM, EXIT_PREEMPTED, EXIT_USAGE, UserError
 from llmcluster.storage import exit_reason
 
 LAUNCHED_ENV = "TORCHELASTIC_RUN_ID"      # set for every rank a torch launcher starts
 # An exit-reason word (storage/exit_reason.py) -> the exit code the ranks left with.
 REASON_CODES = {"completed": 0, "preempted": EXIT_PREEMPTED, "fatal": EXIT_USAGE, "failed": EXIT_FAILURE,
-                "dropped": EXIT_FT_DROPPED}
+                "dropped": EXIT_FT_DROPPED, "no_quorum": EXIT_FT_NO_QUORUM}
 
 
 def under_launcher() -> bool:
@@ -107,7 +107,7 @@ def _code_from_reasons(reasons: Path, nprocs: int) -> int:
         except (OSError, IndexError):
             words.append("failed")   # killed outright after the agent's grace period: nothing written
     codes = {REASON_CODES.get(w, EXIT_FAILURE) for w in words}
-    for code in (EXIT_USAGE, EXIT_FAILURE, EXIT_PREEMPTED, EXIT_FT_DROPPED):   # the worst first
+    for code in (EXIT_USAGE, EXIT_FAILURE, EXIT_PREEMPTED, EXIT_FT_NO_QUORUM, EXIT_FT_DROPPED):   # the worst first
         if code in codes:
             return code
     return 0

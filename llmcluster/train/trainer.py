@@ -26,7 +26,7 @@ from llmcluster.config.load import saved_config_dict
 from llmcluster.config.schema import JobConfig
 from llmcluster.data.dataset import META, data_sources, open_training_data
 from llmcluster.data.prefetch import Prefetcher
-from llmcluster.errors import EXIT_FT_DROPPED, EXIT_PREEMPTED, UserError
+from llmcluster.errors import EXIT_FT_DROPPED, EXIT_FT_NO_QUORUM, EXIT_PREEMPTED, UserError
 from llmcluster.model import flops_per_token, param_count
 from llmcluster.model.llama import cross_entropy_sum
 from llmcluster.config.cluster_load import storage_root
@@ -43,8 +43,8 @@ from llmcluster.train.hf_import import load_hf_weights, resolve_model_config
 from llmcluster.train.health import (BusyTimer, CollectiveFailure, FaultInjector, LossSpikeDetector, SampleLog,
                                      is_collective_error, young_daly_steps)
 from llmcluster.train.evaluate import Evaluator
-from llmcluster.train import ft
-from llmcluster.train.ft_quorum import RunFinished, StopAsked
+from llmcluster.ft import group as ft
+from llmcluster.ft.quorum import RunFinished, StopAsked
 from llmcluster.storage.events import EventLog
 from llmcluster.train.metrics import device_peak_flops, peak_note, record_step
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
@@ -92,7 +92,7 @@ class Trainer:
         self.ckpt = ft.checkpointer(cfg, Checkpointer(self.storage, cfg.run.name, env.rank, env.world_size,
                                  cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, log=self.log,
                                  lock_stale_s=cfg.checkpoint.lock_stale_s, dist_timeout_s=cfg.dist.timeout_s))
-        env.writer = self.ckpt.claim()   # ft: False in a group that reads (train/ft_writer.py)
+        env.writer = self.ckpt.claim()   # ft: False in a group that reads (ft/writer.py)
         self.events = EventLog(self.storage.run_logs(cfg.run.name), env.is_main)
         try:
             self._build(resume, foreign_ok)
@@ -319,7 +319,7 @@ class Trainer:
         try:
             with GarbageCollection(self.cfg.train.gc_interval) as self.gc:  # at the same steps on every rank
                 return self._fit()
-        except RunFinished as e:   # an ft group back after the run ended (ft_quorum.py)
+        except RunFinished as e:   # an ft group back after the run ended (ft/quorum.py)
             self.log(str(e))
             return 0
         except StopAsked:          # a stop signal while an ft group waited for its quorum
@@ -331,35 +331,43 @@ class Trainer:
 
     def _fit(self) -> int:
         cfg, t = self.cfg, self.cfg.train
-        last_step = min(t.steps, t.stop_at) if t.stop_at else t.steps
+        last_step = t.last_step
         if self.step >= last_step:
             self.log(f"run {cfg.run.name}: already at step {self.step} of {last_step}; nothing to do")
             self.events.noop(f"already at step {self.step} of {last_step}; nothing to do")
             return 0
         self._announce()
         self.model.train()
+        if self.ft:   # a group that makes no progress leaves (ft/watchdog.py)
+            self.ft.watchdog.start()
         while self.step < last_step:
             t0 = time.perf_counter()
             self.gc.step(self.step + 1)
             loss, norm, applied = self.train_step()
-            if self.ft and not self.ft.committed:   # not applied: the same batch again (ft.py), unless told to stop
+            if self.ft and not self.ft.committed:   # not applied: the same batch again (ft/group.py), unless told to stop
                 if D.all_reduce_max(1.0 if self.preempt.set else 0.0, self.env) > 0:
                     return self._preempted(False)
                 continue
             self.step += 1
+            if self.ft:
+                self.ft.watchdog.committed(self.step)
             self._time_step(time.perf_counter() - t0)
             self._check_bad_step(loss, norm, applied)
             final = self.step == last_step
-            val = self.evaluator(self.step) if self.evaluator.due(self.step) else {}
-            if self.metrics.due(self.step) or val or final:
-                self._record(loss, norm, val)
-            saved = self._checkpoint(final)
+            with self._suspended():   # an evaluation and a checkpoint have deadlines of their own
+                val = self.evaluator(self.step) if self.evaluator.due(self.step) else {}
+                if self.metrics.due(self.step) or val or final:
+                    self._record(loss, norm, val)
+                saved = self._checkpoint(final)
             # One agreement per step: 2 = rank 0 lost the owner lock (stop, write nothing), 1 = a stop signal.
             stop = D.all_reduce_max(2.0 if self.ckpt.heartbeat() else 1.0 if self.preempt.set else 0.0, self.env)
             if stop >= 2:
                 raise self.ckpt.lost_error()
             if stop > 0 or (self.ft and self.ft.leaving):   # ft: dropped as a straggler (ft.py), started again later
                 return self._preempted(saved) if stop > 0 else EXIT_FT_DROPPED
+        if self.ft:   # the writer records the run's end for every group still to come (ft/quorum.py)
+            self.ft.watchdog.stop()
+            self.ft.record_end()
         self.log(f"run {cfg.run.name}: finished step {self.step}; checkpoints in "
                  f"{self.storage.run_checkpoints(cfg.run.name)}")
         return 0
@@ -380,6 +388,10 @@ class Trainer:
         self.step_times: list[float] = []   # since the last record (their median is reported)
         self.busy: list[float] = []
         self.recent_dt: collections.deque[float] = collections.deque(maxlen=20)   # interval=auto's step time
+
+    def _suspended(self):
+        """ft: the watchdog suspended (ft/watchdog.py); otherwise nothing."""
+        return self.ft.watchdog.suspended() if self.ft else contextlib.nullcontext()
 
     def _time_step(self, dt: float) -> None:
         self.dt = dt
@@ -425,6 +437,8 @@ class Trainer:
     def _preempted(self, saved: bool) -> int:
         """Every rank agreed on the stop flag: checkpoint within the grace period, exit for requeue."""
         deadline = (self.preempt.at or time.time()) + self.cfg.checkpoint.grace_period_s
+        if self.ft:   # a stop's checkpoint is bounded by checkpoint.grace_period_s
+            self.ft.watchdog.stop()
         self._log_saved(self.ckpt.wait_pending())
         if not saved and self.save(deadline=deadline) is None:
             self.log(f"preempted at step {self.step}: no checkpoint within checkpoint.grace_period_s="
@@ -492,7 +506,9 @@ def train_cli(args, cfg: JobConfig) -> int:   # cfg: loaded from args by cli/tra
         exit_reason.write("fatal", str(e))
         raise
     except BaseException as e:  # NCCL timeout, a lost peer, ...: the launcher may requeue
-        exit_reason.write("failed", f"{type(e).__name__}: {e}")
+        # ft: a group that gave up waiting for the others' quorum is not charged for it (launch/ft_local.py)
+        word = "no_quorum" if getattr(e, "exit_code", None) == EXIT_FT_NO_QUORUM else "failed"
+        exit_reason.write(word, f"{type(e).__name__}: {e}")
         raise
     finally:
         if trainer is not None:

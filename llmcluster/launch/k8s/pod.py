@@ -115,7 +115,7 @@ def tolerations(k) -> list | None:
 
 
 def metrics_ports(spec: LaunchSpec, group: int = 0) -> list[int]:
-    """The ports a pod's ranks serve metrics on, one per local rank: log.metrics' port plus train/ft.py's
+    """The ports a pod's ranks serve metrics on, one per local rank: log.metrics' port plus ft/group.py's
     port_slot, which with ft moves each replica group past the others' (group x procs: groups sharing a host
     keep apart), so a group's pod declares its own."""
     first = spec.metrics_port + (group * spec.job.procs if spec.ft else 0)

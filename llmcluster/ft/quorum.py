@@ -1,13 +1,19 @@
 """An ft group's quorum on a cluster's terms (issues 49, 52): the address the group listens on, who may be in its
-quorum, waiting for one, and the end of the run seen from a group that was away. `self` below is train/ft.py's
+quorum, waiting for one, and the end of the run seen from a group that was away. `self` below is ft/group.py's
 Replica."""
 
 from __future__ import annotations
 
+import json
 import time
 
-from llmcluster.errors import EXIT_FAILURE, RunFailure, UserError
+from llmcluster.errors import EXIT_FAILURE, EXIT_FT_NO_QUORUM, RunFailure, UserError
 from llmcluster.launch.ft_auth import RunKey, shown
+from llmcluster.storage.layout import COMPLETE_MARKER
+from llmcluster.storage.owned import read_text, replace_atomically
+
+# checkpoints/<run>/FINISHED.json: the run's end, decided once (docs/fault-tolerance.md, "Invariants" 2)
+END_RECORD = "FINISHED.json"
 
 
 def own_address(lighthouse_url: str) -> str:
@@ -33,15 +39,15 @@ class StrangerInQuorum(Exception):
 
 
 class QuorumNotFormed(Exception):
-    """The Lighthouse formed no quorum with this group within ft.quorum_timeout_s: asked again (ft.py)."""
+    """The Lighthouse formed no quorum with this group within ft.quorum_timeout_s: asked again (group.py)."""
 
 
 class StopAsked(Exception):
-    """A stop signal came while the group waited for a quorum: the trainer checkpoints and exits (ft.py)."""
+    """A stop signal came while the group waited for a quorum: the trainer checkpoints and exits (group.py)."""
 
 
 class RunFinished(Exception):
-    """The run reached its final step while this group was away: the group ends without training (ft.py)."""
+    """The run reached its final step while this group was away: the group ends without training (group.py)."""
 
 
 QUORUM_TRIES = 10   # quorums not formed in a row before a group gives up (with the default 60 s: 10 minutes)
@@ -105,7 +111,7 @@ def ask_quorum(self) -> None:
             if waits >= QUORUM_TRIES:
                 raise RunFailure(f"ft: group {self.group}: no quorum of ft.min_replicas={t.cfg.ft.min_replicas} "
                                  f"group(s) in {waits} tries of {t.cfg.ft.quorum_timeout_s:g} s "
-                                 f"(ft.quorum_timeout_s): {e}") from None
+                                 f"(ft.quorum_timeout_s): {e}", exit_code=EXIT_FT_NO_QUORUM) from None
             t.log(f"ft: step {t.step + 1}: no quorum of ft.min_replicas={t.cfg.ft.min_replicas} group(s) within "
                   f"{t.cfg.ft.quorum_timeout_s:g} s (ft.quorum_timeout_s); waiting for the others ({waits} of "
                   f"{QUORUM_TRIES})")
@@ -125,16 +131,52 @@ def ask_quorum(self) -> None:
             time.sleep(0.5)
 
 
+def record_end(self) -> None:
+    """Invariant 2's one writer: the group whose own save sealed the run's final step (train.last_step) records
+    it, with its weights' digest, before it says it finished; every later quorum reads it (end_if_finished). A
+    group that did not seal it (a reader, or a writer that found the step committed already) records nothing, so
+    the digest is always the one of the weights in the final checkpoint. Rank 0 alone: the record is one file."""
+    t = self.t
+    final = t.storage.step_dir(t.cfg.run.name, t.step)
+    if t.env.rank != 0 or not t.env.writer or t.ckpt.refused or not (final / COMPLETE_MARKER).is_file():
+        return
+    self.final_digest = self.digest()
+    record = {"step": t.step, "weights_sha256": self.final_digest, "group": self.group, "checkpoint": final.name,
+              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    replace_atomically(t.ckpt.dir / END_RECORD, json.dumps(record) + "\n")
+
+
+def _recorded_end(t) -> tuple[int, str] | None:
+    """(the last step, its weights' digest) when the run has ended above this group's step: this config's last step
+    is committed (its marker: an operator's roll-back moves it aside, and with it the end; an extended run has
+    another last step). The digest is the record's; a writer that died between sealing the step and recording it
+    left none, and the run has ended all the same. A record that is not the caller's own file, not a record's
+    shape or of another step gives no digest: it can only name one, never start or stop a group."""
+    last = t.cfg.train.last_step
+    if t.step >= last or not (t.storage.step_dir(t.cfg.run.name, last) / COMPLETE_MARKER).is_file():
+        return None
+    text, _why = read_text(t.ckpt.dir / END_RECORD)
+    try:
+        record = json.loads(text or "null")
+        if int(record["step"]) == last:
+            return last, str(record["weights_sha256"])
+    except (ValueError, TypeError, KeyError):
+        pass
+    return last, "not recorded: its writer left before recording it"
+
+
 def end_if_finished(self) -> None:
-    """A group that comes back after the run finished (the writer sealed the final step and left) must not
-    train the last steps again alone and write over the run's final checkpoints: it ends here. Decided by
-    the group's rank 0 and shared, so every rank of the group agrees."""
-    from llmcluster.checkpoint.checkpointer import COMPLETE_MARKER
+    """Before every step, in a quorum of any size, and while waiting for one: a group that finds the run's end
+    recorded (a group back after the run finished, or a quorum of late groups) must not train the last steps
+    again and write over the run's final checkpoint: it ends here, naming the writer's digest, not its own.
+    Decided by the group's rank 0 and shared, so every rank of the group agrees."""
     from llmcluster.distributed import process_groups as D
 
     t = self.t
-    final = t.storage.step_dir(t.cfg.run.name, t.cfg.train.steps) / COMPLETE_MARKER
-    if D.all_reduce_max(1.0 if t.env.rank == 0 and final.is_file() else 0.0, t.env) > 0:
-        raise RunFinished(f"ft: group {self.group}: the run finished at step {t.cfg.train.steps} while this "
-                          f"group was away (at step {t.step}): it ends without training; the final checkpoint "
-                          "stays the writer's")
+    end = _recorded_end(t) if t.env.rank == 0 else None
+    if D.all_reduce_max(1.0 if end else 0.0, t.env) > 0:
+        step, digest = end or (t.cfg.train.last_step, "?")   # the line is rank 0's
+        self.ended = True
+        raise RunFinished(f"ft: group {self.group}: the run finished at step {step} (weights sha256 {digest}) "
+                          f"while this group was away (at step {t.step}): it ends without training; the final "
+                          "checkpoint stays the writer's")

@@ -13,7 +13,7 @@ instead:
   * the receiver checks the MAC, then the tree against its own state before anything is copied: the model's names,
     shapes and dtypes exactly, the optimizer's state per parameter (shape and dtype of that parameter, or a scalar),
     and every other key and type. A payload that fails is refused in one line (`refused`): the group stops and its
-    launcher starts it again (train/ft.py).
+    launcher starts it again (ft/group.py).
 A sharded (DTensor) value travels as its local shard: the same rank of the peer group holds the same shard.
 """
 
@@ -50,7 +50,7 @@ class HealRefused(Exception):
 
 
 class _Quiet(logging.Filter):
-    """torchft logs a recovery's exception with its traceback; a refusal is said in one line by train/ft.py."""
+    """torchft logs a recovery's exception with its traceback; a refusal is said in one line by ft/group.py."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info and isinstance(record.exc_info[1], HealRefused))
@@ -226,7 +226,7 @@ class SignedTransport(CheckpointTransport):
 
     def __init__(self, key: RunKey, address: str, timeout: timedelta, template, params, log=print):
         self.key, self.timeout, self.template, self.params, self.log = key, timeout, template, params, log
-        self.refused: str | None = None       # the last payload refused (train/ft.py stops the group on it)
+        self.refused: str | None = None       # the last payload refused (ft/group.py stops the group on it)
         self._lock = threading.Condition()
         self._staged: tuple[int, bytes, str] | None = None   # (step, body, its sha256)
         self._nonces: set[str] = set()

@@ -20,7 +20,7 @@ Data: each group reads its own shard of the global batch (dp_rank = group x dp_s
 committed with fewer groups trains on those groups' shards only (fewer samples; the missing shards are not
 replayed). One group writes checkpoints, events and metrics (group 0 from the start, the run's lock holder); the
 others write nothing but their own log lines; when the writer dies, another group takes the role over
-(train/ft_writer.py).
+(ft/writer.py).
 """
 
 from __future__ import annotations
@@ -31,14 +31,19 @@ import time
 from datetime import timedelta
 
 from llmcluster.errors import RunFailure, UserError
+from llmcluster.ft import writer as ft_writer
+from llmcluster.ft.quorum import (BoundManagerServer, QuorumTap, ask_quorum, end_if_finished, own_address,
+                                  record_end)
+from llmcluster.ft.watchdog import Watchdog, append_event
+from llmcluster.ft.writer import FIRST_WRITER
 from llmcluster.launch.ft_auth import RunKey, secret_from_env, shown
 from llmcluster.launch.ft_local import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, NOT_INSTALLED, REJOIN_ENV
 from llmcluster.testing import test_hook
-from llmcluster.train import ft_writer
-from llmcluster.train.ft_quorum import BoundManagerServer, QuorumTap, ask_quorum, end_if_finished, own_address
-from llmcluster.train.ft_writer import FIRST_WRITER
 SLOW_GROUP_ENV = "LLMCLUSTER_TEST_FT_SLOW_GROUP"
 SLOW_START_ENV = "LLMCLUSTER_TEST_FT_SLOW_START_S"   # test hook: seconds a restarted group waits before its quorum
+# Test hook: group:step[,group:step...]: the group's training thread blocks before that step's all-reduce while its
+# process lives (a stuck kernel); once per group, not in a restart (ft/watchdog.py must end it).
+HANG_ENV = "LLMCLUSTER_TEST_FT_HANG_AT_STEP"
 TIMINGS = ("quorum", "copy", "allreduce", "commit")   # ft's parts of a step, timed on every rank (metrics ft_s)
 
 
@@ -106,7 +111,7 @@ class Replica:
     def __init__(self, trainer):
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
-        from llmcluster.train.ft_transport import SignedTransport
+        from llmcluster.ft.transport import SignedTransport
 
         self.t = trainer
         cfg, env = trainer.cfg, trainer.env
@@ -158,12 +163,24 @@ class Replica:
         self.busy: list[float] | None = None
         self.slow_steps = [0] * self.groups
         self.leaving: str | None = None
-        # The writer's role (ft_writer.py): the groups in this step's quorum, and every group's entry after the
+        self.ended = False                    # the run's end found recorded: this group said so, and trained none
+        self.final_digest: str | None = None  # the weights of the final step, as recorded (quorum.record_end)
+        # The writer's role (writer.py): the groups in this step's quorum, and every group's entry after the
         # step's all-reduce.
         self.role = ft_writer.WriterRole(trainer, self.group, self.groups)
         self.present = [self.group]
         self.writers = None
         self.timings: dict[str, list[float]] = {k: [] for k in TIMINGS}   # this rank's ft seconds, each step
+        # A group that makes no progress leaves (watchdog.py): started with the training loop (Trainer._fit).
+        self.watchdog = Watchdog(group=self.group, timeout_s=cfg.ft.timeout_s,
+                                 first_step_deadline_s=cfg.ft.first_step_deadline_s,
+                                 step_deadline_s=cfg.ft.step_deadline_s, on_expiry=self._hung, log=trainer.log)
+
+    def _hung(self, step: int, waited: float, deadline: float) -> None:
+        """The watchdog's record, before it kills this process: the group that hung is the one named."""
+        t = self.t
+        append_event(t.storage.run_logs(t.cfg.run.name), "hang", step, group=self.group, rank=t.env.rank,
+                     waited_s=round(waited, 3), deadline_s=round(deadline, 3))
 
     def take_timings(self) -> dict[str, float]:
         """The median seconds of each of ft's parts of a step since the last call (the metrics record's ft_s)."""
@@ -174,7 +191,7 @@ class Replica:
 
     # -- the state a healing peer copies -----------------------------------------------------------
     def _state(self) -> dict:
-        from llmcluster.train.ft_transport import tensor_bytes
+        from llmcluster.ft.transport import tensor_bytes
 
         self.send_t0 = time.perf_counter()   # the sender's own time of the send starts here (start_step)
         state = self._own_state()
@@ -182,7 +199,7 @@ class Replica:
         return state
 
     def _own_state(self) -> dict:
-        """What a healing peer copies; also what a payload received is checked against (ft_transport.checked)."""
+        """What a healing peer copies; also what a payload received is checked against (transport.checked)."""
         t = self.t
         return {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(), "step": t.step,
                 "train": t.train_state(), "slow_steps": list(self.slow_steps)}
@@ -221,7 +238,8 @@ class Replica:
         t0 = time.perf_counter()
         step_before = t.step
         self.send_t0 = None
-        ask_quorum(self)
+        with self.watchdog.suspended():   # bounded by ft.quorum_timeout_s x QUORUM_TRIES and ft.timeout_s (a heal)
+            ask_quorum(self)
         if self.transport.refused:   # a payload that failed its proof or its check: the group starts again
             q = self.tap.last
             peer = shown(q.replica_ids[q.recover_src_replica_rank]) if q and q.recover_src_replica_rank is not None \
@@ -229,8 +247,7 @@ class Replica:
             raise RunFailure(f"ft: group {self.group} refused the heal from replica {peer} at step {t.step}: "
                              f"{self.transport.refused}; the group stops and its launcher starts it again")
         q = self.tap.last
-        if q is not None and len(q.replica_ids) == 1 and self.groups > 1:   # alone: has the run ended without us?
-            end_if_finished(self)
+        end_if_finished(self)   # every quorum, of any size: has the run ended without us? (invariant 2)
         now = time.perf_counter()
         heal_s = now - t0
         send_s = now - self.send_t0 if self.send_t0 is not None else 0.0
@@ -269,13 +286,14 @@ class Replica:
         """Gradients and the loss, averaged over the groups in the quorum (one flat all-reduce). With
         ft.straggler_steps, the same all-reduce carries every group's compute time (`busy_s()`, this rank's; read
         only then: on CUDA it waits for the forward's end event) in a slot of its own, and every group's writer
-        entry (ft_writer.py)."""
+        entry (writer.py)."""
         import torch
 
         grads = [getattr(p.grad, "_local_tensor", p.grad) for p in model.parameters() if p.grad is not None]
         slots = torch.zeros(self.groups if self.t.cfg.ft.straggler_steps else 0, device=loss.device)
         if slots.numel():
             slots[self.group] = self._slow_hook(self.t.step + 1) or busy_s()
+        self._hang_hook(self.t.step + 1)
         writers = torch.zeros(self.groups, device=loss.device)
         writers[self.group] = self.role.entry()
         t0 = time.perf_counter()
@@ -318,11 +336,26 @@ class Replica:
         self.busy = self.writers = None
         return self.committed
 
+    def _hang_hook(self, step: int) -> None:
+        """Test hook (LLMCLUSTER_TESTING=1): LLMCLUSTER_TEST_FT_HANG_AT_STEP=group:step, the training thread blocked
+        for good before the step's all-reduce while the process (and torchft's heartbeat) lives; not in a group
+        started again (REJOIN)."""
+        spec = test_hook(HANG_ENV)
+        if not spec or os.environ.get(REJOIN_ENV) == "1":
+            return
+        for item in filter(None, spec.split(",")):
+            g, _, at = item.partition(":")
+            if int(g) == self.group and int(at) == step:
+                self.t.log(f"ft: group {self.group} hangs at step {step} (test hook {HANG_ENV})")
+                import threading
+
+                threading.Event().wait()   # forever: only the watchdog (or a kill) ends it
+
     def _slow_hook(self, step: int) -> float | None:
         """Test hook (LLMCLUSTER_TESTING=1): LLMCLUSTER_TEST_FT_SLOW_GROUP=group:seconds[:steps], the compute time a
         group reports (its ranks are all rank 0..P-1 of their own world, so LLMCLUSTER_INJECT_BUSY cannot single
         one group out)."""
-        from llmcluster.train.health import per_rank
+        from llmcluster.testing import per_rank
 
         for seconds, steps in per_rank(test_hook(SLOW_GROUP_ENV), self.group):
             if steps is None or step in steps:
@@ -331,7 +364,7 @@ class Replica:
 
     def _judge_stragglers(self, busy: list[float]) -> None:
         """After a committed step: count each group's slow steps; the slowest group over ft.straggler_steps in a
-        row leaves the quorum (never below ft.min_replicas; a writer's role passes to a peer, ft_writer.py). Every
+        row leaves the quorum (never below ft.min_replicas; a writer's role passes to a peer, writer.py). Every
         rank of every group sees the same all-reduced times and counts, so all take the same decision; the dropped
         group leaves after this step (`leaving`), the writer records it (ft_straggler)."""
         t, ft = self.t, self.t.cfg.ft
@@ -356,9 +389,14 @@ class Replica:
         if g == self.group:
             self.leaving = line
 
+    def record_end(self) -> None:
+        record_end(self)
+
     def shutdown(self, reason: str | None) -> None:
-        if reason == "completed":   # the replicas' agreement, checkable from their logs (the tests compare them)
-            self.t.log(f"ft: group {self.group} finished at step {self.t.step}, weights sha256 {self.digest()}")
+        self.watchdog.stop()
+        if reason == "completed" and not self.ended:   # the replicas' agreement, checkable from their logs (the
+            digest = self.final_digest or self.digest()  # tests compare them); a group that ended said the writer's
+            self.t.log(f"ft: group {self.group} finished at step {self.t.step}, weights sha256 {digest}")
         elif reason == "dropped" and self.role.mine:   # a peer takes the role over: the attempt goes on there
             self.t.events.hand_over()                   # (no exit line), and close() releases the lock for it
         self.manager.shutdown(wait=False)
@@ -376,5 +414,5 @@ class Replica:
 
 def checkpointer(cfg, ckpt):
     """A group's checkpointer: every group reads checkpoints (a full stop resumes every group from the same one);
-    one writes them (ft_writer.py)."""
+    one writes them (writer.py)."""
     return ft_writer.checkpointer(group()[0], ckpt) if cfg.ft.enabled else ckpt
