@@ -4,7 +4,6 @@ real processes (gloo, 2 groups, the Lighthouse, the supervisor)."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 
