@@ -88,15 +88,23 @@ def key_lines(job: ServeJob, fail: str) -> list[str]:
             f"export PYTHONPATH={shell_word(job.launch_dir)}"]
 
 
+def env_lines(job: ServeJob, fail: str) -> list[str]:
+    """The engine's variables exported, its key read (key_lines), then the allow-list the server runs under
+    (engine.allow_list_lines): what this script exported and the few of the caller's the engine needs."""
+    env = eng.environment(job.engine)
+    lines = [f"export {k}={shell_word(v)}" for k, v in env.items()] + key_lines(job, fail)
+    exported = [*env, *((auth.ENV, "PYTHONPATH") if job.key_file is not None else ())]
+    return lines + eng.allow_list_lines(exported)
+
+
 # -- local: a detached process ------------------------------------------------------------------------------------
 
 def render_local(job: ServeJob) -> str:
     lines = ["#!/bin/bash", f"# llmcluster serve start: {comment_text(job.served)} as job {comment_text(job.name)} "
              "on this machine",
              "set -euo pipefail", "umask 027"]
-    lines += [f"export {k}={shell_word(v)}" for k, v in eng.environment(job.engine).items()]
-    lines += key_lines(job, "exit 1")
-    lines.append("exec " + shell_join(job.argv()))
+    lines += env_lines(job, "exit 1")
+    lines.append("exec " + eng.ENGINE_PREFIX + shell_join(job.argv()))
     return "\n".join(lines) + "\n"
 
 
@@ -131,8 +139,7 @@ def render_slurm(job: ServeJob, time_limit: str | None, partition: str | None) -
     if partition is not None:
         head.append(f"#SBATCH --partition={directive_value(partition, '--partition')}")
     head += ["", "set -uo pipefail", "umask 027"]
-    head += [f"export {k}={shell_word(v)}" for k, v in eng.environment(job.engine).items()]
-    head += key_lines(job, "{ echo \"[llmcluster] cannot read the API key file\" >&2; exit 1; }")
+    head += env_lines(job, "{ echo \"[llmcluster] cannot read the API key file\" >&2; exit 1; }")
     # the port is the batch shell's $port, found free on the node at run time
     server = shell_join(job.argv(host="0.0.0.0", port=ShellVar("$port")))
     body = [
@@ -140,7 +147,7 @@ def render_slurm(job: ServeJob, time_limit: str | None, partition: str | None) -
         'addr=$(scontrol show node -o "$SLURMD_NODENAME" | tr " " "\\n" | sed -n "s/^NodeAddr=//p")',
         'addr=${addr:-$(hostname)}',
         f'port=$({shell_word(py)} -c {shell_word(FREE_PORT)} {job.port})',
-        f"{server} &",
+        f"{eng.ENGINE_PREFIX}{server} &",
         "server=$!",
         "trap 'kill -TERM \"$server\" 2>/dev/null' TERM INT",
         'url="http://$addr:$port"',
