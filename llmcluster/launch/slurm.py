@@ -54,7 +54,10 @@ def render(spec: LaunchSpec) -> str:
     ]
     if spec.ft:   # a lost node ends its steps only: the dead group moves to a spare node (launch/slurm_ft.py)
         head += [f"# ft: {spec.ft.spare_nodes} spare node(s) (ft.spare_nodes) after the groups' {j.nodes}",
-                 "#SBATCH --no-kill"]
+                 "#SBATCH --no-kill",
+                 # its fence (launch/fence.py) admits every process on the job's nodes: no other job shares them
+                 # (another user's job there would reach the unauthenticated TCPStores and the Lighthouse's kill)
+                 "#SBATCH --exclusive"]
     if j.gpus_per_node:
         head.append(f"#SBATCH --gpus-per-node={j.gpus_per_node}")
     if j.cpus_per_node:
