@@ -12,7 +12,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from test_serve_start import serve_job
 
 VICTIM, ATTACKER = 64011, 64012     # uids of no account: setpriv runs as them (root only)
@@ -44,7 +43,7 @@ def lay_out(job, owner: int | None = None) -> None:
 def run(script: str, uid: int | None = None) -> subprocess.CompletedProcess:
     pre = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None else []
     return subprocess.run([*pre, "bash", "-c", script], capture_output=True, text=True, timeout=30,
-                          env={"PATH": "/usr/bin:/bin"})
+                          env={"PATH": "/usr/bin:/bin"}, check=False)
 
 
 def refused(p: subprocess.CompletedProcess, needle: str) -> None:

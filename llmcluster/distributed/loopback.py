@@ -19,6 +19,7 @@ import socket
 import sys
 
 from llmcluster.distributed import LOOPBACK_FLAG as ENV
+
 # TCPStore's parameters in order (torch 2.13's pybind signature), for the positional callers
 PARAMS = ("host_name", "port", "world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant",
           "master_listen_fd", "use_libuv")
