@@ -167,3 +167,23 @@ def show_value(value: str, limit: int = 80) -> str:
     """A value as an error line shows it: repr (escapes visible), cut to `limit` characters."""
     r = repr(value)
     return r if len(r) <= limit else r[:limit] + f"...' ({len(value)} characters)"
+
+
+# -- a batch script's checks at start: a queued job runs long after the launch, on files others may have touched --
+def refuse_unless(condition: str, message: str) -> str:
+    """One bash line: `condition`, else `message` (one line on stderr) and exit 2, before anything is run."""
+    return f"{condition} || {{ echo {shell_word(message)} >&2; exit 2; }}"
+
+
+def sha256_check(path, expected: str, message: str) -> str:
+    """`path`'s sha256 is `expected` (a shell expression: a variable the script set from the launch's record)."""
+    return refuse_unless(f"[ \"$(sha256sum < {shell_word(path)} 2>/dev/null | cut -d ' ' -f 1)\" = {expected} ]",
+                         message)
+
+
+def owned_check(path, message: str, kind: str = "-f") -> str:
+    """`path` is the caller's own (the script's effective uid) and no link: a regular file (-f) or a directory
+    (-d), as storage/owned.py's rule asks of what a job reads or writes in a shared area. One `[` (its -a joins
+    the tests; `path` is absolute, never taken for an operator): the line's first command is the only one."""
+    p = shell_word(path)
+    return refuse_unless(f"[ {kind} {p} -a ! -L {p} -a -O {p} ]", message)

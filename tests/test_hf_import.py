@@ -203,3 +203,51 @@ def test_lora_with_tensor_parallelism_is_refused():
 
     with pytest.raises(UserError, match="train.lora with parallel.tp > 1"):
         load_job_config(None, ["train.lora={rank: 2}", "parallel.tp=2"])
+
+
+@pytest.mark.parametrize("entry", ["ABS", "../outside.safetensors", "sub/x.safetensors", "LINK"])
+def test_an_index_entry_outside_the_base_is_one_line(hf, tmp_path, capsys, entry):
+    """Issue 65: a base's model.safetensors.index.json names files of the base only: an absolute entry, a `../`
+    one, a subdirectory (outside the fingerprint's files) or a link out would read any safetensors file the user
+    can read. One line (exit 2), before a weight is loaded."""
+    import shutil
+
+    from llmcluster.checkpoint.nf4_base import weight_map
+    from llmcluster.errors import UserError
+
+    base = shutil.copytree(hf["model"], tmp_path / "base")
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(next(base.glob("model-*.safetensors")), outside)
+    if entry == "LINK":
+        (base / "linked.safetensors").symlink_to(outside)
+        entry = "linked.safetensors"
+    entry = str(outside) if entry == "ABS" else entry
+    index = json.loads((base / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: entry for k in index["weight_map"]}
+    (base / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError, match="outside"):
+        weight_map(base)
+    p = cli_inprocess(capsys, "train", "--root", hf["root"], "--resume", "never",
+                      *job(base, "idx-out", "train.steps=1"))
+    assert_one_line_error(p, "model.safetensors.index.json: weight_map entry")
+
+
+def test_the_index_is_in_the_base_fingerprint_and_old_checkpoints_still_compare(hf, tmp_path):
+    """The index's sha256 is a fingerprint field of its own (which hashed file each weight is read from); a
+    checkpoint written before it existed has no such field and is not compared on it."""
+    import shutil
+
+    from llmcluster.checkpoint.fingerprint import base_index_sha256, check_fingerprint
+    from llmcluster.errors import UserError
+
+    base = shutil.copytree(hf["model"], tmp_path / "base")
+    before = base_index_sha256(base)
+    index = base / "model.safetensors.index.json"
+    index.write_text(index.read_text() + "\n")
+    now = {"n_layers": 2, "base_index": base_index_sha256(base)}
+    assert now["base_index"] != before and len(before) == 16
+    assert check_fingerprint(base, {"fingerprint": {"n_layers": 2}}, now, "r") is None     # older: not compared
+    with pytest.raises(UserError, match="model.safetensors.index.json sha256"):
+        check_fingerprint(base, {"fingerprint": {"n_layers": 2, "base_index": before}}, now, "r")
+    index.unlink()
+    assert base_index_sha256(base) == "none"

@@ -77,6 +77,15 @@ def test_ft_sbatch_starts_the_lighthouse_and_one_step_per_group(tmp_path):
         in script
 
 
+def test_ft_jobs_hold_their_nodes_exclusively(tmp_path):
+    """Issue 65: the fence admits every process on an ft job's nodes, so no other job shares them; a job without
+    ft keeps Slurm's default."""
+    assert "#SBATCH --exclusive" in ft_script(tmp_path).splitlines()
+    plain = dry(tmp_path / "p", "--nodes", "2")
+    assert plain.returncode == 0, plain.stderr
+    assert "--exclusive" not in plain.stdout
+
+
 def test_ft_groups_split_the_nodes_and_run_beside_the_lighthouse(tmp_path):
     script = ft_script(tmp_path)
     out, log = run_batch_script(tmp_path, script, fakes=FT_FAKES)

@@ -101,8 +101,8 @@ def test_apply_one_local_node_brings_up_slurm_and_is_idempotent(base):
     assert recap(first.stdout)["changed"] > 0
     # the storage layout: datasets readable by the worker group, the other areas writable
     root = base / "storage"
-    for area, mode in (("datasets", 0o2755), ("datasets/code", 0o2755), ("checkpoints", 0o2775),
-                       ("logs", 0o2775), ("models", 0o2775), ("scratch", 0o2775)):
+    for area, mode in (("datasets", 0o2755), ("datasets/code", 0o2755), ("checkpoints", 0o3775),
+                       ("logs", 0o3775), ("models", 0o3775), ("scratch", 0o3775)):
         st = (root / area).stat()
         assert st.st_mode & 0o7777 == mode, area
         assert st.st_gid == __import__("grp").getgrnam("llmusers").gr_gid

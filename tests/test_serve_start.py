@@ -411,3 +411,69 @@ def test_cancel_of_a_pid_that_leads_no_group_is_one_line(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def engine_environment(tmp_path: Path, caller: dict[str, str], scheduler: str = "local") -> dict[str, str]:
+    """The environment the rendered script's server gets (a stand-in that prints it), run by bash under `caller`'s
+    environment (for Slurm: the script's engine lines with the scontrol/health loop left out)."""
+    import dataclasses
+
+    from llmcluster.serve.engine import Engine
+    from llmcluster.serve.start import render_local
+
+    fake = tmp_path / "server"
+    fake.write_text("#!/bin/sh\nenv -0\n")
+    fake.chmod(0o755)
+    job = dataclasses.replace(serve_job(tmp_path), engine=Engine(str(fake), "0", cpu=True))
+    job.logs.mkdir(parents=True, exist_ok=True)
+    (job.logs / "api_key").write_text("s3cret-key\n")
+    out = subprocess.run(["bash", "-c", render_local(job)], capture_output=True, text=True, timeout=30,
+                         env={"PATH": "/usr/bin:/bin", **caller}, check=True).stdout
+    return dict(kv.split("=", 1) for kv in out.split("\0") if kv)
+
+
+def test_the_engine_gets_an_allow_listed_environment_not_the_callers(tmp_path):
+    """Issue 65: a caller's SAGEMAKER_*/CUSTOM_* (the engine's SageMaker bootstrap imports code and places
+    middleware from them) or PYTHONPATH never reaches the engine; what the script sets and CUDA_* do."""
+    from llmcluster.serve.start import render_slurm
+
+    caller = {"SAGEMAKER_MODEL_PATH": "/tmp/x", "CUSTOM_FASTAPI_PING_HANDLER": "evil:ping", "PYTHONPATH": "/tmp/x",
+              "CUDA_VISIBLE_DEVICES": "0,1", "LC_ALL": "C", "HOME": "/root", "VLLM_PLUGINS": "evil"}
+    env = engine_environment(tmp_path, caller)
+    assert not {"SAGEMAKER_MODEL_PATH", "CUSTOM_FASTAPI_PING_HANDLER", "VLLM_PLUGINS"} & set(env), env
+    assert env["PYTHONPATH"] != "/tmp/x" and env["VLLM_API_KEY"] == "s3cret-key"
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["GLOO_SOCKET_IFNAME"] == "lo" and env["LC_ALL"] == "C"
+    # the Slurm script starts its server the same way (sbatch --export=ALL hands it the submitter's environment)
+    text = render_slurm(serve_job(tmp_path, scheduler="slurm"), None, None)
+    assert 'env -i "${engine_env[@]}" /usr/bin/python3 -m vllm' in text and "compgen -e" in text
+
+
+def pinned_engine_site() -> Path | None:
+    from llmcluster.serve.engine import built_venvs
+
+    for python in built_venvs():
+        for site in python.parent.parent.glob("lib/python3*/site-packages"):
+            if (site / "model_hosting_container_standards").is_dir():
+                return site
+    return None
+
+
+def test_no_variable_the_pinned_engines_sagemaker_bootstrap_reads_reaches_it(tmp_path):
+    """Every upper-case string of the pinned engine's SageMaker bootstrap (model_hosting_container_standards and
+    vllm's sagemaker router: the names it reads, the prefixes it scans) set in the caller's environment: none
+    reaches the engine."""
+    import ast
+    import re
+
+    site = pinned_engine_site()
+    if site is None:
+        pytest.skip("no `make vllm` engine venv with model_hosting_container_standards on this machine")
+    names = set()
+    for d in (site / "model_hosting_container_standards", site / "vllm" / "entrypoints" / "serve" / "sagemaker"):
+        for f in d.rglob("*.py"):
+            names |= {n.value for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.Constant)
+                      and isinstance(n.value, str) and re.fullmatch(r"[A-Z][A-Z0-9_]{2,}", n.value)}
+    assert {"SAGEMAKER_MODEL_PATH", "CUSTOM_SCRIPT_FILENAME", "SAGEMAKER_"} <= names     # the bootstrap was read
+    caller = {n + "X" if n.endswith("_") else n: "planted" for n in names}
+    env = engine_environment(tmp_path, caller)
+    assert not {k for k, v in env.items() if v == "planted"}, env

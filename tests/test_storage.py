@@ -12,6 +12,22 @@ def test_init_creates_layout_and_is_idempotent(tmp_path: Path):
     assert "0 directories created" in again.stdout
 
 
+def test_init_makes_the_shared_areas_sticky(tmp_path: Path):
+    """Issue 65: only an entry's owner renames or removes it in checkpoints/, logs/, models/, scratch/ (a group
+    member cannot put their own logs/<name> in place of another's); datasets/ is not shared that way. An existing
+    root gets it too."""
+    import stat
+
+    root = tmp_path / "s"
+    (root / "logs").mkdir(parents=True)
+    (root / "logs").chmod(0o2775)
+    run_cli("storage", "init", "--root", root, check=True)
+    for d in ("checkpoints", "logs", "models", "scratch"):
+        assert (root / d).stat().st_mode & stat.S_ISVTX, d
+    assert (root / "logs").stat().st_mode & 0o7777 == 0o3775
+    assert not (root / "datasets").stat().st_mode & stat.S_ISVTX
+
+
 def test_root_from_env_then_config(tmp_path: Path):
     from conftest import cli_env
     env_root = tmp_path / "from_env"

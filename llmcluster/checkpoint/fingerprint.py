@@ -23,9 +23,11 @@ FINGERPRINT = "fingerprint"   # its key in train_state.json
 KEYS = {"n_layers": "model.n_layers", "d_model": "model.d_model", "n_heads": "model.n_heads",
         "n_kv_heads": "model.n_kv_heads", "ffn_hidden": "model.ffn_hidden", "vocab_size": "model.vocab_size",
         "tie_embeddings": "model.tie_embeddings", "tokenizer": "tokenizer.json sha256", "optimizer": "optimizer",
-        "lora": "train.lora", "base_weights": "train.init_from's weights sha256", "pipeline_stages": "pipeline stages", "ft_groups": "ft replica groups"}
+        "lora": "train.lora", "base_weights": "train.init_from's weights sha256",
+        "base_index": "train.init_from's model.safetensors.index.json sha256", "pipeline_stages": "pipeline stages", "ft_groups": "ft replica groups"}
 MODEL = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings")
-LAYOUT = ("pipeline_stages", "ft_groups")   # recorded, resharded by DCP: never refused
+LAYOUT = ("pipeline_stages", "ft_groups")
+BASE_INDEX = "model.safetensors.index.json"   # a sharded HF base's map from weight to file   # recorded, resharded by DCP: never refused
 
 
 def run_fingerprint(cfg, tokenizer: str | None = None, **more) -> dict:
@@ -41,6 +43,8 @@ def run_fingerprint(cfg, tokenizer: str | None = None, **more) -> dict:
         fp["tokenizer"] = tokenizer
     if lora is not None and lora.base_precision == "nf4" and cfg.train.init_from:
         fp["base_weights"] = base_weights_sha256(Path(cfg.train.init_from))
+        # which file each weight is read from; a checkpoint without this field (older) is not compared on it
+        fp["base_index"] = base_index_sha256(Path(cfg.train.init_from))
     return {**fp, **more}
 
 
@@ -53,6 +57,15 @@ def base_weights_sha256(path: Path) -> str:
 
     files = sorted(path.glob("*.safetensors"))
     return hashlib.sha256(" ".join(f"{f.name}:{sha256_file(f)}" for f in files).encode()).hexdigest()[:16]
+
+
+def base_index_sha256(path: Path) -> str:
+    """sha256 of the base's model.safetensors.index.json (16 hex digits), "none" without one: the index says which
+    of the hashed files each weight comes from, so a remapped index is another base."""
+    from llmcluster.storage.layout import sha256_file
+
+    index = path / BASE_INDEX
+    return sha256_file(index)[:16] if index.is_file() else "none"
 
 
 def _lora(lora) -> str | None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from llmcluster.checkpoint.fingerprint import BASE_INDEX as INDEX
 from llmcluster.errors import UserError
 from llmcluster.model.names import plain_name
 
@@ -62,11 +63,14 @@ def nf4_names(model: nn.Module) -> list[str]:
 
 # -- the base, read from a Hugging Face directory's safetensors --------------------------------------------------
 def weight_map(path: Path) -> dict[str, Path]:
-    index = path / "model.safetensors.index.json"
+    """Each weight's safetensors file: the index's entries, else model.safetensors. An entry is a file of the base
+    directory itself (`inside_base`): the base's fingerprint hashes those files only (base_weights_sha256)."""
+    index = path / INDEX
     if index.is_file():
         try:
-            return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-        except (ValueError, KeyError) as e:
+            entries = json.loads(index.read_text())["weight_map"]
+            return {k: inside_base(path, index, f) for k, f in entries.items()}
+        except (ValueError, KeyError, AttributeError) as e:
             raise UserError(f"{index}: unreadable ({e})") from None
     single = path / "model.safetensors"
     if not single.is_file():
@@ -75,6 +79,19 @@ def weight_map(path: Path) -> dict[str, Path]:
 
     with safe_open(str(single), framework="pt") as f:
         return {k: single for k in f.keys()}
+
+
+def inside_base(path: Path, index: Path, entry) -> Path:
+    """The index's `entry` as a file of `path`: a plain file name (an absolute or `../` entry would read any
+    safetensors file the user can read, outside the base and its fingerprint), not a link out of it either."""
+    if not isinstance(entry, str) or Path(entry).name != entry or entry in ("", ".", ".."):
+        raise UserError(f"{index}: weight_map entry {str(entry)[:120]!r} is not a file of {path}: refusing a base "
+                        "whose index points outside it")
+    target = path / entry
+    if target.resolve().parent != path.resolve():
+        raise UserError(f"{index}: weight_map entry {entry!r} links outside {path} (to {target.resolve()}): "
+                        "refusing a base whose index points outside it; copy the file in")
+    return target
 
 
 def hf_name(name: str) -> str:
@@ -113,13 +130,17 @@ def restore_base(model: nn.Module, init_from: Path, state: dict, ckpt: Path) -> 
     against: `init_from`'s weights, refused unless they hash to the sha256 its fingerprint recorded; the weights
     the trainer quantized (train_state.json's `nf4_weights`) as NF4 and back (the values its forward computed
     with), the rest rounded to bf16 (train/qlora.py stores them so). Returns the NF4 weights' names."""
-    from llmcluster.checkpoint.fingerprint import base_weights_sha256
+    from llmcluster.checkpoint.fingerprint import base_index_sha256, base_weights_sha256
 
     recorded = (state.get("fingerprint") or {}).get("base_weights")
     if not (init_from / "config.json").is_file():
         raise UserError(f"cannot export {ckpt}: its base, train.init_from={init_from}, is not a model directory "
                         "here (an NF4 run's checkpoint leaves the base out: the export quantizes it again)")
     now = base_weights_sha256(init_from)
+    index = (state.get("fingerprint") or {}).get("base_index")    # absent: a checkpoint from before it was recorded
+    if index is not None and index != base_index_sha256(init_from):
+        raise UserError(f"cannot export {ckpt}: train.init_from={init_from}'s {INDEX} changed since the run trained "
+                        "on it (sha256 differs): put it back, or train anew")
     if now != recorded:
         raise UserError(f"cannot export {ckpt}: train.init_from={init_from} changed since the run trained on it "
                         f"(weights sha256 {recorded} then, {now} now): its adapters were trained against NF4 of "

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from llmcluster.errors import UserError
+from llmcluster.distributed import LOOPBACK_ENV
 from llmcluster.launch.scheduler import Command, Scheduler
 from llmcluster.launch.spec import LaunchSpec
 from llmcluster.render import comment_text, shell_export, shell_join
@@ -22,6 +23,12 @@ from llmcluster.render import comment_text, shell_export, shell_join
 SERVER_MODULE = b"vllm.entrypoints.openai.api_server"   # a serving job's process (serve/start.py)
 SERVER_LOG = "server.log"
 CANCEL_WAIT_S = 90     # vLLM takes up to a minute to shut down: `jobs cancel` waits that long before it says CANCELLED
+
+
+def local_env(spec: LaunchSpec) -> dict[str, str]:
+    """The ranks' environment on this machine: every listener on loopback (distributed/loopback.py: the TCPStores,
+    gloo's pairs), which keeps the network out, not the machine's other users."""
+    return {**spec.rank_env(), **LOOPBACK_ENV}
 
 
 def missing_secrets(spec: LaunchSpec) -> list[str]:
@@ -54,7 +61,7 @@ class Local(Scheduler):
             # torchrun world per replica group, each restarted alone
             return [spec.python, *spec.command, "--procs-per-node", str(spec.job.procs)]
         # --standalone: a c10d store on a free local port, so --max-restarts works (static can't)
-        return spec.torchrun(spec.python, "standalone", "", str(spec.logs / "ranks"))
+        return spec.torchrun(spec.python, "standalone", "", str(spec.logs / "ranks"), loopback=True)
 
     def render(self, spec: LaunchSpec) -> str:
         """The command as a shell script (what --dry-run prints and launch.sh holds)."""
@@ -64,7 +71,7 @@ class Local(Scheduler):
         if spec.job.secret_env:
             lines.append("# from the launching environment (never written here): "
                          + comment_text(" ".join(spec.job.secret_env)))
-        lines += [shell_export(k, v) for k, v in spec.rank_env().items()]
+        lines += [shell_export(k, v) for k, v in local_env(spec).items()]
         lines.append("exec " + shell_join(self.argv(spec)))
         return "\n".join(lines) + "\n"
 
@@ -75,7 +82,7 @@ class Local(Scheduler):
         if spec.ft and not spec.generic:
             return self._supervise_ft(spec, record)
         (spec.logs / "ranks").mkdir(parents=True, exist_ok=True)
-        proc = subprocess.Popen(self.argv(spec), env={**os.environ, **spec.rank_env()}, start_new_session=True)
+        proc = subprocess.Popen(self.argv(spec), env={**os.environ, **local_env(spec)}, start_new_session=True)
         write_record({**record, "job_id": f"local-{proc.pid}", "pid": proc.pid, "state": "RUNNING"})
         try:
             rc = proc.wait()
@@ -96,7 +103,7 @@ class Local(Scheduler):
 
         cfg = load_job_config(str(spec.config_path), [])
         group_argv = self.argv(spec)[3:]     # after `python -m llmcluster`
-        return Supervisor(cfg, spec.root, group_argv, spec.job.procs, base=record, env=spec.rank_env()).run()
+        return Supervisor(cfg, spec.root, group_argv, spec.job.procs, base=record, env=local_env(spec)).run()
 
     def _alive(self, logs: Path, rec: dict) -> int | None:
         """The launcher's pid if it is alive AND is this run's torchrun (a serving job's: its vLLM server, on

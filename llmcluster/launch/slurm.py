@@ -25,7 +25,7 @@ from llmcluster.launch import slurm_ft
 from llmcluster.launch.scheduler import ACTIVE_STATES, Command, Scheduler
 from llmcluster.launch.spec import LaunchSpec
 from llmcluster.render import (Program, ShellVar, argv_element, comment_text, directive_path, directive_value,
-                               list_item, shell_export, shell_join, shell_word)
+                               list_item, sha256_check, shell_export, shell_join, shell_word)
 from llmcluster.launch.ft_auth import create_secret
 from llmcluster.storage.exit_reason import EXIT_DIR_ENV
 
@@ -43,7 +43,7 @@ FREE_PORT = Program("import socket, sys\n"
 def render(spec: LaunchSpec) -> str:
     """The sbatch script (a pure function of the spec)."""
     j = spec.job
-    logs, config = str(spec.logs), shell_word(spec.config_path)
+    logs = str(spec.logs)
     head = [
         "#!/bin/bash",
         f"# llmcluster launch: run {comment_text(spec.run)}, {j.nodes} node(s) x {j.procs} process(es), "
@@ -54,7 +54,10 @@ def render(spec: LaunchSpec) -> str:
     ]
     if spec.ft:   # a lost node ends its steps only: the dead group moves to a spare node (launch/slurm_ft.py)
         head += [f"# ft: {spec.ft.spare_nodes} spare node(s) (ft.spare_nodes) after the groups' {j.nodes}",
-                 "#SBATCH --no-kill"]
+                 "#SBATCH --no-kill",
+                 # its fence (launch/fence.py) admits every process on the job's nodes: no other job shares them
+                 # (another user's job there would reach the unauthenticated TCPStores and the Lighthouse's kill)
+                 "#SBATCH --exclusive"]
     if j.gpus_per_node:
         head.append(f"#SBATCH --gpus-per-node={j.gpus_per_node}")
     if j.cpus_per_node:
@@ -78,9 +81,9 @@ def render(spec: LaunchSpec) -> str:
         "# requeued job reads launches/<n>/config.yaml when it starts, long after the launch",
         f"config_sha256={spec.config_sha256}",
         # one line (a word list bash reads as data, like every line that names a path: tests/test_render_boundary.py)
-        f"[ \"$(sha256sum < {config} 2>/dev/null | cut -d ' ' -f 1)\" = \"$config_sha256\" ] || {{ echo "
-        + shell_word(f"[llmcluster] refusing to train: {spec.config_path} is not the config launch {spec.launch_id} "
-                     "recorded (job.json's config_sha256): changed or replaced since") + " >&2; exit 2; }",
+        sha256_check(spec.config_path, '"$config_sha256"',
+                     f"[llmcluster] refusing to train: {spec.config_path} is not the config launch {spec.launch_id} "
+                     "recorded (job.json's config_sha256): changed or replaced since"),
     ]
     head += [shell_export(k, v) for k, v in spec.rank_env().items()]
     if j.secret_env:

@@ -88,7 +88,7 @@ class LaunchSpec:
         return env
 
     def torchrun(self, python: str, endpoint: str, rdzv_id: str, log_dir: str | None,
-                 node_rank: str | None = None) -> list[str]:
+                 node_rank: str | None = None, loopback: bool = False) -> list[str]:
         """`python -m torch.distributed.run ...` for one node.
 
         c10d rendezvous at `endpoint` (also for one node: the static rendezvous cannot restart), and
@@ -96,7 +96,11 @@ class LaunchSpec:
         and the whole group restarts (the trainer resumes from the last complete checkpoint). With ft each
         replica group is such a world of its own (group_nodes nodes)."""
         j = self.job
-        argv = [python, "-m", "torch.distributed.run"]
+        # loopback (a local run): the agent's store listens on 127.0.0.1 (distributed/loopback.py), and the
+        # ranks are told that address, not the host name's
+        argv = [python, "-m", "llmcluster.distributed.loopback" if loopback else "torch.distributed.run"]
+        if loopback:
+            argv += ["--local-addr", "127.0.0.1"]
         if endpoint == "standalone":
             argv += ["--standalone"]
         else:

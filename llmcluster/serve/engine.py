@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,6 +234,30 @@ def argv(engine: Engine, target: Target, s: Sizing, served: str, host: str, port
     if guard:
         out += ["--middleware", auth.MIDDLEWARE]
     return out
+
+
+# The caller's variables the engine keeps (found on the node when the script runs: Slurm sets CUDA_VISIBLE_DEVICES
+# there). Nothing else passes: the engine's SageMaker bootstrap, run after the --middleware loop, reads
+# SAGEMAKER_*/CUSTOM_* variables that import code or place middleware outside the guard (issue 65), and a future
+# bootstrap may read others; an allow-list names what the engine needs, not what it must not see.
+KEPT_NAMES = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "LD_LIBRARY_PATH")
+KEPT_PREFIXES = ("LC_", "CUDA_")
+ENGINE_ENV_ARRAY = "engine_env"
+
+
+def allow_list_lines(exported: Iterable[str]) -> list[str]:
+    """bash: the array $engine_env, `NAME=value` for each exported variable the engine may have: KEPT_NAMES and
+    KEPT_PREFIXES, and `exported` (the names the script itself exported). The server runs under `env -i` with it
+    (engine_prefix)."""
+    pattern = "|".join([*KEPT_NAMES, *dict.fromkeys(exported), *(p + "*" for p in KEPT_PREFIXES)])
+    return ["# the engine's environment: an allow-list, never the caller's (sbatch --export=ALL, a login shell)",
+            f"{ENGINE_ENV_ARRAY}=()",
+            "for v in $(compgen -e); do",
+            f'  case "$v" in {pattern}) {ENGINE_ENV_ARRAY}+=("$v=${{!v}}");; esac',
+            "done"]
+
+
+ENGINE_PREFIX = f'env -i "${{{ENGINE_ENV_ARRAY}[@]}}" '
 
 
 def environment(engine: Engine, environ=os.environ) -> dict[str, str]:

@@ -27,8 +27,8 @@ from llmcluster.launch.scheduler import ACTIVE_STATES, get
 from llmcluster.launch.spec import next_launch_id
 from llmcluster.serve import auth
 from llmcluster.serve import engine as eng
-from llmcluster.render import (ShellVar, comment_text, directive_path, directive_value, line_text, shell_join,
-                               shell_word)
+from llmcluster.render import (ShellVar, comment_text, directive_path, directive_value, line_text, owned_check,
+                               sha256_check, shell_join, shell_word)
 from llmcluster.serve.engine_check import engine_warnings
 
 ENDPOINT = "endpoint-{job}"        # a Slurm job writes its URL here once /health answers
@@ -88,15 +88,45 @@ def key_lines(job: ServeJob, fail: str) -> list[str]:
             f"export PYTHONPATH={shell_word(job.launch_dir)}"]
 
 
+def start_checks(job: ServeJob) -> list[str]:
+    """A queued Slurm job reads logs/<name>/ when it starts, long after `serve start`: where a group member can
+    rename entries of logs/ (no sticky bit), they could put their own logs/<name> in its place, their guard
+    imported as the caller's code, their key the server's. So, as the training script checks its config:
+    logs/<name> is the caller's own directory (not a link), the guard has the sha256 rendered here, the key file
+    is the caller's own regular file (storage/owned.py's rule); one line and exit 2 otherwise."""
+    import hashlib
+
+    why = "replaced or changed since serve start"
+    lines = [owned_check(job.logs, f"[llmcluster] refusing to serve: {job.logs} is not this user's own directory "
+                                   f"(a link, or another user's): {why}", "-d")]
+    if job.key_file is None:
+        return lines
+    guard = job.launch_dir / auth.GUARD_FILE
+    return lines + [
+        f"guard_sha256={hashlib.sha256(auth.guard_source().encode()).hexdigest()}",
+        sha256_check(guard, '"$guard_sha256"', f"[llmcluster] refusing to serve: {guard} is not the guard serve start "
+                                              f"{job.launch_id} wrote: {why}"),
+        owned_check(job.key_file, f"[llmcluster] refusing to serve: {job.key_file} is not this user's own file (a "
+                                  f"link, another user's, not a regular file): {why}")]
+
+
+def env_lines(job: ServeJob, fail: str) -> list[str]:
+    """The engine's variables exported, its key read (key_lines), then the allow-list the server runs under
+    (engine.allow_list_lines): what this script exported and the few of the caller's the engine needs."""
+    env = eng.environment(job.engine)
+    lines = [f"export {k}={shell_word(v)}" for k, v in env.items()] + key_lines(job, fail)
+    exported = [*env, *((auth.ENV, "PYTHONPATH") if job.key_file is not None else ())]
+    return lines + eng.allow_list_lines(exported)
+
+
 # -- local: a detached process ------------------------------------------------------------------------------------
 
 def render_local(job: ServeJob) -> str:
     lines = ["#!/bin/bash", f"# llmcluster serve start: {comment_text(job.served)} as job {comment_text(job.name)} "
              "on this machine",
              "set -euo pipefail", "umask 027"]
-    lines += [f"export {k}={shell_word(v)}" for k, v in eng.environment(job.engine).items()]
-    lines += key_lines(job, "exit 1")
-    lines.append("exec " + shell_join(job.argv()))
+    lines += env_lines(job, "exit 1")
+    lines.append("exec " + eng.ENGINE_PREFIX + shell_join(job.argv()))
     return "\n".join(lines) + "\n"
 
 
@@ -131,8 +161,8 @@ def render_slurm(job: ServeJob, time_limit: str | None, partition: str | None) -
     if partition is not None:
         head.append(f"#SBATCH --partition={directive_value(partition, '--partition')}")
     head += ["", "set -uo pipefail", "umask 027"]
-    head += [f"export {k}={shell_word(v)}" for k, v in eng.environment(job.engine).items()]
-    head += key_lines(job, "{ echo \"[llmcluster] cannot read the API key file\" >&2; exit 1; }")
+    head += start_checks(job)
+    head += env_lines(job, "{ echo \"[llmcluster] cannot read the API key file\" >&2; exit 1; }")
     # the port is the batch shell's $port, found free on the node at run time
     server = shell_join(job.argv(host="0.0.0.0", port=ShellVar("$port")))
     body = [
@@ -140,7 +170,7 @@ def render_slurm(job: ServeJob, time_limit: str | None, partition: str | None) -
         'addr=$(scontrol show node -o "$SLURMD_NODENAME" | tr " " "\\n" | sed -n "s/^NodeAddr=//p")',
         'addr=${addr:-$(hostname)}',
         f'port=$({shell_word(py)} -c {shell_word(FREE_PORT)} {job.port})',
-        f"{server} &",
+        f"{eng.ENGINE_PREFIX}{server} &",
         "server=$!",
         "trap 'kill -TERM \"$server\" 2>/dev/null' TERM INT",
         'url="http://$addr:$port"',

@@ -25,8 +25,24 @@ TMP_PREFIX = ".tmp-"                # checkpoints are written under .tmp-step_N-
 OWNER_LOCK = ".owner.json"          # the run's one writer (llmcluster/checkpoint/ownership.py)
 ABANDONED_PREFIX = ".abandoned-"    # steps set aside by a roll-back or a rewrite: never resumed, never pruned
 PROBE = ".write-probe-"            # require_writable's proof, removed at once (other ranks may see it)
+# The areas every user writes into: sticky (chmod +t), so that only an entry's owner renames or removes it. Without
+# it, a member of the group could rename another user's logs/<name> and put their own in its place, which a queued
+# job then reads as its owner's (issue 65; docs/security.md). datasets/ is the data team's (2755): not shared.
+STICKY_AREAS = ("checkpoints", "logs", "models", "scratch")
 # Folders under logs/ that are not runs: `bench` records (llmcluster/train/bench.py).
 RESERVED_LOG_DIRS = ("bench",)
+
+
+def _make_sticky(area: Path) -> None:
+    """chmod +t on an area this user owns (another's is theirs to set: the provisioning role sets the site's)."""
+    import stat
+
+    try:
+        st = area.lstat()
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & stat.S_ISVTX:
+            os.chmod(area, stat.S_IMODE(st.st_mode) | stat.S_ISVTX)
+    except OSError as e:
+        raise UserError(f"cannot set the sticky bit on {area}: {e.strerror or e}") from None
 
 
 def check_run_name(name: str, what: str = "run") -> str:
@@ -79,6 +95,8 @@ class Storage:
                 except OSError as e:
                     raise UserError(f"cannot create {d}: {e.strerror or e}") from None
                 created.append(d)
+        for a in STICKY_AREAS:
+            _make_sticky(self.root / a)
         return created
 
     def require_run_dirs(self, run: str) -> list[Path]:

@@ -19,6 +19,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from llmcluster.distributed import LOOPBACK_FLAG
 from llmcluster.errors import EXIT_FAILURE, EXIT_FT_DROPPED, EXIT_FT_NO_QUORUM, EXIT_PREEMPTED, EXIT_USAGE, UserError
 from llmcluster.storage import exit_reason
 
@@ -50,6 +51,9 @@ def launch_ranks(argv: list[str], nprocs: int) -> int:
         logs = DefaultLogsSpecs(log_dir=tmp, redirects={r: Std.ALL for r in range(1, nprocs)})
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=str(uuid.uuid4()),
                               rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                              # a local run's group (distributed/loopback.py): its store listens on 127.0.0.1 only,
+                              # so the ranks are told that address, not the host name's
+                              local_addr="127.0.0.1" if os.environ.get(LOOPBACK_FLAG) == "1" else None,
                               logs_specs=logs, monitor_interval=0.1)
         try:
             elastic_launch(config, sys.executable)("-m", "llmcluster", *argv)
