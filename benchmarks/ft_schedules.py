@@ -231,7 +231,8 @@ def run_schedule(s: Schedule, root: Path, work: Path) -> dict:
         if record.get("step") != s.last:
             problems.append(f"FINISHED.json names step {record.get('step')}, not {s.last}")
         if not lines or lines != {(s.last, record.get("weights_sha256"))}:
-            problems.append(f"finished lines {sorted(lines)} != the record's {(record.get('step'), record.get('weights_sha256'))}")
+            want = (record.get("step"), record.get("weights_sha256"))
+            problems.append(f"finished lines {sorted(lines)} != the record's {want}")
     events = _events(logs)
     return {"seed": s.seed, "ok": not problems, "problems": problems, "seconds": seconds,
             "hangs": [(e.get("group"), e["step"]) for e in events if e["event"] == "hang"],
@@ -265,12 +266,14 @@ def main(argv: list[str] | None = None) -> int:
                 done.add(json.loads(line)["seed"])
             except (ValueError, KeyError):
                 pass
+    seeds = [seed for seed in seeds if seed not in done]
+    print(f"{len(done)} seed(s) already in {args.out}; {len(seeds)} to run", flush=True)
+    if not seeds:
+        return 0
     base = Path(tempfile.mkdtemp(prefix="ft_schedules-"))
     root = prepare_root(args.root or base / "storage")
     failed = 0
     for seed in seeds:
-        if seed in done:
-            continue
         s = draw(seed)
         work = base / f"seed-{seed}"
         print(f"seed {seed}: {json.dumps(dataclasses.asdict(s))}", flush=True)

@@ -105,7 +105,7 @@ def test_a_process_stopped_as_a_whole_gets_one_more_deadline_when_it_wakes():
     training thread) was stopped; its collectives failed meanwhile and it will heal in place: the deadline starts
     again instead of the kill (tests/test_ft_end.py's frozen group)."""
     clock = Clock()
-    dog, fired, lines, kills = _dog(clock, step_deadline_s=20.0)
+    dog, _fired, lines, kills = _dog(clock, step_deadline_s=20.0)
     clock.now += 1.0
     dog.committed(9)
 

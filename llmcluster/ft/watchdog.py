@@ -125,7 +125,7 @@ class Watchdog:
         return f"ft.timeout_s + {STEP_FACTOR:g} x the median step {statistics.median(self.times):.2f} s"
 
     # -- the thread --------------------------------------------------------------------------------
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._thread = threading.Thread(target=self._run, name=f"ft-watchdog-{self.group}", daemon=True)
         self._thread.start()
         return self
@@ -140,7 +140,7 @@ class Watchdog:
             try:
                 if self.check():
                     return
-            except Exception as e:   # a watchdog that crashed must say so, not stop watching silently
+            except Exception as e:   # noqa: BLE001 (a watchdog that crashed says so, not stop silently)
                 self.log(f"ft: group {self.group}: watchdog error: {type(e).__name__}: {e}")
 
     def thawed(self, late: float) -> None:
