@@ -167,3 +167,36 @@ def test_a_group_hung_while_its_process_lives_leaves_by_its_watchdog_and_the_oth
     digests = _digests(tiny_root, run, out)
     assert digests[0] == digests[1] and digests[0][0] == steps, digests
     print(f"group 1 hung at step {hang}: left after {hangs[0]['waited_s']} s; finished {digests[0]}")
+
+
+def test_a_quorum_behind_a_committed_step_stops_instead_of_training_another_trajectory(tmp_path):
+    """The schedule explorer's seed 3 (tests/test_ft_schedules.py): a restarted group whose checkpoint read raced
+    the writer's save and retention started at step 0, then, the writer's group gone, formed a quorum of its own
+    and trained the run again from scratch (another digest on its finished line). After its quorum and any heal, a
+    group below the run's newest committed step stops (its launcher resumes it from that step); while it waits for
+    a quorum (a heal may still come) it does not."""
+    from types import SimpleNamespace
+
+    from llmcluster.config.schema import TrainConfig
+    from llmcluster.errors import RunFailure
+    from llmcluster.ft.quorum import end_if_finished
+    from llmcluster.storage.layout import COMPLETE_MARKER, Storage
+
+    storage = Storage(tmp_path)
+    ckpts = storage.run_checkpoints("r")
+    for n in (25, 30):
+        (ckpts / f"step_{n}").mkdir(parents=True)
+        (ckpts / f"step_{n}" / COMPLETE_MARKER).write_text("{}")
+    (ckpts / "step_35").mkdir()                                       # a write in flight: not committed
+
+    def group_at(step: int):
+        t = SimpleNamespace(cfg=SimpleNamespace(run=SimpleNamespace(name="r"), train=TrainConfig(steps=40)),
+                            storage=storage, ckpt=SimpleNamespace(dir=ckpts), step=step,
+                            env=SimpleNamespace(rank=0, distributed=False))
+        return SimpleNamespace(t=t, group=1, ended=False)
+
+    with pytest.raises(RunFailure, match="its quorum is at step 0, behind step 30 the run committed"):
+        end_if_finished(group_at(0), behind=True)
+    end_if_finished(group_at(0))                                      # waiting for a quorum: a heal may come
+    end_if_finished(group_at(30), behind=True)                        # at the newest committed step: trains on
+    end_if_finished(group_at(33), behind=True)

@@ -100,6 +100,31 @@ def test_the_thread_fires_on_its_own_while_the_training_thread_is_blocked(tmp_pa
     dog.stop()
 
 
+def test_a_process_stopped_as_a_whole_gets_one_more_deadline_when_it_wakes():
+    """SIGSTOP freezes the watchdog's thread too: waking, it finds its own look late, so the process (not its
+    training thread) was stopped; its collectives failed meanwhile and it will heal in place: the deadline starts
+    again instead of the kill (tests/test_ft_end.py's frozen group)."""
+    clock = Clock()
+    dog, _fired, lines, kills = _dog(clock, step_deadline_s=20.0)
+    clock.now += 1.0
+    dog.committed(9)
+
+    class Frozen:   # the thread's wait returns 60 s late once, then on time
+        waits = iter([60.0])
+
+        def wait(self, timeout):
+            clock.now += next(self.waits, timeout)
+            return bool(lines)   # stop once the line was said
+    dog._stop = Frozen()
+    dog.poll_s = 0.5
+    dog._run()                              # one late look, then one on time (stops: the line was said)
+    assert not kills and "was stopped for 59.5 s" in lines[0]
+    clock.now += 19.0
+    assert not dog.check()                  # a fresh deadline from the wake-up
+    clock.now += 2.0
+    assert dog.check() and kills == [1]
+
+
 def test_a_step_deadline_not_above_the_collective_timeout_is_refused():
     from llmcluster.config.schema import FtConfig
 

@@ -247,7 +247,8 @@ class Replica:
             raise RunFailure(f"ft: group {self.group} refused the heal from replica {peer} at step {t.step}: "
                              f"{self.transport.refused}; the group stops and its launcher starts it again")
         q = self.tap.last
-        end_if_finished(self)   # every quorum, of any size: has the run ended without us? (invariant 2)
+        # every quorum, of any size: has the run ended without us (invariant 2), or is it behind a committed step?
+        end_if_finished(self, behind=True)
         now = time.perf_counter()
         heal_s = now - t0
         send_s = now - self.send_t0 if self.send_t0 is not None else 0.0

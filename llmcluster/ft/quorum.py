@@ -165,7 +165,13 @@ def _recorded_end(t) -> tuple[int, str] | None:
     return last, "not recorded: its writer left before recording it"
 
 
-def end_if_finished(self) -> None:
+def _newest_committed(t) -> int:
+    """The highest step_N of the run with its completion marker (0: none)."""
+    steps = [int(d.name[5:]) for d in t.ckpt.dir.glob("step_*") if d.name[5:].isdigit()] if t.ckpt.dir.is_dir() else []
+    return max((n for n in steps if (t.ckpt.dir / f"step_{n}" / COMPLETE_MARKER).is_file()), default=0)
+
+
+def end_if_finished(self, behind: bool = False) -> None:
     """Before every step, in a quorum of any size, and while waiting for one: a group that finds the run's end
     recorded (a group back after the run finished, or a quorum of late groups) must not train the last steps
     again and write over the run's final checkpoint: it ends here, naming the writer's digest, not its own.
@@ -174,7 +180,17 @@ def end_if_finished(self) -> None:
 
     t = self.t
     end = _recorded_end(t) if t.env.rank == 0 else None
-    if D.all_reduce_max(1.0 if end else 0.0, t.env) > 0:
+    newest = _newest_committed(t) if behind and t.env.rank == 0 and end is None else 0
+    # invariant 1: a group whose quorum (after any heal) is behind a step the run committed trains another
+    # trajectory (found by the schedule explorer, seed 3: a restart whose checkpoint read raced the writer's save
+    # and retention started at step 0, then formed a quorum of its own once the writer's group was gone): it stops
+    # and its launcher starts it again, to resume from that step
+    code = D.all_reduce_max(2.0 if end else 1.0 if newest > t.step else 0.0, t.env)
+    if code == 1:
+        raise RunFailure(f"ft: group {self.group}: its quorum is at step {t.step}, behind step {newest} the run "
+                         "committed: it must not train another trajectory; it stops and its launcher starts it again "
+                         "from the newest checkpoint")
+    if code > 0:
         step, digest = end or (t.cfg.train.last_step, "?")   # the line is rank 0's
         self.ended = True
         raise RunFinished(f"ft: group {self.group}: the run finished at step {step} (weights sha256 {digest}) "

@@ -40,6 +40,8 @@ MEDIAN_OF = 5       # committed steps known before the step time counts (until t
 WINDOW = 50         # the median is over this many recent steps
 STEP_FACTOR = 3.0   # x the median committed step time
 POLL_S = 0.5        # how often the thread looks
+FROZEN_S = 5.0      # the thread's own look late by more than this: the whole process was stopped (SIGSTOP, a VM
+                    # paused), not its training thread hung: it gets one more deadline to notice and heal in place
 
 
 def kill_self() -> None:
@@ -123,18 +125,30 @@ class Watchdog:
         return f"ft.timeout_s + {STEP_FACTOR:g} x the median step {statistics.median(self.times):.2f} s"
 
     # -- the thread --------------------------------------------------------------------------------
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._thread = threading.Thread(target=self._run, name=f"ft-watchdog-{self.group}", daemon=True)
         self._thread.start()
         return self
 
     def _run(self) -> None:
+        looked = self.clock()
         while not self._stop.wait(self.poll_s):
+            now = self.clock()
+            late, looked = now - looked - self.poll_s, now
+            if late > FROZEN_S:
+                self.thawed(late)
             try:
                 if self.check():
                     return
-            except Exception as e:   # a watchdog that crashed must say so, not stop watching silently
+            except Exception as e:   # noqa: BLE001 (a watchdog that crashed says so, not stop silently)
                 self.log(f"ft: group {self.group}: watchdog error: {type(e).__name__}: {e}")
+
+    def thawed(self, late: float) -> None:
+        """The process was stopped as a whole for `late` s (this thread too): its collectives failed meanwhile and
+        its training thread, running again, goes back to the quorum and heals; the deadline starts again."""
+        self.since = max(self.since, self.clock())
+        self.log(f"ft: group {self.group}: this process was stopped for {late:.1f} s (its watchdog too): the "
+                 "deadline starts again")
 
     def stop(self) -> None:
         self._stop.set()

@@ -211,7 +211,8 @@ class Supervisor:
     def _record(self, state: str, code: int | None = None) -> None:
         self._look(force=True)
         groups = [{"group": g, "pid": p.pid if p else None, "pids": self.trees[g], "restarts": self.restarts[g],
-                   "dropped": self.dropped[g], "waited": self.waited[g], "state": self._state(g, p)} for g, p in enumerate(self.procs)]
+                   "dropped": self.dropped[g], "waited": self.waited[g], "state": self._state(g, p)}
+                  for g, p in enumerate(self.procs)]
         rec = {**self.base, "run": self.cfg.run.name, "scheduler": "local", "kind": "train", "job_id": f"local-{os.getpid()}",
                "pid": os.getpid(), "state": state, "procs_per_node": int(self.argv_procs()),
                "ft": {"lighthouse": self.address, "lighthouse_pid": self.lighthouse.pid if self.lighthouse else None,
