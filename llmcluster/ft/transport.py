@@ -5,21 +5,26 @@ torchft's default transport serves a group's whole state over plain HTTP on ever
 whoever asks copies the model. This transport (torchft's CheckpointTransport interface, given to the Manager) does
 instead:
 
+  * the heal address torchft publishes (metadata()) carries the source's group and step and a MAC over them and the
+    address; the healer refuses, in one line, an address its peer did not sign (a stranger's `quorum` call plants
+    addresses in a ManagerServer), before connecting (issue 63);
   * the server binds the group's own address (the interface that reaches the Lighthouse: 127.0.0.1 for a local
-    run) and answers `GET /heal/<step>?nonce=N` only with `X-Llmcluster-Mac: MAC(req, step, N)` (launch/ft_auth.py),
-    each nonce once;
-  * the payload is a JSON tree (dicts, lists, numbers, strings) whose tensors are entries of one safetensors blob,
-    sent with `X-Llmcluster-Mac: MAC(resp, step, N, sha256(body))`;
-  * the receiver checks the MAC, then the tree against its own state before anything is copied: the model's names,
-    shapes and dtypes exactly, the optimizer's state per parameter (shape and dtype of that parameter, or a scalar),
-    and every other key and type. A payload that fails is refused in one line (`refused`): the group stops and its
-    launcher starts it again (ft/group.py).
+    run) and answers `GET /heal/<step>?nonce=N` only with `X-Llmcluster-Mac: MAC(req, host:port, step, N)`
+    (launch/ft_auth.py), naming its own host:port (a request sent to a relay names the relay), each nonce once;
+    it serves at most C connections at once, and closes one whose request has not proved the secret after T s;
+  * the payload is a JSON head (a tree of dicts, lists, numbers, strings; each tensor's dtype and shape) and each
+    tensor's bytes, sealed in chunks keyed from the secret and the nonce (ft/seal.py) and streamed: the sender
+    copies one tensor at a time off the device, the receiver copies each chunk into place;
+  * the receiver checks the head against its own state before any tensor's bytes are read: the model's names,
+    shapes and dtypes exactly, the optimizer's state per parameter (shape and dtype of that parameter, or a
+    scalar), and every other key and type. A payload that fails is refused in one line (`refused`): the group
+    stops and its launcher starts it again (ft/group.py).
 A sharded (DTensor) value travels as its local shard: the same rank of the peer group holds the same shard.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
 import logging
 import secrets
@@ -31,11 +36,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 import torch
-from safetensors.torch import load as st_load, save as st_save
 from torch.distributed.tensor import DTensor
 from torchft.checkpointing import CheckpointTransport
 
-from llmcluster.launch.ft_auth import RunKey
+from llmcluster.ft import seal
+from llmcluster.launch.ft_auth import RunKey, shown
 from llmcluster.testing import test_hook
 
 MAC_HEADER = "X-Llmcluster-Mac"
@@ -59,17 +64,25 @@ class _Quiet(logging.Filter):
 logging.getLogger("torchft.manager").addFilter(_Quiet())
 
 
-# -- the payload: a JSON tree + one safetensors blob ------------------------------------------------------------
-def encode(state) -> bytes:
-    tensors: dict[str, torch.Tensor] = {}
+# -- the payload: a JSON head (the tree, each tensor's dtype and shape), then each tensor's bytes -------------------
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool)}
+
+
+def payload_chunks(state):
+    """The plaintext chunks of `state`: the head, then every tensor's bytes in pieces of at most CHUNK_BYTES. A
+    tensor is copied to the CPU only when its turn comes (the sender holds one tensor, never the whole payload)."""
+    tensors: list[torch.Tensor] = []
 
     def walk(v):
         if isinstance(v, DTensor):
             v = v.to_local()
         if isinstance(v, torch.Tensor):
-            name = f"t{len(tensors)}"
-            tensors[name] = v.detach().cpu().contiguous()
-            return {"T": name}
+            if str(v.dtype).removeprefix("torch.") not in _DTYPES:
+                raise TypeError(f"a heal payload holds a {v.dtype} tensor")
+            tensors.append(v)
+            return {"T": len(tensors) - 1}
         if isinstance(v, dict):
             if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in v):
                 raise TypeError(f"a heal payload holds a dict key that is not a str or int: {list(v)[:3]}")
@@ -80,23 +93,36 @@ def encode(state) -> bytes:
             return v
         raise TypeError(f"a heal payload holds a {type(v).__name__}: only tensors, dicts, lists and JSON scalars")
 
-    head = json.dumps(walk(state)).encode()
-    return len(head).to_bytes(8, "big") + head + st_save(tensors)
+    tree = walk(state)
+    yield json.dumps({"tree": tree, "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)]
+                                               for t in tensors]}).encode()
+    for t in tensors:
+        raw = memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        for off in range(0, len(raw), seal.CHUNK_BYTES):
+            yield raw[off:off + seal.CHUNK_BYTES]
 
 
-def decode(body: bytes):
-    """The tree with plain CPU tensors (safetensors: no code, no classes)."""
+def receive(next_chunk, template: dict, params: list, limit: int):
+    """The state read from `next_chunk(n)` (the next plaintext chunk, at most n bytes): the head is checked against
+    this group's state (checked) before any tensor's bytes are read, then each chunk is copied into the tensor the
+    check placed for it, on this group's device."""
     try:
-        n = int.from_bytes(body[:8], "big")
-        tree = json.loads(body[8:8 + n])
-        tensors = st_load(body[8 + n:])
+        head = json.loads(next_chunk(seal.CHUNK_BYTES))
+        tree, specs = head["tree"], head["tensors"]
+        holes = [torch.empty([int(n) for n in shape], dtype=_DTYPES[dtype], device="meta") for dtype, shape in specs]
+    except HealRefused:
+        raise
     except Exception as e:   # noqa: BLE001 - any malformed payload is one refusal
         raise HealRefused(f"the payload is not a heal payload ({type(e).__name__})") from None
+    if sum(h.numel() * h.element_size() for h in holes) > limit:
+        raise HealRefused(f"the payload holds over {limit} bytes of tensors: more than this group's state")
+    used: set[int] = set()
 
     def walk(v):
         if isinstance(v, dict):
-            if set(v) == {"T"} and v["T"] in tensors:
-                return tensors[v["T"]]
+            if set(v) == {"T"} and isinstance(v["T"], int) and 0 <= v["T"] < len(holes) and v["T"] not in used:
+                used.add(v["T"])   # each tensor once: one the check did not place would stay uninitialised
+                return holes[v["T"]]
             if set(v) == {"d"} and isinstance(v["d"], list):
                 if not all(isinstance(kv, list) and len(kv) == 2 and isinstance(kv[0], (str, int)) for kv in v["d"]):
                     raise HealRefused("the payload holds a malformed dict")
@@ -107,7 +133,26 @@ def decode(body: bytes):
         if isinstance(v, _SCALARS):
             return v
         raise HealRefused("the payload holds a malformed value")
-    return walk(tree)
+    out = checked(walk(tree), template, params)
+    if len(used) != len(holes) or not all(hasattr(h, "_heal_into") for h in holes):
+        raise HealRefused("the payload holds tensors its tree does not place")
+    for h in holes:
+        flat, off = h._heal_into.reshape(-1).view(torch.uint8), 0
+        while off < flat.numel():
+            data = next_chunk(min(seal.CHUNK_BYTES, flat.numel() - off))
+            if not data:
+                raise HealRefused("the payload ends inside a tensor")
+            flat[off:off + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            off += len(data)
+    return out
+
+
+def _placed(got: torch.Tensor, device) -> torch.Tensor:
+    """A payload's tensor on `device`: a hole (its bytes not read yet) gets the tensor they will be copied into."""
+    if not got.is_meta:
+        return got.to(device)
+    got._heal_into = torch.empty(got.shape, dtype=got.dtype, device=device)
+    return got._heal_into
 
 
 # -- the check against the receiver's own state -------------------------------------------------------------------
@@ -119,7 +164,7 @@ def _same_tensor(got, want, where: str):
     if tuple(got.shape) != tuple(local.shape) or got.dtype != local.dtype:
         raise HealRefused(f"{where}: shape {tuple(got.shape)} {str(got.dtype).removeprefix('torch.')}, this group's "
                           f"is {tuple(local.shape)} {str(local.dtype).removeprefix('torch.')}")
-    got = got.to(local.device)
+    got = _placed(got, local.device)
     if isinstance(want, DTensor):
         return DTensor.from_local(got, want.device_mesh, want.placements, shape=want.shape, stride=want.stride(),
                                   run_check=False)
@@ -196,7 +241,7 @@ def _same_optimizer(got, want: dict, params: list, where: str) -> dict:
         out[i] = {}
         for k, v in entry.items():
             if isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype == torch.float32:
-                out[i][k] = v
+                out[i][k] = _placed(v, "cpu")
             else:
                 out[i][k] = _same_tensor(v, params[i], f"{where}.state[{i}].{k}")
     return {"state": out, "param_groups": groups}
@@ -220,82 +265,149 @@ def checked(payload, template: dict, params: list) -> dict:
 
 
 # -- the transport --------------------------------------------------------------------------------------------
+HEAL_CONNECTIONS = 16   # C: connections a heal server serves at once (more are closed at once: torchft retries)
+HEAL_IDLE_S = 10.0      # T: the most a connection lives before its request proves the secret
+
+
 class SignedTransport(CheckpointTransport):
     """`template()`: this group's own state (names, shapes, dtypes, meshes) and `params()`: its parameters in the
-    optimizer's order, both read when a payload arrives. `log`: one line per refused request or payload."""
+    optimizer's order, both read when a payload arrives. `log`: one line per refused request or payload.
+    `connections` and `idle_s`: C and T above (smaller in tests)."""
 
-    def __init__(self, key: RunKey, address: str, timeout: timedelta, template, params, log=print):
+    def __init__(self, key: RunKey, address: str, timeout: timedelta, template, params, log=print,
+                 connections: int = HEAL_CONNECTIONS, idle_s: float = HEAL_IDLE_S):
         self.key, self.timeout, self.template, self.params, self.log = key, timeout, template, params, log
         self.refused: str | None = None       # the last payload refused (ft/group.py stops the group on it)
+        self.source, self.step = "", lambda: 0   # what metadata() signs beside the address (ft/group.py sets them)
         self._lock = threading.Condition()
-        self._staged: tuple[int, bytes, str] | None = None   # (step, body, its sha256)
+        self._staged: tuple[int, dict] | None = None   # (step, state): encoded as each request streams it
+        self._readers = 0
         self._nonces: set[str] = set()
         self._spoiled = False
+        self.open_connections = 0   # handler threads alive now (tests: at most C)
         transport = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = idle_s   # each socket operation before the proof; a half-open client is closed after T
+
+            def setup(self):
+                super().setup()
+                # and the whole request head, however slowly it drips in (a timer, as a socket timeout is per read)
+                self.deadline = threading.Timer(idle_s, _hang_up, (self.connection,))
+                self.deadline.daemon = True
+                self.deadline.start()
+
+            def finish(self):
+                self.deadline.cancel()
+                super().finish()
+
             def log_message(self, *_a):   # no line per request on the rank's stderr
                 pass
 
-            def _refuse(self):   # any other method: no state, no proof asked
-                self.send_response(403)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            do_POST = do_PUT = do_DELETE = do_PATCH = _refuse
-
-            def do_GET(self):
-                code, body, mac = transport._answer(self.path, self.headers.get(MAC_HEADER, ""))
+            def _plain(self, code: int, body: bytes = b""):
                 self.send_response(code)
-                if mac:
-                    self.send_header(MAC_HEADER, mac)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
 
+            def _refuse(self):   # any other method: no state, no proof asked
+                self._plain(403)
+
+            do_POST = do_PUT = do_DELETE = do_PATCH = _refuse
+
+            def do_GET(self):
+                code, answer = transport._answer(self.path, self.headers.get(MAC_HEADER, ""))
+                if code != 200:
+                    return self._plain(code, answer)
+                self.deadline.cancel()   # proved: a heal may take ft.timeout_s per socket operation
+                self.connection.settimeout(transport.timeout.total_seconds())
+                try:
+                    self.send_response(200)   # no length: HTTP/1.0, the stream ends when the connection closes
+                    self.end_headers()
+                    for frame in answer:
+                        self.wfile.write(frame)
+                finally:   # however the stream ends: disallow_checkpoint waits for it
+                    with transport._lock:
+                        transport._readers -= 1
+                        transport._lock.notify_all()
+
+        class Server(ThreadingHTTPServer):
+            address_family, daemon_threads = _family(address.strip("[]")), True
+            slots = threading.BoundedSemaphore(connections)
+
+            def process_request(self, request, client_address):
+                if not self.slots.acquire(blocking=False):   # C busy: closed, no thread
+                    self.shutdown_request(request)
+                    return
+                super().process_request(request, client_address)
+
+            def process_request_thread(self, request, client_address):
+                with transport._lock:
+                    transport.open_connections += 1
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    with transport._lock:
+                        transport.open_connections -= 1
+                    self.slots.release()
+
         host = address.strip("[]")
-        server_cls = type("Server", (ThreadingHTTPServer,), {"address_family": _family(host), "daemon_threads": True})
-        self._server = server_cls((host, 0), Handler)
-        self._server.timeout = timeout.total_seconds()
+        self._server = Server((host, 0), Handler)
         self._url_host = f"[{host}]" if ":" in host else host
+        self.dest = f"{self._url_host}:{self._server.server_address[1]}"   # what a request's MAC must name
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="ft-heal-server")
         self._thread.start()
 
-    def _answer(self, path: str, mac: str) -> tuple[int, bytes, str]:
+    def _answer(self, path: str, mac: str):
+        """(code, body) or (200, the sealed frames of the staged state)."""
         u = urlsplit(path)
         parts = u.path.split("/")
         nonce = parse_qs(u.query).get("nonce", [""])[0]
-        if len(parts) != 3 or parts[1] != "heal" or not parts[2].isdigit() or len(nonce) != 32:
-            return 400, b"bad request\n", ""
+        if len(parts) != 3 or parts[1] != "heal" or not parts[2].isdigit() or len(nonce) != 32 \
+                or not all(c in "0123456789abcdef" for c in nonce):
+            return 400, b"bad request\n"
         step = int(parts[2])
         with self._lock:
-            if not self.key.verify(mac, "req", step, nonce) or nonce in self._nonces:
-                self.log(f"ft: refused a heal request for step {step}: it does not carry this run's proof")
-                return 403, b"forbidden\n", ""
+            # the destination is in the proof: a request a relay forwards here names the relay, not this server
+            if not self.key.verify(mac, "req", self.dest, step, nonce) or nonce in self._nonces:
+                self.log(f"ft: refused a heal request for step {step}: it does not carry this run's proof for "
+                         f"this server ({self.dest})")
+                return 403, b"forbidden\n"
             self._nonces.add(nonce)
             # the receiver may ask before this side has staged the step (both leave the same quorum at once)
             self._lock.wait_for(lambda: self._staged is not None and self._staged[0] >= step, self.timeout.total_seconds())
             staged = self._staged
-        if staged is None or staged[0] != step:
-            return 409, b"not serving that step\n", ""
-        return 200, staged[1], self.key.mac("resp", step, nonce, staged[2])
+            if staged is None or staged[0] != step:
+                return 409, b"not serving that step\n"
+            self._readers += 1
+        return 200, self._frames(staged[1], seal.heal_key(self.key, nonce, step, self.dest))
+
+    @staticmethod
+    def _frames(state, aead):
+        sealer = seal.Sealer(aead)
+        for chunk in payload_chunks(state):
+            yield sealer.seal(chunk)
+        yield sealer.seal(b"", last=True)
 
     def metadata(self) -> str:
-        return f"http://{self._url_host}:{self._server.server_address[1]}/heal/"
+        """The heal address torchft publishes, signed: a stranger's `quorum` call can plant another address in our
+        ManagerServer, never one the healer accepts."""
+        base, step = f"http://{self.dest}/heal/", self.step()
+        return f"{base}?src={self.source}&step={step}&mac={self.key.mac('src', base, self.source, step)}"
 
     def send_checkpoint(self, dst_ranks, step: int, state_dict, timeout: timedelta) -> None:
         if not self._spoiled and test_hook(BAD_HEAL_ENV) == "extra-key":   # the first payload only
             self._spoiled = True
             state_dict["user"]["default"]["model"] = {**state_dict["user"]["default"]["model"],
                                                       "planted.weight": torch.zeros(1)}
-        body = encode(state_dict)
         with self._lock:
-            self._staged = (step, body, hashlib.sha256(body).hexdigest())
+            self._staged = (step, state_dict)   # torchft changes no tensor of it before disallow_checkpoint
             self._lock.notify_all()
 
     def disallow_checkpoint(self) -> None:
-        with self._lock:
+        with self._lock:   # a stream in progress reads the live tensors: the optimizer steps after it ends
             self._staged = None
+            self._lock.wait_for(lambda: self._readers == 0, self.timeout.total_seconds())
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta):
         try:
@@ -304,30 +416,65 @@ class SignedTransport(CheckpointTransport):
             self.refused = str(e)
             raise
 
-    def _recv(self, metadata: str, step: int, timeout: timedelta):
+    def source_of(self, metadata: str, step: int) -> tuple[str, str]:
+        """(the heal server's base URL, its host:port) from a heal address its group signed; HealRefused naming what
+        failed, ConnectionError for a signed address of another step (the source moved on: torchft retries)."""
         u = urlsplit(metadata)
-        if u.scheme != "http" or not u.hostname or u.path != "/heal/" or u.query or u.fragment:
-            raise HealRefused(f"the source's address is not a heal server's ({metadata[:80]!r})")
+        q = parse_qs(u.query)
+        src, signed, mac = (q.get(k, [""])[0] for k in ("src", "step", "mac"))
+        if u.scheme != "http" or not u.hostname or u.path != "/heal/" or u.fragment or not signed.isdigit():
+            raise HealRefused(f"the source's address is not a heal server's ({shown(metadata)})")
+        base = f"http://{u.netloc}/heal/"
+        if not self.key.verify(mac, "src", base, src, int(signed)):
+            raise HealRefused(f"the source's heal address {shown(base)} is not signed with this run's secret "
+                              "(planted in torchft's checkpoint_metadata)")
+        if int(signed) != step:
+            raise ConnectionError(f"the source's heal address was signed at step {signed}, the heal is for {step}")
+        return base, u.netloc
+
+    def _recv(self, metadata: str, step: int, timeout: timedelta):
+        base, dest = self.source_of(metadata, step)
         nonce = secrets.token_hex(16)
-        req = urllib.request.Request(f"{metadata}{step}?nonce={nonce}",
-                                     headers={MAC_HEADER: self.key.mac("req", step, nonce)})
+        req = urllib.request.Request(f"{base}{step}?nonce={nonce}",
+                                     headers={MAC_HEADER: self.key.mac("req", dest, step, nonce)})
         template = self.template()
         limit = tensor_bytes(template) * 2 + _SLACK_BYTES   # the optimizer's state may not exist here yet
         try:
-            with urllib.request.urlopen(req, timeout=timeout.total_seconds()) as r:
-                body, mac = r.read(limit + 1), r.headers.get(MAC_HEADER, "")
+            r = urllib.request.urlopen(req, timeout=timeout.total_seconds())
         except (urllib.error.URLError, OSError) as e:   # not a refusal: torchft fails the step, the heal is retried
             raise ConnectionError(f"the heal source did not serve step {step}: {getattr(e, 'reason', None) or e}") \
                 from None
-        if len(body) > limit:
-            raise HealRefused(f"the source sent over {limit} bytes: more than this group's state")
-        if not self.key.verify(mac, "resp", step, nonce, hashlib.sha256(body).hexdigest()):
-            raise HealRefused("the payload does not carry this run's proof (a stranger, or it was altered)")
-        return checked(decode(body), template, self.params())
+        with r:
+            opener = seal.Opener(seal.heal_key(self.key, nonce, step, dest), r.read)
+
+            def next_chunk(n: int) -> bytes:
+                try:
+                    plain, last = opener.open(n)
+                except seal.SealBroken as e:
+                    raise HealRefused(f"the payload does not carry this run's proof: {e}") from None
+                except OSError as e:
+                    raise ConnectionError(f"the heal of step {step} broke off: {e}") from None
+                if last:
+                    raise HealRefused("the payload ends before its tensors do (cut short)")
+                return plain
+
+            out = receive(next_chunk, template, self.params(), limit)
+            try:
+                opener.close()
+            except seal.SealBroken as e:
+                raise HealRefused(f"the payload does not carry this run's proof: {e}") from None
+        return out
 
     def shutdown(self, wait: bool = True) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def _hang_up(sock) -> None:
+    import socket
+
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def _family(host: str):
