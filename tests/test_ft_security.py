@@ -96,7 +96,7 @@ def test_a_pickle_or_a_class_in_the_payload_is_never_loaded(tmp_path):
     for body in (pickle.dumps({"user": {}}), b'{"tree": {"c": 1}, "tensors": []}',
                  b'{"tree": {"cls": "os.system"}, "tensors": []}', b'{"tree": {"T": 0}, "tensors": [["object", [1]]]}'):
         with pytest.raises(HealRefused):
-            _unpacked([body], _state(model, opt), _params(opt))
+            _unpacked([len(body).to_bytes(8, "big"), body], _state(model, opt), _params(opt))
 
 
 def _transports(*keys, **kw):

@@ -94,12 +94,25 @@ def payload_chunks(state):
         raise TypeError(f"a heal payload holds a {type(v).__name__}: only tensors, dicts, lists and JSON scalars")
 
     tree = walk(state)
-    yield json.dumps({"tree": tree, "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)]
-                                               for t in tensors]}).encode()
-    for t in tensors:
-        raw = memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    head = json.dumps({"tree": tree, "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)]
+                                                 for t in tensors]}).encode()
+    yield len(head).to_bytes(8, "big")
+    for raw in [memoryview(head)] + tensors:
+        if isinstance(raw, torch.Tensor):
+            raw = memoryview(raw.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         for off in range(0, len(raw), seal.CHUNK_BYTES):
             yield raw[off:off + seal.CHUNK_BYTES]
+
+
+def _read_into(next_chunk, flat: torch.Tensor) -> None:
+    """`flat` (uint8, any device) filled from the next chunks, each copied as it arrives."""
+    off = 0
+    while off < flat.numel():
+        data = next_chunk(min(seal.CHUNK_BYTES, flat.numel() - off))
+        if not data:
+            raise HealRefused("the payload ends inside a tensor")
+        flat[off:off + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        off += len(data)
 
 
 def receive(next_chunk, template: dict, params: list, limit: int):
@@ -107,7 +120,12 @@ def receive(next_chunk, template: dict, params: list, limit: int):
     this group's state (checked) before any tensor's bytes are read, then each chunk is copied into the tensor the
     check placed for it, on this group's device."""
     try:
-        head = json.loads(next_chunk(seal.CHUNK_BYTES))
+        size = int.from_bytes(next_chunk(8), "big")
+        if size > _SLACK_BYTES:
+            raise HealRefused(f"the payload's head claims {size} bytes: over {_SLACK_BYTES}")
+        raw = torch.empty(size, dtype=torch.uint8)
+        _read_into(next_chunk, raw)
+        head = json.loads(raw.numpy().tobytes())
         tree, specs = head["tree"], head["tensors"]
         holes = [torch.empty([int(n) for n in shape], dtype=_DTYPES[dtype], device="meta") for dtype, shape in specs]
     except HealRefused:
@@ -137,13 +155,7 @@ def receive(next_chunk, template: dict, params: list, limit: int):
     if len(used) != len(holes) or not all(hasattr(h, "_heal_into") for h in holes):
         raise HealRefused("the payload holds tensors its tree does not place")
     for h in holes:
-        flat, off = h._heal_into.reshape(-1).view(torch.uint8), 0
-        while off < flat.numel():
-            data = next_chunk(min(seal.CHUNK_BYTES, flat.numel() - off))
-            if not data:
-                raise HealRefused("the payload ends inside a tensor")
-            flat[off:off + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            off += len(data)
+        _read_into(next_chunk, h._heal_into.reshape(-1).view(torch.uint8))
     return out
 
 
