@@ -29,6 +29,7 @@ import json
 import logging
 import secrets
 import threading
+import time
 import urllib.error
 import urllib.request
 from datetime import timedelta
@@ -295,6 +296,7 @@ class SignedTransport(CheckpointTransport):
         self._staged: tuple[int, dict] | None = None   # (step, state): encoded as each request streams it
         self._readers = 0
         self._nonces: set[str] = set()
+        self._unproved: dict = {}   # connection -> its deadline (monotonic), until its request proves the secret
         self._spoiled = False
         self.open_connections = 0   # handler threads alive now (tests: at most C)
         transport = self
@@ -304,13 +306,14 @@ class SignedTransport(CheckpointTransport):
 
             def setup(self):
                 super().setup()
-                # and the whole request head, however slowly it drips in (a timer, as a socket timeout is per read)
-                self.deadline = threading.Timer(idle_s, _hang_up, (self.connection,))
-                self.deadline.daemon = True
-                self.deadline.start()
+                # and the whole request head, however slowly it drips in (a socket timeout is per read): the
+                # reaper hangs up at the deadline (one thread for all connections, not one timer each)
+                with transport._lock:
+                    transport._unproved[self.connection] = time.monotonic() + idle_s
 
             def finish(self):
-                self.deadline.cancel()
+                with transport._lock:
+                    transport._unproved.pop(self.connection, None)
                 super().finish()
 
             def log_message(self, *_a):   # no line per request on the rank's stderr
@@ -331,7 +334,8 @@ class SignedTransport(CheckpointTransport):
                 code, answer = transport._answer(self.path, self.headers.get(MAC_HEADER, ""))
                 if code != 200:
                     return self._plain(code, answer)
-                self.deadline.cancel()   # proved: a heal may take ft.timeout_s per socket operation
+                with transport._lock:   # proved: a heal may take ft.timeout_s per socket operation
+                    transport._unproved.pop(self.connection, None)
                 self.connection.settimeout(transport.timeout.total_seconds())
                 try:
                     self.send_response(200)   # no length: HTTP/1.0, the stream ends when the connection closes
@@ -346,6 +350,7 @@ class SignedTransport(CheckpointTransport):
         class Server(ThreadingHTTPServer):
             address_family, daemon_threads = _family(address.strip("[]")), True
             slots = threading.BoundedSemaphore(connections)
+            request_queue_size = 64   # socketserver's 5 makes a burst of connects wait for SYN retries (1 s, 3 s...)
 
             def process_request(self, request, client_address):
                 if not self.slots.acquire(blocking=False):   # C busy: closed, no thread
@@ -369,6 +374,19 @@ class SignedTransport(CheckpointTransport):
         self.dest = f"{self._url_host}:{self._server.server_address[1]}"   # what a request's MAC must name
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="ft-heal-server")
         self._thread.start()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._reap, args=(min(0.25, idle_s / 4),), daemon=True, name="ft-heal-reaper").start()
+
+    def _reap(self, every: float) -> None:
+        """Hangs up each connection whose request has not proved the secret by its deadline (T)."""
+        while not self._stopped.wait(every):
+            now = time.monotonic()
+            with self._lock:
+                late = [c for c, deadline in self._unproved.items() if deadline <= now]
+                for c in late:
+                    del self._unproved[c]
+            for c in late:
+                _hang_up(c)
 
     def _answer(self, path: str, mac: str):
         """(code, body) or (200, the sealed frames of the staged state)."""
@@ -478,6 +496,7 @@ class SignedTransport(CheckpointTransport):
         return out
 
     def shutdown(self, wait: bool = True) -> None:
+        self._stopped.set()
         self._server.shutdown()
         self._server.server_close()
 
