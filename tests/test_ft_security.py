@@ -27,7 +27,8 @@ import torch  # noqa: E402
 
 from llmcluster.errors import UserError  # noqa: E402
 from llmcluster.launch.ft_auth import RunKey, create_secret, read_secret  # noqa: E402
-from llmcluster.ft.transport import HealRefused, SignedTransport, payload_chunks, receive  # noqa: E402
+from llmcluster.ft.payload import HealRefused, payload_chunks, receive  # noqa: E402
+from llmcluster.ft.transport import SignedTransport  # noqa: E402
 
 LISTENS = re.compile(r"ft: group (\d) listens on \S+: (?:ManagerServer (\S+), )?heal server (\S+) ")
 
