@@ -184,9 +184,9 @@ def test_a_state_larger_than_one_chunk_round_trips_exactly(monkeypatch):
     monkeypatch.setattr(seal, "CHUNK_BYTES", 64)
     model, (sender,), receiver = _transports(KEY)
     sealed = []
-    real_seal = seal.Sealer.seal
-    monkeypatch.setattr(seal.Sealer, "seal",
-                        lambda self, p, last=False: sealed.append(len(p)) or real_seal(self, p, last))
+    real_frame = seal.Sealer.frame
+    monkeypatch.setattr(seal.Sealer, "frame",
+                        lambda self, p, last=False: sealed.append(len(p)) or real_frame(self, p, last))
     try:
         got = receiver.recv_checkpoint(0, sender.metadata(), 3, timedelta(seconds=5))["user"]["default"]
         _model_again, opt = _model()

@@ -11,6 +11,7 @@ A sharded (DTensor) value travels as its local shard: the same rank of the peer 
 from __future__ import annotations
 
 import json
+import warnings
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -72,7 +73,10 @@ def _read_into(next_chunk, flat: torch.Tensor) -> None:
         data = next_chunk(min(seal.CHUNK_BYTES, flat.numel() - off))
         if not data:
             raise HealRefused("the payload ends inside a tensor")
-        flat[off:off + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        with warnings.catch_warnings():   # read-only: only copied from, and not copied into a bytearray first
+            warnings.simplefilter("ignore", UserWarning)
+            chunk = torch.frombuffer(data, dtype=torch.uint8)
+        flat[off:off + len(data)].copy_(chunk)
         off += len(data)
 
 

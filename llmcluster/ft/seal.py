@@ -39,13 +39,17 @@ class Sealer:
     def __init__(self, aead: AESGCM):
         self.aead, self.index = aead, 0
 
-    def seal(self, plain: bytes | memoryview, last: bool = False) -> bytes:
+    def frame(self, plain: bytes | memoryview, last: bool = False) -> tuple[bytes, bytes]:
+        """The chunk's length and its ciphertext, written one after the other (joined, a 64 MiB chunk is copied)."""
         if len(plain) > CHUNK_BYTES:
             raise ValueError(f"a chunk of {len(plain)} bytes: at most {CHUNK_BYTES}")
         nonce, ad = _nonce_ad(self.index, last)
         self.index += 1
-        body = self.aead.encrypt(nonce, bytes(plain), ad)
-        return len(body).to_bytes(4, "big") + body
+        body = self.aead.encrypt(nonce, plain, ad)
+        return len(body).to_bytes(4, "big"), body
+
+    def seal(self, plain: bytes | memoryview, last: bool = False) -> bytes:
+        return b"".join(self.frame(plain, last))
 
 
 class Opener:
@@ -60,7 +64,7 @@ class Opener:
             data += more
         if len(data) != n:
             raise SealBroken(f"the stream ended inside chunk {self.index} (cut short)")
-        return bytes(data)
+        return data   # not copied into bytes: AESGCM takes any buffer, and a chunk may be 64 MiB
 
     def open(self, limit: int = CHUNK_BYTES) -> tuple[bytes, bool]:
         """The next chunk's plaintext (at most `limit` bytes) and whether it is the last."""

@@ -198,8 +198,8 @@ class SignedTransport(CheckpointTransport):
     def _frames(state, aead):
         sealer = seal.Sealer(aead)
         for chunk in payload_chunks(state):
-            yield sealer.seal(chunk)
-        yield sealer.seal(b"", last=True)
+            yield from sealer.frame(chunk)
+        yield from sealer.frame(b"", last=True)
 
     def metadata(self) -> str:
         """The heal address torchft publishes, signed: a stranger's `quorum` call can plant another address in our
