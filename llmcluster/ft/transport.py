@@ -116,10 +116,10 @@ class SignedTransport(CheckpointTransport):
                 code, answer = transport._answer(self.path, self.headers.get(MAC_HEADER, ""))
                 if code != 200:
                     return self._plain(code, answer)
-                with transport._lock:   # proved: a heal may take ft.timeout_s per socket operation
-                    transport._unproved.pop(self.connection, None)
-                self.connection.settimeout(transport.timeout.total_seconds())
                 try:
+                    with transport._lock:   # proved: a heal may take ft.timeout_s per socket operation
+                        transport._unproved.pop(self.connection, None)
+                    self.connection.settimeout(transport.timeout.total_seconds())
                     self.send_response(200)   # no length: HTTP/1.0, the stream ends when the connection closes
                     self.end_headers()
                     for frame in answer:
