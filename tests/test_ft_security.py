@@ -27,7 +27,8 @@ import torch  # noqa: E402
 
 from llmcluster.errors import UserError  # noqa: E402
 from llmcluster.launch.ft_auth import RunKey, create_secret, read_secret  # noqa: E402
-from llmcluster.ft.transport import HealRefused, SignedTransport, checked, decode, encode  # noqa: E402
+from llmcluster.ft.payload import HealRefused, payload_chunks, receive  # noqa: E402
+from llmcluster.ft.transport import SignedTransport  # noqa: E402
 
 LISTENS = re.compile(r"ft: group (\d) listens on \S+: (?:ManagerServer (\S+), )?heal server (\S+) ")
 
@@ -51,6 +52,12 @@ def _params(opt) -> list:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
+def _unpacked(chunks, template, params):
+    """`receive` over plaintext chunks (what the seal carries), as the transport reads them."""
+    it = iter(chunks)
+    return receive(lambda n: bytes(next(it, b"")), template, params, 1 << 30)
+
+
 def _wrapped(state) -> dict:
     return {"user": {"default": state}, "torchft": {"step": 3, "batches_committed": 6}}
 
@@ -58,7 +65,7 @@ def _wrapped(state) -> dict:
 def test_a_payload_round_trips_as_data_and_equals_the_senders_state():
     model, opt = _model()
     sent = _wrapped(_state(model, opt))
-    got = checked(decode(encode(sent)), _state(*_model()), _params(opt))["user"]["default"]
+    got = _unpacked(payload_chunks(sent), _state(*_model()), _params(opt))["user"]["default"]
     assert all(torch.equal(got["model"][k], v) for k, v in sent["user"]["default"]["model"].items())
     assert got["optimizer"]["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
     assert got["train"] == sent["user"]["default"]["train"] and got["step"] == 3
@@ -78,7 +85,7 @@ def test_a_payload_that_is_not_this_groups_state_is_refused_in_one_line(bad, sai
     state = _state(model, opt)
     bad(state)
     with pytest.raises(HealRefused) as e:
-        checked(decode(encode(_wrapped(state))), _state(*_model()), _params(opt))
+        _unpacked(payload_chunks(_wrapped(state)), _state(*_model()), _params(opt))
     assert said in str(e.value) and "\n" not in str(e.value)
 
 
@@ -87,40 +94,60 @@ def test_a_pickle_or_a_class_in_the_payload_is_never_loaded(tmp_path):
     import pickle
 
     model, opt = _model()
-    for body in (pickle.dumps({"user": {}}), (8).to_bytes(8, "big") + b'{"c": 1}' + b"\0" * 8,
-                 len(b'{"cls": "os.system"}').to_bytes(8, "big") + b'{"cls": "os.system"}'):
+    for body in (pickle.dumps({"user": {}}), b'{"tree": {"c": 1}, "tensors": []}',
+                 b'{"tree": {"cls": "os.system"}, "tensors": []}', b'{"tree": {"T": 0}, "tensors": [["object", [1]]]}'):
         with pytest.raises(HealRefused):
-            checked(decode(body), _state(model, opt), _params(opt))
+            _unpacked([len(body).to_bytes(8, "big"), body], _state(model, opt), _params(opt))
+
+
+def _transports(*keys, **kw):
+    """A sender (serving `_state` at step 3) per key, and a receiver with the first key (a fresh model)."""
+    model, opt = _model()
+    senders = [SignedTransport(k, "127.0.0.1", timedelta(seconds=5), lambda: _state(model, opt),
+                               lambda: _params(opt), **kw) for k in keys]
+    for t in senders:
+        t.step = lambda: 3
+        t.send_checkpoint([1], 3, _wrapped(_state(model, opt)), timedelta(seconds=5))
+    receiver = SignedTransport(keys[0], "127.0.0.1", timedelta(seconds=5), lambda: _state(*_model()),
+                               lambda: _params(opt))
+    return model, senders, receiver
+
+
+def _signed(key, dest: str, step: int = 3) -> str:
+    """A heal address as `key` signs it (SignedTransport.metadata) for a server at `dest`."""
+    base = f"http://{dest}/heal/"
+    return f"{base}?src=&step={step}&mac={key.mac('src', base, '', step)}"
 
 
 def test_a_heal_needs_the_runs_secret_both_ways():
-    """Over a real socket: a peer with the secret gets the state; a request without the proof and a replayed nonce
-    get nothing; a server with another secret refuses our request, and a payload from one that serves anyone is
-    refused."""
-    model, opt = _model()
+    """Over a real socket: a peer with the secret gets the state; a request without the proof, a replayed nonce and
+    one proved for another destination get nothing; the address a stranger signs is refused, and a payload from one
+    that serves anyone does not open."""
     ours, theirs = RunKey(b"a" * 64), RunKey(b"b" * 64)
-    sender = SignedTransport(ours, "127.0.0.1", timedelta(seconds=5), lambda: _state(model, opt), lambda: _params(opt))
-    stranger = SignedTransport(theirs, "127.0.0.1", timedelta(seconds=5), lambda: _state(model, opt),
-                               lambda: _params(opt))
-    receiver = SignedTransport(ours, "127.0.0.1", timedelta(seconds=5), lambda: _state(*_model()),
-                               lambda: _params(opt))
+    model, (sender, stranger), receiver = _transports(ours, theirs)
     try:
-        for t in (sender, stranger):
-            t.send_checkpoint([1], 3, _wrapped(_state(model, opt)), timedelta(seconds=5))
         got = receiver.recv_checkpoint(0, sender.metadata(), 3, timedelta(seconds=5))
         assert torch.equal(got["user"]["default"]["model"]["0.weight"], model.state_dict()["0.weight"])
-        with pytest.raises(ConnectionError, match="Forbidden"):   # the stranger cannot check our proof
+        with pytest.raises(HealRefused, match="is not signed with this run's secret"):   # the stranger's address
             receiver.recv_checkpoint(0, stranger.metadata(), 3, timedelta(seconds=5))
         stranger.key.verify = lambda *a: True                      # one that serves whoever asks
         with pytest.raises(HealRefused, match="does not carry this run's proof"):
-            receiver.recv_checkpoint(0, stranger.metadata(), 3, timedelta(seconds=5))
+            receiver.recv_checkpoint(0, _signed(ours, stranger.dest), 3, timedelta(seconds=5))
         assert receiver.refused
+        with pytest.raises(ConnectionError, match="signed at step 2"):   # the source moved on: retried, not refused
+            receiver.recv_checkpoint(0, _signed(ours, sender.dest, 2), 3, timedelta(seconds=5))
         nonce = "0" * 32
-        url = f"{sender.metadata()}3?nonce={nonce}"
+        url = f"http://{sender.dest}/heal/3?nonce={nonce}"
         with pytest.raises(urllib.error.HTTPError) as e:   # no proof: no state
             urllib.request.urlopen(url, timeout=5)
         assert e.value.code == 403
-        mac = ours.mac("req", 3, nonce)
+        for dest in ("127.0.0.1:1", sender.dest.replace("127.0.0.1", "localhost")):   # proved for another server
+            req = urllib.request.Request(url, headers={"X-Llmcluster-Mac": ours.mac("req", dest, 3, nonce)})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=5)
+            assert e.value.code == 403
+        mac = ours.mac("req", sender.dest, 3, "1" * 32)
+        url = url.replace(nonce, "1" * 32)
         urllib.request.urlopen(urllib.request.Request(url, headers={"X-Llmcluster-Mac": mac}), timeout=5).read()
         with pytest.raises(urllib.error.HTTPError) as e:   # the same nonce again: a replay
             urllib.request.urlopen(urllib.request.Request(url, headers={"X-Llmcluster-Mac": mac}), timeout=5)
@@ -186,7 +213,7 @@ def test_strangers_neither_heal_nor_are_healed_nor_add_gradients(tiny_root, tmp_
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                      for mode in markers]
         with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(f"{heal}1?nonce={'0' * 32}", timeout=10)
+            urllib.request.urlopen(f"{heal.split('?')[0]}1?nonce={'0' * 32}", timeout=10)   # the signed address's base
         assert e.value.code == 403
         outs = [s.communicate(timeout=120)[0] for s in strangers]
         go.touch()

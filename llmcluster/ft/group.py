@@ -144,6 +144,7 @@ class Replica:
                                    checkpoint_transport=self.transport, **store)
         finally:
             torchft.manager.ManagerServer = made
+        self.transport.source, self.transport.step = f"llmcluster_group_{self.group}", self.manager.current_step
         self.tap = self.manager._client = QuorumTap(self.manager._client, key, self.groups)
         served = f"ManagerServer {self.manager._manager.address()}, " if self.manager._manager is not None else ""
         trainer.log(f"ft: group {self.group} listens on {address}: {served}heal server {self.transport.metadata()} "

@@ -89,9 +89,16 @@ class RunKey:
     def __init__(self, secret: bytes):
         self._key = hashlib.sha256(b"llmcluster-ft\0" + secret).digest()
 
+    def _digest(self, *parts: object) -> bytes:
+        return hmac.new(self._key, "\0".join(str(p) for p in parts).encode(), hashlib.sha256).digest()
+
     def mac(self, *parts: object) -> str:
-        msg = "\0".join(str(p) for p in parts)
-        return hmac.new(self._key, msg.encode(), hashlib.sha256).hexdigest()[:32]
+        return self._digest(*parts).hex()[:32]
+
+    def derive(self, *parts: object) -> bytes:
+        """32 bytes of key material for `parts` (ft/seal.py's HKDF input), never sent: its first part "key" is one
+        no MAC that travels starts with."""
+        return self._digest("key", *parts)
 
     def verify(self, mac: str, *parts: object) -> bool:
         return isinstance(mac, str) and hmac.compare_digest(mac.encode(), self.mac(*parts).encode())
