@@ -145,6 +145,9 @@ def test_ft_a_killed_group_step_is_relaunched_and_the_allocation_kept(slurm, tmp
                'echo "group 1 dies"; exit 3; fi; sleep 8; echo "group $LLMCLUSTER_FT_GROUP done"')
     job = launch(root, "ft-relaunch", program, "--max-restarts", "0", "--set", "ft.enabled=true",
                  "--set", "parallel.dp_replicate=2")
+    # issue 65: the real slurmctld took the rendered `#SBATCH --exclusive` and holds the job's nodes for it alone
+    held = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    assert "OverSubscribe=NO" in held.split(), held
     assert wait_for(job, ("COMPLETED",), timeout=240) == "COMPLETED"
     out = (root / "logs" / "ft-relaunch" / f"slurm-{job}.out").read_text()
     assert "group 1 dies" in out and "group 1 step exited with 1: relaunching it (1 of 3)" in out, out
