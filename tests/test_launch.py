@@ -277,13 +277,15 @@ def test_local_launch_runs_torchrun_with_per_rank_logs(tmp_path):
 def test_second_launch_of_an_active_run_is_refused_unless_forced(tmp_path):
     root = tmp_path / "s"
     args = ["launch", "--scheduler", "local", "--root", root, "--set", "run.name=busy"]
-    running = subprocess.Popen([sys.executable, "-m", "llmcluster", *map(str, args), "--", "sleep", "60"],
+    running = subprocess.Popen([sys.executable, "-m", "llmcluster", *map(str, args), "--", "sleep", "600"],
                                env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        # the first launch RUNNING before the second starts (it took over 20 s on a loaded AVX2 machine, and the
+        # second, started early, found nothing to refuse): the wait is a hang guard, not a timing
         rec_file = root / "logs" / "busy" / "job.json"
-        for _ in range(200):
-            if rec_file.is_file() and json.loads(rec_file.read_text()).get("state") == "RUNNING":
-                break
+        deadline = time.monotonic() + 300
+        while not (rec_file.is_file() and json.loads(rec_file.read_text()).get("state") == "RUNNING"):
+            assert running.poll() is None and time.monotonic() < deadline, "the first launch never ran"
             time.sleep(0.1)
         assert_one_line_error(run_cli(*args, "--", "true"), "already RUNNING")
         assert run_cli(*args, "--force", "--", "true").returncode == 0

@@ -35,6 +35,9 @@ def missing_secrets(spec: LaunchSpec) -> list[str]:
     return [n for n in spec.job.secret_env if n not in os.environ]
 
 
+AGENTS = {b"torch.distributed.run", b"llmcluster.distributed.loopback"}   # the modules a rank's agent runs as
+
+
 def _cmdline(pid: int) -> list[bytes]:
     """The process's argv as /proc has it (OSError: no such process); empty while it is caught in its exec, and for
     a zombie."""
@@ -129,7 +132,8 @@ class Local(Scheduler):
         elif rec.get("ft"):   # ft's supervisor (launch/ft_local.py): `python -m llmcluster train|launch ...`
             ours = b"llmcluster" in cmd and (b"train" in cmd or b"launch" in cmd)
         else:
-            ours = b"torch.distributed.run" in cmd and str(logs / "ranks").encode() in cmd
+            # torchrun's agent, as spec.torchrun starts it (a local run's: through distributed/loopback.py)
+            ours = bool(AGENTS & set(cmd)) and str(logs / "ranks").encode() in cmd
         return pid if ours and pid > 1 else None
 
     def state(self, logs: Path, rec: dict) -> dict:
