@@ -65,7 +65,9 @@ demo: venv
 # (scripts/test_suite.sh): an idle thread no longer spins on the core another process waits for, and 3 workers win
 # (same machine, same tree, one run each): 2 workers 1383 s (user+sys 2150 CPU-s), 3 workers 1222 s (1951 CPU-s),
 # 3 workers with the slow tests started first (tests/conftest.py slow_first) 1185 s; the serial stream beside
-# them 1010-1116 s. TEST_WORKERS=0 for a debugger.
+# them 1010-1116 s. 2026-12-07 on the AVX2 kind (Zen 3 EPYC, no AVX-512, no native bf16), a fresh clone, quiet:
+# workers 3155 s, the serial stream 1491 s beside them (per test: the TSV make test writes). TEST_WORKERS=0 for a
+# debugger.
 # The tests that share the real Slurm or the session's vLLM server mostly wait (a scheduler's clock, a server):
 # they run as a stream of their own beside the workers (scripts/test_suite.sh says why and how).
 TEST_WORKERS ?= 3
