@@ -121,3 +121,13 @@ def wait_for(pred, timeout: float, proc: subprocess.Popen | None = None, poll: f
             return None
         time.sleep(poll)
     return None
+
+
+class StandInProc:
+    """A group's process as the ft supervisor's loop sees it (pid, returncode, poll), for unit tests of that loop."""
+
+    def __init__(self, pid: int, rc: int | None):
+        self.pid, self.returncode = pid, rc
+
+    def poll(self) -> int | None:
+        return self.returncode

@@ -526,12 +526,7 @@ def test_a_group_that_filled_the_disk_is_not_restarted(monkeypatch):
     from llmcluster.errors import EXIT_DISK_FULL
     from llmcluster.launch import ft_local
 
-    class Proc:
-        def __init__(self, pid, rc):
-            self.pid, self.returncode = pid, rc
-
-        def poll(self):
-            return self.returncode
+    from faultkit import StandInProc as Proc
 
     sup = ft_local.Supervisor.__new__(ft_local.Supervisor)
     sup.procs, sup.done, sup.restarts = [Proc(11, None), Proc(21, EXIT_DISK_FULL)], [False, False], [0, 0]

@@ -142,12 +142,7 @@ def test_a_group_that_gave_up_waiting_for_a_quorum_is_started_again_uncharged(tm
     from llmcluster.storage.events import read_events
     from llmcluster.train.procs import _code_from_reasons
 
-    class Proc:
-        def __init__(self, pid, rc):
-            self.pid, self.returncode = pid, rc
-
-        def poll(self):
-            return self.returncode
+    from faultkit import StandInProc as Proc
 
     sup = ft_local.Supervisor.__new__(ft_local.Supervisor)
     sup.groups, sup.logs = 2, tmp_path
