@@ -340,14 +340,15 @@ class Replica:
 
     def _hang_hook(self, step: int) -> None:
         """Test hook (LLMCLUSTER_TESTING=1): LLMCLUSTER_TEST_FT_HANG_AT_STEP=group:step, the training thread blocked
-        for good before the step's all-reduce while the process (and torchft's heartbeat) lives; not in a group
-        started again (REJOIN)."""
+        for good before the all-reduce of the first step at or after `step` that this group runs itself, while the
+        process (and torchft's heartbeat) lives; not in a group started again (REJOIN). "At or after": a group that
+        starts late heals past the named step and would otherwise never hang (a CI run on a slow machine)."""
         spec = test_hook(HANG_ENV)
         if not spec or os.environ.get(REJOIN_ENV) == "1":
             return
         for item in filter(None, spec.split(",")):
             g, _, at = item.partition(":")
-            if int(g) == self.group and int(at) == step:
+            if int(g) == self.group and step >= int(at):
                 self.t.log(f"ft: group {self.group} hangs at step {step} (test hook {HANG_ENV})")
                 import threading
 
