@@ -4,7 +4,9 @@ after the suite, whatever the venv holds.
 
     python scripts/suite_summary.py [--top N] [--tsv FILE] NAME=SECONDS=XML ...
 
---tsv writes every test's time (stream, seconds, node id), to compare two machines or two trees side by side.
+--tsv writes every test's time (stream, wall seconds, node id, CPU seconds), to compare two machines or two trees
+side by side. A test's CPU seconds (tests/conftest.py: its own and those of the processes it waited for) are what
+it costs; on 2 shared cores its wall time is mostly its neighbours'.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, {kind}, {bf16}" + (f" (capped: {caps})" if caps else "")
 
 
-def tests(xml: str) -> list[tuple[float, str]]:
+def tests(xml: str) -> list[tuple[float, str, float]]:
+    """(wall seconds, node id, CPU seconds or -1 where the XML has none), slowest first."""
     try:
         root = ET.parse(xml).getroot()
     except (OSError, ET.ParseError):
@@ -40,7 +43,8 @@ def tests(xml: str) -> list[tuple[float, str]]:
     out = []
     for case in root.iter("testcase"):
         node = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-        out.append((float(case.get("time") or 0.0), node))
+        cpu = next((p.get("value") for p in case.iter("property") if p.get("name") == "cpu_s"), None)
+        out.append((float(case.get("time") or 0.0), node, float(cpu) if cpu is not None else -1.0))
     return sorted(out, reverse=True)
 
 
@@ -55,14 +59,21 @@ def main() -> None:
     for spec in a.streams:
         name, seconds, xml = spec.split("=", 2)
         times = tests(xml)
-        rows += [(name, t, node) for t, node in times]
+        rows += [(name, t, node, cpu) for t, node, cpu in times]
+        cpu_total = sum(max(cpu, 0.0) for _, _, cpu in times)
         print(f"--- {name}: {int(seconds) // 60} min {int(seconds) % 60:02d} s wall, {len(times)} tests, "
-              f"{sum(t for t, _ in times):.0f} s of test time; the {min(a.top, len(times))} slowest:")
-        for t, node in times[:a.top]:
-            print(f"  {t:7.1f} s  {node}")
+              f"{sum(t for t, _, _ in times):.0f} s of test time, {cpu_total:.0f} CPU s; "
+              f"the {min(a.top, len(times))} slowest (wall, CPU):")
+        for t, node, cpu in times[:a.top]:
+            print(f"  {t:7.1f} s {cpu:7.1f} s  {node}")
+        by_cpu = sorted(times, key=lambda x: -x[2])[:a.top]
+        if by_cpu and by_cpu[0][2] > 0:
+            print(f"    the {len(by_cpu)} costliest in CPU:")
+            for t, node, cpu in by_cpu:
+                print(f"  {t:7.1f} s {cpu:7.1f} s  {node}")
     if a.tsv:
         with open(a.tsv, "w") as f:
-            f.writelines(f"{name}\t{t:.2f}\t{node}\n" for name, t, node in rows)
+            f.writelines(f"{name}\t{t:.2f}\t{node}\t{cpu:.2f}\n" for name, t, node, cpu in rows)
         print(f"every test's time: {a.tsv}")
 
 
