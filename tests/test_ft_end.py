@@ -3,9 +3,11 @@ real processes (gloo, 2 groups, the Lighthouse, the supervisor)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +116,38 @@ def test_with_min_replicas_equal_to_the_groups_the_healthy_group_waits_for_a_slo
     digests = _digests(tiny_root, run, out)
     assert digests[0] == digests[1] and digests[0][0] == steps, digests
     assert [e["group"] for e in _events(tiny_root, run) if e["event"] == "ft_group_failed"] == [1]
+
+
+@pytest.mark.slow   # real processes: ~60 s
+def test_a_frozen_group_does_not_hold_the_job_after_the_run_ended(tiny_root, tmp_path):
+    """Issue 62, invariant 4 (the job ends when the run ends): group 1 frozen for good (SIGSTOP: its watchdog frozen
+    with it) while group 0 finishes alone. The supervisor sees the final step committed, gives the groups still
+    running ft.end_grace_s (5 s here) and kills the frozen one instead of waiting on it: exit 0 within the grace and
+    a bound, the final checkpoint group 0's, the stop recorded (goodput's tail). On 536452b the job waited on the
+    frozen group for as long as it stayed frozen (this test then times out)."""
+    run, steps, grace = "ft-frozen-end", 24, 5
+    items = ("ft.min_replicas=1", f"train.steps={steps}", "checkpoint.interval_steps=12", "ft.timeout_s=5",
+             "dist.timeout_s=120", f"ft.end_grace_s={grace}", "log.interval=1")
+    env, go = slowed(tmp_path, "0:0.5")
+    with _supervised(tiny_root, run, items, env) as proc:
+        _wait(lambda: _step(tiny_root, run) >= 4, proc, "step 4")
+        frozen = _kill_group(tiny_root, run, 1, signal.SIGSTOP)
+        go.touch()
+        out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    events = _events(tiny_root, run)
+    seen = [e for e in events if e["event"] == "ft_run_end_seen"]
+    stopped = [e for e in events if e["event"] == "ft_groups_stopped_after_end"]
+    assert len(seen) == 1 and seen[0]["last_step"] == steps and 1 in seen[0]["running"], seen
+    assert len(stopped) == 1 and stopped[0]["groups"] == [1], stopped
+    # after the grace, within the supervisor's poll and a loaded machine's scheduling
+    assert grace <= stopped[0]["waited_s"] < grace + 20 and stopped[0]["t"] - seen[0]["t"] >= grace, stopped
+    assert f"group(s) 1 still running after ft.end_grace_s={grace} s: stopped" in err, err[-2000:]
+    for pid in frozen:   # killed, not left frozen (a zombie until its parent reaps it at most)
+        state = Path(f"/proc/{pid}/stat")
+        assert not state.exists() or state.read_text().split(") ")[1][0] in "ZX", (pid, state.read_text())
+    record = json.loads((tiny_root / "checkpoints" / run / "FINISHED.json").read_text())
+    assert record["step"] == steps and record["group"] == 0
+    assert _digests(tiny_root, run, out)[0] == (steps, record["weights_sha256"][:16])
+    assert not list((tiny_root / "checkpoints" / run).glob(".abandoned-*"))
+    print(f"frozen group 1 stopped {stopped[0]['waited_s']} s after the run's end (ft.end_grace_s {grace})")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,10 @@ echo "group $g run $n nodes $nl rdzv $ep lighthouse $TORCHFT_LIGHTHOUSE of $LLMC
 for d in ${FAKE_DOWN:-}; do   # a DOWN node ends the step; under --no-kill srun says so and exits 0 (real Slurm)
   [[ ",$nl," == *",$d,"* ]] && { sleep 0.5; echo "srun: error: Node failure on $d" >&2; exit 0; }
 done
+if [ "$g" = "${FAKE_END_GROUP:-}" ]; then   # trains the final step: its completion marker, then exit 0
+  mkdir -p "$(dirname "$FAKE_END_MARKER")" && echo '{}' > "$FAKE_END_MARKER"; exit 0
+fi
+[ "$g" = "${FAKE_FROZEN_GROUP:-}" ] && exec sleep 300   # frozen for good: never sees the end
 if [ "$g" = "${FAKE_FAIL_GROUP:-}" ] && [ "$n" -le "${FAKE_FAILS:-1}" ]; then
   [ -n "${FAKE_REASON:-}" ] && echo "$FAKE_REASON" > "$LLMCLUSTER_EXIT_DIR/exit-rank0"
   exit 1
@@ -112,6 +117,23 @@ def test_ft_a_dead_group_step_is_relaunched_alone_in_the_allocation(tmp_path):
     assert "group 1 step exited with 1: relaunching it (2 of 3)" in out
     assert "group 0 finished" in out and "group 1 finished" in out and "groups exited with 0" in out
     assert "requeue" not in log, "the allocation was given up"
+
+
+def test_ft_a_frozen_group_does_not_hold_the_job_after_the_run_ended(tmp_path):
+    """Invariant 4 (issue 62): group 0 commits the final step and exits 0, group 1 stays frozen. The script sees the
+    final step's marker, gives group 1 ft.end_grace_s, stops it instead of waiting and ends 0, without a requeue
+    (on 536452b it waited on every group: this run then outlives the stand-in's 60 s)."""
+    script = ft_script(tmp_path, "--set", "ft.end_grace_s=2")
+    t0 = time.monotonic()
+    last = int(re.search(r"the run's final step (\d+) is committed", script)[1])
+    marker = tmp_path / "s" / "checkpoints" / "llm-tiny" / f"step_{last}" / "COMPLETE.json"
+    out, log = run_batch_script(tmp_path, script, fakes=FT_FAKES, FAKE_END_GROUP="0", FAKE_FROZEN_GROUP="1",
+                                FAKE_END_MARKER=str(marker))
+    took = time.monotonic() - t0
+    assert f"the run's final step {last} is committed" in out, out
+    assert "groups still running 2 s after the run's end (ft.end_grace_s): stopped" in out, out
+    assert "groups exited with 0" in out and "requeue" not in log, out + log
+    assert "group 1 finished" not in out and took < 40, (took, out)
 
 
 def test_ft_relaunches_are_bounded_then_the_job_requeues(tmp_path):

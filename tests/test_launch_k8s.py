@@ -289,6 +289,8 @@ def test_ft_one_jobset_job_per_group_restarted_alone_beside_a_hardened_lighthous
     # a failed group's Job is recreated alone (JobSet's RestartJob), counted against job.max_requeues
     assert js["spec"]["failurePolicy"] == {"maxRestarts": 3, "rules": [{
         "name": "restart-the-failed-group-alone", "action": "RestartJob", "targetReplicatedJobs": ["group-0", "group-1"]}]}
+    # invariant 4: the first group that saw the run end completes the JobSet; the controller stops the others
+    assert js["spec"]["successPolicy"] == {"operator": "Any", "targetReplicatedJobs": ["group-0", "group-1"]}
     for g, rj in enumerate(groups):
         job = rj["template"]["spec"]
         assert job["completions"] == job["parallelism"] == 1 and job["backoffLimit"] == 0

@@ -391,6 +391,10 @@ class FtConfig(Section):
     step_deadline_s: float | None = Field(None, gt=0)
     # The same until this process's 5th committed step (1st with step_deadline_s): model build, compile.
     first_step_deadline_s: float = Field(300.0, gt=0)
+    # Invariant 4 (the job ends when the run ends): once the run's final step is committed, the launcher gives the
+    # groups still running this long to see the end and exit 0 themselves (a healthy one does within a step or a
+    # quorum wait), then stops them: a frozen group must not hold the allocation (docs/fault-tolerance.md).
+    end_grace_s: float = Field(30.0, ge=0)
     lighthouse: str | None = None               # HOST:PORT of a running Lighthouse; None: the launcher starts one
     # A group whose compute time is over the other groups' median x log.straggler_factor for this many committed
     # steps in a row leaves the quorum instead of pacing every step (0: never); its launcher starts it again after

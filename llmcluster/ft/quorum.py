@@ -10,10 +10,9 @@ import time
 from llmcluster.errors import EXIT_FAILURE, EXIT_FT_NO_QUORUM, RunFailure, UserError
 from llmcluster.launch.ft_auth import RunKey, shown
 from llmcluster.storage.layout import COMPLETE_MARKER
-from llmcluster.storage.owned import read_text, replace_atomically
+from llmcluster.storage.owned import replace_atomically
+from llmcluster.storage.run_end import END_RECORD, recorded_end
 
-# checkpoints/<run>/FINISHED.json: the run's end, decided once (docs/fault-tolerance.md, "Invariants" 2)
-END_RECORD = "FINISHED.json"
 
 
 def own_address(lighthouse_url: str) -> str:
@@ -147,22 +146,9 @@ def record_end(self) -> None:
 
 
 def _recorded_end(t) -> tuple[int, str] | None:
-    """(the last step, its weights' digest) when the run has ended above this group's step: this config's last step
-    is committed (its marker: an operator's roll-back moves it aside, and with it the end; an extended run has
-    another last step). The digest is the record's; a writer that died between sealing the step and recording it
-    left none, and the run has ended all the same. A record that is not the caller's own file, not a record's
-    shape or of another step gives no digest: it can only name one, never start or stop a group."""
+    """The run's recorded end (storage/run_end.py) when it lies above this group's step."""
     last = t.cfg.train.last_step
-    if t.step >= last or not (t.storage.step_dir(t.cfg.run.name, last) / COMPLETE_MARKER).is_file():
-        return None
-    text, _why = read_text(t.ckpt.dir / END_RECORD)
-    try:
-        record = json.loads(text or "null")
-        if int(record["step"]) == last:
-            return last, str(record["weights_sha256"])
-    except (ValueError, TypeError, KeyError):
-        pass
-    return last, "not recorded: its writer left before recording it"
+    return None if t.step >= last else recorded_end(t.ckpt.dir, last)
 
 
 def _newest_committed(t) -> int:

@@ -32,6 +32,7 @@ from llmcluster.render import argv_element
 from llmcluster.testing import test_hook
 from llmcluster.storage.events import EVENTS, read_events
 from llmcluster.storage.job_record import write_record
+from llmcluster.storage.run_end import recorded_end
 
 GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV = "LLMCLUSTER_FT_GROUP", "LLMCLUSTER_FT_GROUPS", "TORCHFT_LIGHTHOUSE"
 # "1" for a group started again while the others train: it joins as a reader (ft/writer.py), never
@@ -133,6 +134,8 @@ class Supervisor:
         self.seen = 0.0
         self.restart_at: dict[int, float] = {}   # group -> when to start it again
         self.stopping = None   # why every group is being stopped (a signal, the Lighthouse's death)
+        self.ckpt_dir = root / "checkpoints" / cfg.run.name
+        self.end_seen: float | None = None   # when this supervisor saw the run's final step committed
 
     # -- processes ---------------------------------------------------------------------------------
     def _start_lighthouse(self) -> None:
@@ -280,7 +283,7 @@ class Supervisor:
                 rc = p.poll() if p is not None and not self.done[g] and g not in self.restart_at else None
                 if rc is None:
                     continue
-                if rc == 0:
+                if rc == 0 or self.end_seen is not None:   # after the run's end nothing is started again
                     self.done[g] = True
                 elif rc in (EXIT_USAGE, EXIT_DISK_FULL):   # bad input: every group would say the same; a full
                     self._stop("")                          # disk: a restart would only fill it again
@@ -298,9 +301,40 @@ class Supervisor:
                     if self.restarts[g] > MAX_RESTARTS:
                         return self._stop(f"group {g} failed {self.restarts[g]} times: stopping the run")
                 self._record("RUNNING")
-            if all(self.done):
+            if all(self.done) or self._after_end():
                 return 0
             time.sleep(POLL_S)
+
+    def _after_end(self) -> bool:
+        """Invariant 4 (docs/fault-tolerance.md): once the run's final step is committed (storage/run_end.py), no
+        group is started again, and the groups still running after ft.end_grace_s (a frozen or stuck one: a healthy
+        group sees the end itself within a step or a quorum wait) are killed, not waited for: the run's end is
+        durable, nothing of theirs is to save. True when the job may end (exit 0)."""
+        if self.end_seen is None:
+            end = recorded_end(self.ckpt_dir, self.cfg.train.last_step)
+            if end is None:
+                return False
+            self.end_seen = time.monotonic()
+            for g in list(self.restart_at):
+                del self.restart_at[g]
+                self.done[g] = True   # the run it would rejoin has ended
+            self._event("ft_run_end_seen", last_step=end[0], weights_sha256=end[1],
+                        running=[g for g, p in enumerate(self.procs) if p is not None and not self.done[g]])
+        if time.monotonic() - self.end_seen < self.cfg.ft.end_grace_s:
+            return False
+        late = [g for g, p in enumerate(self.procs) if p is not None and not self.done[g] and p.poll() is None]
+        if late:
+            waited = round(time.monotonic() - self.end_seen, 1)
+            print(f"[llmcluster] the run finished at step {self.cfg.train.last_step}; group(s) "
+                  f"{', '.join(map(str, late))} still running after ft.end_grace_s={self.cfg.ft.end_grace_s:g} s: "
+                  "stopped (nothing of theirs to save)", file=sys.stderr, flush=True)
+            self._look(force=True)
+            for g in late:
+                self._signal_group(g, signal.SIGKILL)
+                self.done[g] = True
+            # goodput: the tail from the end to here is the job's, not a step's (launch/goodput.py)
+            self._event("ft_groups_stopped_after_end", groups=late, waited_s=waited)
+        return True
 
     def _group_failed(self, g: int, p: subprocess.Popen, rc: int) -> None:
         self._signal_group(g, signal.SIGKILL)   # ranks its launcher left behind must not train on as a ghost group

@@ -22,6 +22,7 @@ not counted against job.max_requeues.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from llmcluster.launch.ft_local import REJOIN_ENV
@@ -29,6 +30,7 @@ from llmcluster.launch.ft_auth import SECRET_ENV, SECRET_FILE
 from llmcluster.launch.spec import LIGHTHOUSE, LIGHTHOUSE_PORT, LaunchSpec, lighthouse_argv
 from llmcluster.render import Program, ShellVar, shell_export, shell_join, shell_word
 from llmcluster.storage.exit_reason import EXIT_DIR_ENV
+from llmcluster.storage.layout import COMPLETE_MARKER
 
 RELAUNCH_PAUSE_S = 2                   # between a dead step and its relaunch: no hot loop on a broken node
 # exits 0 once something accepts connections at HOST PORT (the Lighthouse is up before the groups start)
@@ -157,10 +159,23 @@ def body(spec: LaunchSpec, srun: list[str], port_python: str, free_port: str, co
         "trap 'preempted=1; echo \"[llmcluster] SIGUSR2: checkpoint and stop\"; "
         "kill -USR2 \"${group_pids[@]}\" 2>/dev/null' USR2",
         "lighthouse_lost=0",
-        "while :; do      # until every group has ended, or the Lighthouse has",
+        "# invariant 4 (docs/fault-tolerance.md): once the run's final step is committed, the groups still running",
+        "# after ft.end_grace_s (a frozen one: a healthy group sees the end itself) are not waited for: the job ends",
+        "# and Slurm stops its steps; the run's end is durable, nothing of theirs is to save",
+        "end_marker=" + shell_word(f"{spec.storage or spec.root}/checkpoints/{spec.run}/step_{spec.last_step}/"
+                                   f"{COMPLETE_MARKER}"),
+        "end_seen= ended=0",
+        "while :; do      # until every group has ended, or the Lighthouse has, or the run has",
         "  live=0",
         '  for p in "${group_pids[@]}"; do kill -0 "$p" 2>/dev/null && live=1; done',
         '  [ "$live" = 0 ] && break',
+        '  if [ -z "$end_seen" ] && [ -f "$end_marker" ]; then end_seen=$SECONDS;'
+        f' echo "[llmcluster] the run\'s final step {spec.last_step} is committed"; fi',
+        f'  if [ -n "$end_seen" ] && [ $(( SECONDS - end_seen )) -ge {math.ceil(ft.end_grace_s)} ]; then',
+        f'    echo "[llmcluster] groups still running {math.ceil(ft.end_grace_s)} s after the run\'s end'
+        ' (ft.end_grace_s): stopped, not waited for; the job ends and Slurm kills what is left"',
+        '    ended=1; kill -TERM "${group_pids[@]}" 2>/dev/null; break',
+        "  fi",
         '  if [ -n "$lighthouse_pid" ] && [ "$lighthouse_lost" = 0 ] && ! kill -0 "$lighthouse_pid" 2>/dev/null; then',
         '    echo "[llmcluster] the Lighthouse exited: stopping every group (no quorum without it)"',
         "    lighthouse_lost=1",
@@ -169,7 +184,7 @@ def body(spec: LaunchSpec, srun: list[str], port_python: str, free_port: str, co
         "  sleep 1",
         "done",
         "rc=0",
-        'for p in "${group_pids[@]}"; do wait "$p"; r=$?; [ "$rc" -eq 0 ] && rc=$r; done',
+        'for p in "${group_pids[@]}"; do [ "$ended" = 1 ] && break; wait "$p"; r=$?; [ "$rc" -eq 0 ] && rc=$r; done',
         '[ "$lighthouse_lost" = 1 ] && [ "$rc" -eq 0 ] && rc=1',
         '[ -n "$lighthouse_pid" ] && { kill "$lighthouse_pid" 2>/dev/null; wait "$lighthouse_pid" 2>/dev/null; }',
         'echo "[llmcluster] groups exited with $rc"',

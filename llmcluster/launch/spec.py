@@ -42,6 +42,7 @@ class LaunchSpec:
     cluster: str | None = None     # the cluster spec's name (recorded in job.json for the run's trackers)
     ft: FtConfig | None = None     # the job's ft section when ft.enabled (per-step fault tolerance), else None
     ft_groups: int = 0             # replica groups (parallel.dp_replicate) when ft.enabled: each its own world
+    last_step: int = 0             # the run's final step (train.stop_at or train.steps): its end, for ft's launchers
 
     @property
     def group_nodes(self) -> int:
@@ -215,6 +216,7 @@ def build_spec(cfg, args, root: Path, host_paths: list[str] | tuple[str, ...] = 
                       overrides=list(args.overrides), launch_id=launch_id, storage=storage,
                       metrics_port=cfg.log.metrics[1] if cfg.log.metrics else None, host_paths=tuple(host_paths),
                       cluster=cluster, ft=cfg.ft if cfg.ft.enabled else None,
-                      ft_groups=ft_groups(cfg, job, args.scheduler) if cfg.ft.enabled and args.scheduler != "local" else 0)
+                      ft_groups=ft_groups(cfg, job, args.scheduler) if cfg.ft.enabled and args.scheduler != "local" else 0,
+                      last_step=cfg.train.last_step)
     sched.check(spec)
     return spec

@@ -66,6 +66,10 @@ def jobset(spec: LaunchSpec) -> dict:
             "failurePolicy": {"maxRestarts": j.max_requeues, "rules": [{
                 "name": "restart-the-failed-group-alone", "action": "RestartJob",
                 "targetReplicatedJobs": [r["name"] for r in replicated]}]},
+            # invariant 4 (docs/fault-tolerance.md): a group's Job completes only when its group saw the run's
+            # final step committed (it trained it, or found the end recorded), so the first one ends the JobSet and
+            # the controller stops the rest: a frozen group does not hold the pods after the run ended
+            "successPolicy": {"operator": "Any", "targetReplicatedJobs": [r["name"] for r in replicated]},
             "replicatedJobs": replicated}
     m = meta(spec)
     if j.k8s.queue:
