@@ -23,7 +23,17 @@ REPO = Path(__file__).resolve().parents[1]
 SHIPPED = ("configs", "plans", "clusters", "monitoring", "llmcluster", "scripts", "benchmarks", "docs", "tests",
            "pyproject.toml", "README.md", "Makefile", "Dockerfile")
 # Where this machine keeps the engines and caches, not a test's state: kept from the caller's environment.
-MACHINE_ENV = ("LLMCLUSTER_VLLM_PYTHON", "LLMCLUSTER_LMEVAL_PYTHON", "LLMCLUSTER_CACHE")
+MACHINE_ENV = ("LLMCLUSTER_VLLM_PYTHON", "LLMCLUSTER_LMEVAL_PYTHON", "LLMCLUSTER_CACHE", "LLMCLUSTER_CPU_THREADS")
+# One thread per process, in the pytest workers and every run they start (a test that is about threads sets its
+# own): the suite runs more processes than the machine has cores, and a process with 2 threads there waits for
+# its other thread's turn on a core at every small op. Measured 2026-12-08, 2 cores under the suite's load: 64k
+# float64 sqrt 0.35 ms on 1 thread, 32 ms on 2; a 5-step llm_tiny run 15 CPU-s / 32 s wall on 1, 32 / 67 on 2.
+# Set before torch is imported (OpenMP reads it when it loads); the trainer reads LLMCLUSTER_CPU_THREADS
+# (distributed/process_groups.py: torchrun sets OMP_NUM_THREADS itself).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("LLMCLUSTER_CPU_THREADS", "1")
+if "torch" in sys.modules:   # imported before this file (a plugin): its pool already sized
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def clean_dir(path: Path) -> Path:

@@ -136,6 +136,19 @@ def test_ft_a_frozen_group_does_not_hold_the_job_after_the_run_ended(tmp_path):
     assert "group 1 finished" not in out and took < 40, (took, out)
 
 
+def test_ft_a_group_that_gave_up_waiting_for_a_quorum_is_relaunched_without_using_a_relaunch(tmp_path):
+    """Invariant 3 (issue 62): a group that exits after waiting ft.quorum_timeout_s 10 times for groups that did not
+    come (exit reason no_quorum) is not charged: with --max-requeues 1 it is relaunched twice and the job does
+    not requeue (on 536452b its second exit used up the relaunches and the job requeued)."""
+    script = ft_script(tmp_path, "--max-requeues", "1")
+    out, log = run_batch_script(tmp_path, script, fakes=FT_FAKES, FAKE_FAIL_GROUP="1", FAKE_FAILS="2",
+                                FAKE_REASON="no_quorum RuntimeError: no quorum of ft.min_replicas=1")
+    assert [ln.split(" nodes ")[0] for ln in log.splitlines() if ln.startswith("group 1")] == \
+        ["group 1 run 1", "group 1 run 2", "group 1 run 3"], log
+    assert out.count("group 1 gave up waiting for a quorum: relaunching it, not counted as its failure") == 2, out
+    assert "group 1 finished" in out and "groups exited with 0" in out and "requeue" not in log, out + log
+
+
 def test_ft_relaunches_are_bounded_then_the_job_requeues(tmp_path):
     script = ft_script(tmp_path, "--max-requeues", "1")
     out, log = run_batch_script(tmp_path, script, fakes=FT_FAKES, FAKE_FAIL_GROUP="0", FAKE_FAILS="9")

@@ -147,6 +147,23 @@ def pick_device(cfg: JobConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+CPU_THREADS_ENV = "LLMCLUSTER_CPU_THREADS"
+
+
+def cpu_threads_env() -> int | None:
+    """$LLMCLUSTER_CPU_THREADS: a machine's cap on a CPU rank's threads where train.threads is unset (a shared or
+    loaded host: make test sets 1, since with more processes than cores every small op of a rank with 2 threads
+    waits for its other thread's turn on a core, which doubled a tiny run's CPU time and wall time, measured
+    2026-12-08 on 2 cores under load). Not OMP_NUM_THREADS: torchrun sets that to 1 for every multi-rank launch,
+    and a rank's share of the cores (cores / ranks on the host) is the better default there."""
+    value = os.environ.get(CPU_THREADS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"${CPU_THREADS_ENV}={value!r}: a number of threads, 1 or more")
+    return int(value)
+
+
 def init_distributed(cfg: JobConfig, need_group: bool = False) -> DistEnv:
     """Join the torchrun/Slurm process group if there is one (or make a world of 1 when asked)."""
     env = os.environ
@@ -160,7 +177,7 @@ def init_distributed(cfg: JobConfig, need_group: bool = False) -> DistEnv:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         # ranks sharing this host: the launch's own, or every ft group's where the local supervisor started them all
         on_host = max(local_world, int(env.get(HOST_RANKS_ENV, 0) or 0))
-        torch.set_num_threads(cfg.train.threads or max(1, cores // on_host))
+        torch.set_num_threads(cfg.train.threads or cpu_threads_env() or max(1, cores // on_host))
         keep_freed_memory()  # a step's large buffers reused, not faulted in again (cpu_memory.py says why)
     if device.type == "cuda":
         crash_dumps(rank)

@@ -125,6 +125,12 @@ def body(spec: LaunchSpec, srun: list[str], port_python: str, free_port: str, co
         f' {ft.straggler_backoff_s:g} s (ft.straggler_backoff_s)"',
         f"      sleep {ft.straggler_backoff_s:g}; continue",
         "    fi",
+        # it gave up waiting for a quorum the other groups did not form (a hung or dead peer): theirs is the
+        # failure, not its own (issue 62, invariant 3), so it is relaunched without using a relaunch
+        f'    if [ "$stop" = 0 ] && grep -qs "^no_quorum" "${EXIT_DIR_ENV}"/exit-rank*; then',
+        '      echo "[llmcluster] group $g gave up waiting for a quorum: relaunching it, not counted as its failure"',
+        f"      sleep {RELAUNCH_PAUSE_S}; continue",
+        "    fi",
         f'    fatal=$(cat "${EXIT_DIR_ENV}"/exit-rank* 2>/dev/null | grep -m 1 "^fatal")',
         f'    if [ "$stop" = 1 ] || [ -n "$fatal" ] || [ "$relaunches" -ge {j.max_requeues} ]; then',
         f'      echo "[llmcluster] group $g step exited with $rc: not relaunched'
