@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
 
-.PHONY: venv venv-test sysdeps checkov vllm lmeval demo test test-avx2 test-fast test-compat bench clean-storage
+.PHONY: venv venv-test sysdeps checkov vllm lmeval readme-venv demo test test-avx2 test-fast test-compat bench clean-storage
 
 # What `make demo` needs: torch (first and pinned, so pip never resolves a multi-GB CUDA build on a CPU machine)
 # and the package with its own dependencies, nothing of the test extras.
@@ -47,6 +47,11 @@ lmeval: venv
 	bash scripts/lmeval_venv.sh >/dev/null
 	$(PY) -c "from llmcluster.eval.harness import harness_python; from llmcluster.eval.tasks import harness_task_names; harness_task_names(harness_python())"
 
+# The README walk's `make demo` venv (tests/test_readme.py demo_venv: the Makefile's own `venv` recipe in a keyed
+# cache, once per machine, ~2 min of pip): built before the suite, as the engines' venvs are, not inside a test.
+readme-venv: venv-test
+	$(PY) -c "import sys; sys.path.insert(0, 'tests'); from test_readme import demo_venv; demo_venv()"
+
 # Debian packages the tests use for real: Slurm + munge (launch), Prometheus/promtool (monitor).
 sysdeps:
 	bash scripts/install_system_deps.sh
@@ -72,7 +77,7 @@ demo: venv
 # they run as a stream of their own beside the workers (scripts/test_suite.sh says why and how).
 TEST_WORKERS ?= 3
 TEST_FAST_WORKERS ?= 2
-test: venv-test sysdeps checkov vllm lmeval
+test: venv-test sysdeps checkov vllm lmeval readme-venv
 	bash scripts/test_suite.sh $(PY) $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The suite as an AVX2 machine without native bf16 runs it (the kind CI may draw), on an AVX-512 one, as far as
