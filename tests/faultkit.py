@@ -131,3 +131,27 @@ class StandInProc:
 
     def poll(self) -> int | None:
         return self.returncode
+
+
+def stand_in_supervisor(tmp_path: Path, procs: list, monkeypatch, last_step: int = 10):
+    """The ft supervisor (launch/ft_local.py) over stood-in groups (StandInProc): its loop's state set as __init__
+    sets it, no process started or signalled, job.json not written; its events go to tmp_path/events.jsonl."""
+    from types import SimpleNamespace
+
+    from llmcluster.launch import ft_local
+
+    n = len(procs)
+    sup = ft_local.Supervisor.__new__(ft_local.Supervisor)
+    sup.groups, sup.logs, sup.procs, sup.trees = n, tmp_path, procs, [[p.pid] for p in procs]
+    sup.restarts, sup.waited, sup.dropped, sup.done = [0] * n, [0] * n, [0] * n, [False] * n
+    sup.failed_at = [[] for _ in range(n)]
+    sup.restart_at, sup.stopping, sup.lighthouse, sup.end_seen = {}, None, None, None
+    sup.ckpt_dir = tmp_path / "checkpoints"
+    sup.cfg = SimpleNamespace(train=SimpleNamespace(last_step=last_step), ft=SimpleNamespace(end_grace_s=30.0),
+                              run=SimpleNamespace(name="stand-in"))
+    monkeypatch.setattr(sup, "_signal_group", lambda g, sig: None)
+    monkeypatch.setattr(sup, "_look", lambda force=False: False)
+    monkeypatch.setattr(sup, "_record", lambda state, code=None: None)
+    monkeypatch.setattr(ft_local, "POLL_S", 0)
+    return sup
+

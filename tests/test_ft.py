@@ -520,20 +520,15 @@ def test_a_scan_that_raced_the_launchers_death_keeps_the_ranks_to_kill(monkeypat
 
 
 
-def test_a_group_that_filled_the_disk_is_not_restarted(monkeypatch):
+def test_a_group_that_filled_the_disk_is_not_restarted(tmp_path, monkeypatch):
     """Issue 64: a group exiting with EXIT_DISK_FULL stops the run with that code (as bad input does) instead of
     being restarted onto the same full disk. Unit test of the supervisor's loop (processes stood in for)."""
     from llmcluster.errors import EXIT_DISK_FULL
-    from llmcluster.launch import ft_local
-
     from faultkit import StandInProc as Proc
+    from faultkit import stand_in_supervisor
 
-    sup = ft_local.Supervisor.__new__(ft_local.Supervisor)
-    sup.procs, sup.done, sup.restarts = [Proc(11, None), Proc(21, EXIT_DISK_FULL)], [False, False], [0, 0]
-    sup.restart_at, sup.stopping, sup.lighthouse = {}, None, None
+    sup = stand_in_supervisor(tmp_path, [Proc(11, None), Proc(21, EXIT_DISK_FULL)], monkeypatch)
     stopped = []
-    monkeypatch.setattr(sup, "_look", lambda force=False: False)
-    monkeypatch.setattr(sup, "_record", lambda *a, **k: None)
     monkeypatch.setattr(sup, "_stop", lambda why: stopped.append(why) or 75)
     monkeypatch.setattr(sup, "_group_failed", lambda *a: pytest.fail("the group was restarted"))
     assert sup._supervise() == EXIT_DISK_FULL and stopped == [""] and sup.restart_at == {}

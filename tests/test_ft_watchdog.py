@@ -143,16 +143,9 @@ def test_a_group_that_gave_up_waiting_for_a_quorum_is_started_again_uncharged(tm
     from llmcluster.train.procs import _code_from_reasons
 
     from faultkit import StandInProc as Proc
+    from faultkit import stand_in_supervisor
 
-    sup = ft_local.Supervisor.__new__(ft_local.Supervisor)
-    sup.groups, sup.logs = 2, tmp_path
-    sup.procs, sup.trees = [Proc(10, EXIT_FT_NO_QUORUM), Proc(20, -9)], [[10], [20]]
-    sup.restarts, sup.waited, sup.dropped, sup.done = [0, 0], [0, 0], [0, 0], [False, False]
-    sup.restart_at, sup.stopping, sup.lighthouse = {}, None, None
-    monkeypatch.setattr(sup, "_signal_group", lambda g, sig: None)
-    monkeypatch.setattr(sup, "_look", lambda force=False: False)
-    monkeypatch.setattr(sup, "_record", lambda state, code=None: None)
-    monkeypatch.setattr(ft_local, "POLL_S", 0)
+    sup = stand_in_supervisor(tmp_path, [Proc(10, EXIT_FT_NO_QUORUM), Proc(20, -9)], monkeypatch)
     started = []
 
     def start(g):
@@ -169,3 +162,24 @@ def test_a_group_that_gave_up_waiting_for_a_quorum_is_started_again_uncharged(tm
     assert _code_from_reasons(tmp_path, 2) == EXIT_FT_NO_QUORUM
     (tmp_path / "exit-rank1").write_text("failed x\n")
     assert _code_from_reasons(tmp_path, 2) == 1
+
+
+def test_the_restart_budget_counts_the_failures_of_a_window(tmp_path, monkeypatch):
+    """Issue 62, item 5: a group's restart budget (MAX_RESTARTS) counts its failures within RESTART_WINDOW_S, not over
+    the run: four failures an hour apart restart the group each time; four within the window stop the run."""
+    from llmcluster.launch import ft_local
+
+    from faultkit import StandInProc as Proc
+    from faultkit import stand_in_supervisor
+
+    clock = [1000.0]
+    monkeypatch.setattr(ft_local.time, "monotonic", lambda: clock[0])
+    for gap, stops in ((3600.0, False), (60.0, True)):
+        sup = stand_in_supervisor(tmp_path, [Proc(10, None), Proc(20, 1)], monkeypatch)
+        outcomes = []
+        for _ in range(ft_local.MAX_RESTARTS + 1):
+            clock[0] += gap
+            outcomes.append(sup._group_failed(1, sup.procs[1], 1))
+        assert sup.restarts[1] == ft_local.MAX_RESTARTS + 1
+        assert outcomes == [True] * ft_local.MAX_RESTARTS + [not stops], (gap, outcomes)
+

@@ -5,7 +5,8 @@ The contract (docs/fault-tolerance.md, "Per-step fault tolerance"): the Lighthou
 --procs-per-node P` (its own elastic launch, its own rendezvous on a free port; a group of one rank is that rank
 alone, `llmcluster train` without the flag) with TORCHFT_LIGHTHOUSE,
 LLMCLUSTER_FT_GROUP and LLMCLUSTER_FT_GROUPS in its environment. A group that exits non-zero is recorded
-(ft_group_failed) and started again alone, at most MAX_RESTARTS times; the others keep stepping. A stop signal
+(ft_group_failed) and started again alone, at most MAX_RESTARTS times within RESTART_WINDOW_S; the others keep
+stepping. A stop signal
 (SIGTERM, Ctrl-C) is passed to every group (they checkpoint, as without ft); the Lighthouse dying stops the run the
 same way: the groups cannot form a quorum without it, and the run resumes from its checkpoint when started again.
 No torch here (a launcher): the groups import it.
@@ -43,6 +44,7 @@ NOT_INSTALLED = "ft.enabled: true needs torchft, which is not installed here: pi
 # see the others commit steps without it however fast a restart is on the machine.
 RESTART_DELAY_ENV = "LLMCLUSTER_TEST_FT_RESTART_DELAY_S"
 MAX_RESTARTS = 3        # per group: a group that keeps dying is a bug or a bad node, not a transient fault
+RESTART_WINDOW_S = 1800  # ... within this long: three faults a week apart in a month-long run are not a bad node
 PROCS_FLAGS = ("--procs-per-node", "--nproc-per-node")
 STOP_WAIT_S = 120.0     # after SIGTERM, how long the groups get to checkpoint before SIGKILL
 POLL_S = 0.2
@@ -127,6 +129,7 @@ class Supervisor:
         self.address = cfg.ft.lighthouse or f"127.0.0.1:{_free_port()}"
         self.procs: list[subprocess.Popen | None] = [None] * groups
         self.restarts = [0] * groups
+        self.failed_at: list[list[float]] = [[] for _ in range(groups)]   # each group's failures, for the window
         self.dropped = [0] * groups   # times each group left the quorum as a straggler (not failures)
         self.waited = [0] * groups    # times each group gave up waiting for a quorum (not failures: the others')
         self.done = [False] * groups
@@ -297,9 +300,9 @@ class Supervisor:
                 elif rc == EXIT_FT_NO_QUORUM:   # it waited for groups that did not come: theirs is the failure
                     self._group_waited(g, rc)
                 else:
-                    self._group_failed(g, p, rc)
-                    if self.restarts[g] > MAX_RESTARTS:
-                        return self._stop(f"group {g} failed {self.restarts[g]} times: stopping the run")
+                    if not self._group_failed(g, p, rc):
+                        return self._stop(f"group {g} failed {MAX_RESTARTS + 1} times within "
+                                          f"{RESTART_WINDOW_S // 60} min: stopping the run")
                 self._record("RUNNING")
             if all(self.done) or self._after_end():
                 return 0
@@ -336,15 +339,22 @@ class Supervisor:
             self._event("ft_groups_stopped_after_end", groups=late, waited_s=waited)
         return True
 
-    def _group_failed(self, g: int, p: subprocess.Popen, rc: int) -> None:
+    def _group_failed(self, g: int, p: subprocess.Popen, rc: int) -> bool:
+        """Record the failure; True when the group is started again: at most MAX_RESTARTS failures within the last
+        RESTART_WINDOW_S (job.json's `restarts` counts them all)."""
         self._signal_group(g, signal.SIGKILL)   # ranks its launcher left behind must not train on as a ghost group
+        now = time.monotonic()
         self.restarts[g] += 1
+        self.failed_at[g] = [t for t in self.failed_at[g] if now - t < RESTART_WINDOW_S] + [now]
+        recent = len(self.failed_at[g])
         self._event("ft_group_failed", group=g, pids=self.trees[g], exit_code=rc)
+        again = recent <= MAX_RESTARTS
         print(f"[llmcluster] replica group {g} (pid {p.pid}) exited with {rc}; the other groups keep training"
-              + (f"; restarting it ({self.restarts[g]} of {MAX_RESTARTS})" if self.restarts[g] <= MAX_RESTARTS
+              + (f"; restarting it ({recent} of {MAX_RESTARTS} within {RESTART_WINDOW_S // 60} min)" if again
                  else ""), file=sys.stderr, flush=True)
-        if self.restarts[g] <= MAX_RESTARTS:
-            self.restart_at[g] = time.monotonic() + float(test_hook(RESTART_DELAY_ENV) or 0)
+        if again:
+            self.restart_at[g] = now + float(test_hook(RESTART_DELAY_ENV) or 0)
+        return again
 
     def _group_waited(self, g: int, rc: int) -> None:
         """A group that gave up waiting for a quorum (ft/quorum.py, QUORUM_TRIES) is started again at once and not
