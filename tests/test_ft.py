@@ -400,7 +400,7 @@ def test_the_live_group_count_is_a_gauge_and_groups_on_one_host_get_their_own_po
 
 
 def test_goodput_counts_the_ft_records_and_the_steps_committed_by_fewer_groups():
-    from llmcluster.launch.goodput import goodput
+    from llmcluster.launch.goodput import goodput, render
 
     base = [{"t": 0.0, "attempt": 1, "event": "attempt_start", "step": 0},
             {"t": 1.0, "attempt": 1, "event": "init_done", "step": 0}]
@@ -417,13 +417,19 @@ def test_goodput_counts_the_ft_records_and_the_steps_committed_by_fewer_groups()
            "side": "sender"},   # a heal whose receiver did not write: the sender's own time
           {"t": 7.5, "attempt": 1, "event": "ft_quorum", "step": 7, "groups": 2},
           {"t": 9.2, "attempt": 1, "event": "ft_straggler", "step": 9, "group": 1, "busy_s": 1.0, "median_s": 0.1,
-           "steps": 3}]
+           "steps": 3},
+          {"t": 3.4, "attempt": 1, "event": "hang", "step": 3, "group": 1, "rank": 0, "waited_s": 2.0,
+           "deadline_s": 2.0},
+          {"t": 11.4, "attempt": 1, "event": "ft_groups_stopped_after_end", "step": 10, "groups": [1],
+           "waited_s": 0.4}]
     plain, with_ft = goodput(base), goodput(sorted(base + ft, key=lambda e: e["t"]))
     # steps 5-7 were committed by 1 of the 2 groups: half of each is the dead group's restart (startup)
     assert plain["ft"] is None and with_ft["productive_s"] == pytest.approx(plain["productive_s"] - 1.5)
     assert with_ft["badput_s"] == {**plain["badput_s"], "startup": pytest.approx(plain["badput_s"]["startup"] + 1.5)}
     assert with_ft["ft"] == {"groups": 2, "group_failures": 1, "heals": 2, "heal_s": 0.75, "heal_bytes": 3e6,
-                             "steps_fewer_groups": 3, "lighthouse_lost": 0, "stragglers_dropped": 1}
+                             "steps_fewer_groups": 3, "lighthouse_lost": 0, "stragglers_dropped": 1, "hangs": [1],
+                             "end_tail_s": 0.4}
+    assert "hung: group(s) 1; 0.4 s waited on groups still running after the run's end" in render({**with_ft, "run": "ft-unit"})
 
 
 def test_the_heal_sender_records_its_own_time_of_the_send():

@@ -45,6 +45,11 @@ BAR = {"productive": "#", "startup": "s", "checkpoint_restore": "r", "checkpoint
        "lost_progress": "l", "hang_or_straggler": "h", "failure": "f", "other": "o"}   # the text bar's letters
 PLOT = "goodput.png"   # what --plot DIR writes
 FT_PREFIX = "ft_"   # per-step fault tolerance's records (ft_summary)
+HANG = "hang"       # an ft group's watchdog fired (ft/watchdog.py): a record of ft's, it splits no interval either
+
+
+def _is_ft(e: dict) -> bool:
+    return e["event"].startswith(FT_PREFIX) or e["event"] == HANG
 SLOW = 3.0   # a step over this many median steps counts its excess as hang_or_straggler
 _STEP_END = {"step", "eval_start", "save_start", "checkpointed"}   # closes an interval of training at `step`
 _SPANS = {"eval_end": "eval", "save_end": "checkpoint_save", "restore_end": "checkpoint_restore",
@@ -109,7 +114,12 @@ def ft_summary(events: list[dict]) -> dict | None:
     return {"groups": full, "group_failures": sum(e["event"] == "ft_group_failed" for e in ft),
             "heals": len(heals), "heal_s": heal_s, "heal_bytes": sum(h["bytes"] for h in heals.values()),
             "steps_fewer_groups": fewer, "stragglers_dropped": sum(e["event"] == "ft_straggler" for e in ft),
-            "lighthouse_lost": sum(e["event"] == "ft_lighthouse_lost" for e in ft)}
+            "lighthouse_lost": sum(e["event"] == "ft_lighthouse_lost" for e in ft),
+            # invariant 3: the group that hung is named (its watchdog's `hang`); invariant 4: the tail a launcher
+            # waited after the run's end before stopping the groups still running
+            "hangs": sorted(e["group"] for e in events if e["event"] == HANG and isinstance(e.get("group"), int)),
+            "end_tail_s": sum(e["waited_s"] for e in ft if e["event"] == "ft_groups_stopped_after_end"
+                              and isinstance(e.get("waited_s"), number))}
 
 
 def _run_groups(ft: list[dict]) -> int:
@@ -156,7 +166,7 @@ class _Groups:
 def goodput(events: list[dict]) -> dict:
     ft = ft_summary(events)
     groups = _Groups([e for e in events if e["event"].startswith(FT_PREFIX)])
-    atts = attempts([e for e in events if not e["event"].startswith(FT_PREFIX)])
+    atts = attempts([e for e in events if not _is_ft(e)])
     if not atts:
         raise UserError("no attempt that trained is recorded for this run (events.jsonl is written by the "
                         "trainer's rank 0; starts that did nothing are left out)")
@@ -291,7 +301,10 @@ def render(result: dict, plan: dict | None = None, width: int = 60, label: str =
         lines.append(f"  ft: {ft['groups']} groups, {ft['group_failures']} group failure(s), "
                      f"{ft.get('stragglers_dropped', 0)} dropped as straggler(s), {ft['heals']} heal(s) "
                      f"({ft['heal_bytes'] / 1e6:.1f} MB, {ft['heal_s']:.2f} s), {ft['steps_fewer_groups']} step(s) "
-                     "committed with fewer groups")
+                     "committed with fewer groups"
+                     + (f"; hung: group(s) {', '.join(map(str, ft['hangs']))}" if ft.get("hangs") else "")
+                     + (f"; {ft['end_tail_s']:.1f} s waited on groups still running after the run's end"
+                        if ft.get("end_tail_s") else ""))
     return "\n".join(lines)
 
 
