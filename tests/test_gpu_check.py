@@ -22,7 +22,7 @@ GPU_STEPS = ["setup", "pytest", "sdpa", "timing", "nvml", "thermal", "data", "tr
 def _run(tmp_path, script: str, flag: str) -> str:
     """Run a check script in CPU mode with this interpreter; its output, after asserting it passed."""
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "LLMCLUSTER_STORAGE", "PYTHON")}
-    env.update(GPU_CHECK_WORK=str(tmp_path / "work"), OMP_NUM_THREADS="2", PYTHON=sys.executable)
+    env.update(GPU_CHECK_WORK=str(tmp_path / "work"), PYTHON=sys.executable)   # threads: the suite's (conftest)
     p = subprocess.run(["bash", f"benchmarks/{script}", *flag.split()], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=900)
     out = p.stdout + p.stderr
