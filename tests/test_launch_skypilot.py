@@ -1,0 +1,152 @@
+"""`launch --scheduler skypilot`: the job rendered as a SkyPilot task, refused by our own checks before sky is asked,
+and (slow, with `make sky`'s venv) every shipped spec x job config accepted by SkyPilot's own task parser."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import assert_one_line_error, cli_env, run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+CLOUD_SPECS = ("lambda-a100", "k8s-cloud-h100")
+JOB_CONFIGS = {"llm_tiny": [], "llm_7b": ["--nodes", "2"]}    # the 7B job is 8 nodes; the cloud specs have 2
+
+
+def dry_run(tmp_path: Path, cluster: str, config: str = "llm_tiny", *extra: str, env=None):
+    return run_cli("launch", "-c", REPO / "configs" / f"{config}.yaml", "--cluster", cluster, "--scheduler", "skypilot",
+                   "--dry-run", "--root", tmp_path / "storage", *extra, cwd=tmp_path, env=env)
+
+
+def task_of(tmp_path: Path, cluster: str, config: str = "llm_tiny", *extra: str, env=None) -> tuple[str, dict]:
+    p = dry_run(tmp_path, cluster, config, *extra, env=env)
+    assert p.returncode == 0, p.stderr
+    return p.stdout, yaml.safe_load(p.stdout)
+
+
+def cluster_file(tmp_path: Path, base: str, **cloud) -> Path:
+    data = yaml.safe_load((REPO / "clusters" / f"{base}.yaml").read_text())
+    data["cloud"].update(cloud)
+    f = tmp_path / "cluster.yaml"
+    f.write_text(yaml.safe_dump(data))
+    return f
+
+
+def test_lambda_task(tmp_path):
+    env = cli_env(WANDB_API_KEY="wandb-value-never-rendered", HF_TOKEN="hf-value-never-rendered")
+    text, task = task_of(tmp_path, "lambda-a100", "llm_tiny", "--nodes", "2",
+                         "--set", "job.secret_env=[WANDB_API_KEY,HF_TOKEN]", env=env)
+    assert task["num_nodes"] == 2
+    res = task["resources"]
+    assert res["infra"] == "lambda" and res["accelerators"] == {"A100-80GB": 8, "A100": 8}
+    assert "use_spot" not in res and "job_recovery" not in res      # Lambda: no spot, no recovery asked
+    assert task["secrets"] == {"WANDB_API_KEY": None, "HF_TOKEN": None}
+    assert "never-rendered" not in text
+    assert task["workdir"] == str(REPO) and "pip install" in task["setup"]
+    run = task["run"]
+    for var in ("SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_NODES", "SKYPILOT_NUM_GPUS_PER_NODE"):
+        assert f"${var}" in run
+    assert 'MASTER_ADDR=$(echo "$SKYPILOT_NODE_IPS" | head -n1)' in run
+    assert "storage pull llm-tiny --from /mnt/llmcluster-bucket" in run      # the bucket copy, before training
+    config = str(tmp_path / "storage" / "logs" / "llm-tiny" / "launches" / "1" / "config.yaml")
+    assert task["file_mounts"] == {config: config}
+
+
+def test_kubernetes_cloud_task_is_a_managed_job_recovering_the_preemption_exit(tmp_path):
+    from llmcluster.errors import EXIT_PREEMPTED
+
+    _, task = task_of(tmp_path, "k8s-cloud-h100")
+    res = task["resources"]
+    assert res["infra"] == "kubernetes" and res["accelerators"] == {"H100": 8}
+    assert res["job_recovery"]["recover_on_exit_codes"] == [EXIT_PREEMPTED]
+    assert res["job_recovery"]["max_restarts_on_errors"] == 1
+
+
+def test_spot_where_the_cloud_sells_it(tmp_path):
+    _, task = task_of(tmp_path, str(cluster_file(tmp_path, "lambda-a100", provider="aws", use_spot=True)))
+    assert task["resources"]["use_spot"] is True and task["resources"]["infra"] == "aws"
+    assert task["resources"]["job_recovery"]["recover_on_exit_codes"] == [75]
+
+
+@pytest.mark.parametrize("cloud, needle", [
+    ({"provder": "lambda"}, "provder"),                                   # a bad field
+    ({"accelerators": {"A1000": 8}}, "unknown GPU 'A1000'"),              # a GPU the table lacks
+    ({"accelerators": {"H100-PCIe": 8}}, "no SkyPilot catalog name"),     # in the table, not in SkyPilot's catalog
+    ({"use_spot": True}, "lambda has no spot"),                           # spot where the cloud sells none
+    ({"provider": "moon"}, "provider"),
+])
+def test_refused_in_one_line_before_sky(tmp_path, cloud, needle):
+    # no sky anywhere: a refusal must come from our own checks
+    env = cli_env(PATH="/usr/bin:/bin", LLMCLUSTER_SKY=str(tmp_path / "no-sky"))
+    assert_one_line_error(dry_run(tmp_path, str(cluster_file(tmp_path, "lambda-a100", **cloud)), env=env), needle)
+
+
+def test_ft_and_cloudless_specs_refused(tmp_path):
+    assert_one_line_error(dry_run(tmp_path, "lambda-a100", "llm_tiny", "--set", "ft.enabled=true"),
+                          "ft.enabled is not supported on --scheduler skypilot")
+    assert_one_line_error(dry_run(tmp_path, "seed-a100", "llm_tiny"), "needs a cluster spec with a cloud: section")
+
+
+# -- SkyPilot's own parser, in its own venv (never imported here) --------------------------------------------------
+VALIDATE = """
+import json, sys, sky
+for name, task in json.load(sys.stdin):
+    try:
+        nodes, names = task["num_nodes"], sorted(task.get("secrets") or {})
+        # as written: names only, which SkyPilot reads as references with no value in the text
+        t = sky.Task.from_yaml_config(json.loads(json.dumps(task)))   # (it takes keys out of what it reads)
+        assert t.num_nodes == nodes, name
+        assert sorted(r.name for r in t.managed_secret_refs) == names, name
+        # as `sky launch --secret NAME` submits it: the value from the launching shell
+        t = sky.Task.from_yaml_config(task, secrets_overrides=[(n, "value-" + n) for n in names])
+        print(json.dumps([name, "ok", sorted(t.secrets or {})]))
+    except Exception as e:
+        print(json.dumps([name, f"{type(e).__name__}: {e}", []]))
+"""
+
+
+def sky_python() -> Path | None:
+    cache = Path.home() / ".cache" / "llmcluster"
+    built = [p for p in sorted(cache.glob("sky-*")) if (p / ".installed").is_file()]
+    return built[-1] / "bin" / "python" if built else None
+
+
+@pytest.mark.slow
+def test_every_rendered_task_passes_skypilots_parser(tmp_path):
+    python = sky_python()
+    if python is None:
+        pytest.skip("no SkyPilot venv (make sky)")
+    tasks = []
+    for cluster in CLOUD_SPECS:
+        for config, flags in JOB_CONFIGS.items():
+            out = tmp_path / f"{cluster}-{config}"
+            out.mkdir()
+            _, task = task_of(out, cluster, config, *flags, "--set", "job.secret_env=[WANDB_API_KEY,HF_TOKEN]")
+            for local in task["file_mounts"].values():    # SkyPilot checks a mount's local source exists
+                Path(local).parent.mkdir(parents=True)
+                Path(local).write_text("run: {}\n")
+            tasks.append([f"{cluster} x {config}", task])
+    p = subprocess.run([str(python), "-c", VALIDATE], input=json.dumps(tasks), capture_output=True, text=True, check=False,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    results = [json.loads(line) for line in p.stdout.splitlines()]
+    assert [r[0] for r in results] == [t[0] for t in tasks]
+    for name, verdict, secrets in results:
+        assert verdict == "ok", (name, verdict)
+        assert secrets == ["HF_TOKEN", "WANDB_API_KEY"], (name, secrets)
+
+
+@pytest.mark.slow
+def test_skypilots_parser_catches_a_misspelt_field():
+    """The parser test above is no rubber stamp: the same call refuses a field SkyPilot does not know."""
+    python = sky_python()
+    if python is None:
+        pytest.skip("no SkyPilot venv (make sky)")
+    bad = [["bad", {"num_node": 2, "run": "true"}]]
+    p = subprocess.run([str(python), "-c", VALIDATE], input=json.dumps(bad), capture_output=True, text=True, check=False,
+                       timeout=300)
+    assert "num_node" in json.loads(p.stdout.splitlines()[0])[1]
