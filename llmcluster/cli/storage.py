@@ -16,10 +16,11 @@ def register(sub) -> None:
     s.add_argument("--config", "-c", metavar="FILE", help="take the root from this config's run.storage")
     s.add_argument("--json", action="store_true", help="print JSON instead of tables")
     s.set_defaults(func=run)
-    for name, flag, help_ in (("push", "--to", "copy each sealed checkpoint step of RUN newer than the bucket's to "
-                                                "BUCKET/RUN/ (each file checked against its marker; the marker last)"),
-                              ("pull", "--from", "bring RUN's newest sealed step from a bucket directory or another "
-                                                  "storage root into this one (digests checked; resumes)")):
+    push_help = ("copy each sealed checkpoint step of RUN newer than the bucket's to BUCKET/RUN/ (each file checked "
+                 "against its marker; the marker last)")
+    pull_help = ("bring RUN's newest sealed step from a bucket directory or another storage root into this one "
+                 "(digests checked; resumes)")
+    for name, flag, help_ in (("push", "--to", push_help), ("pull", "--from", pull_help)):
         q = ssub.add_parser(name, help=help_)
         q.add_argument("run", metavar="RUN")
         q.add_argument(flag, dest="where", required=True, metavar="DIR",
@@ -32,7 +33,6 @@ def transfer(args) -> int:
     from pathlib import Path
 
     from llmcluster.config.cluster_load import storage_root
-    from llmcluster.storage import bucket
     from llmcluster.storage.layout import check_run_name
 
     run, root, where = check_run_name(args.run), storage_root(args.root), Path(args.where)

@@ -24,7 +24,13 @@ from pathlib import Path, PurePosixPath
 
 from llmcluster.errors import UserError
 from llmcluster.render import show_value
-from llmcluster.storage.layout import COMPLETE_MARKER, STEP_DIR_RE, Storage, check_marker, sha256_file
+from llmcluster.storage.layout import (
+    COMPLETE_MARKER,
+    STEP_DIR_RE,
+    Storage,
+    check_marker,
+    sha256_file,
+)
 
 PULL_PREFIX = ".pull-"    # checkpoints/<run>/.pull-step_N/: a pull in progress (never a step the trainer lists)
 PART = ".part"            # a file being copied; an interrupted copy starts over
