@@ -150,3 +150,76 @@ def test_skypilots_parser_catches_a_misspelt_field():
     p = subprocess.run([str(python), "-c", VALIDATE], input=json.dumps(bad), capture_output=True, text=True, check=False,
                        timeout=300)
     assert "num_node" in json.loads(p.stdout.splitlines()[0])[1]
+
+
+# -- launch and jobs status|logs|cancel against a stand-in `sky` on PATH that records its arguments ------------------
+STAND_IN = """#!/bin/bash
+printf '%s\\n' "$*" >> "$SKY_ARGS"
+case "$1" in
+  jobs) case "$2" in
+          queue) printf 'Fetching managed job statuses...\\nID  TASK  NAME  REQUESTED  SUBMITTED  TOT. DURATION  STATUS\\n'
+                 printf '4  -  other-run  2x[H100:8]  2 mins ago  2m  RUNNING\\n'
+                 printf '3  -  llm-tiny  2x[H100:8]  1 hr ago  1h  RECOVERING\\n' ;;
+          logs) echo "step 10 | loss 5.1" ;;
+        esac ;;
+  queue) printf 'Job queue of cluster %s\\nID  NAME  SUBMITTED  STARTED  DURATION  RESOURCES  STATUS  LOG\\n' "$2"
+         printf '1  llm-tiny  5 mins ago  5 mins ago  5m  2x[A100:8]  RUNNING  ~/sky_logs/1\\n' ;;
+  logs) echo "step 20 | loss 4.2" ;;
+esac
+exit 0
+"""
+
+
+def stand_in_sky(tmp_path: Path) -> dict:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sky").write_text(STAND_IN)
+    (bin_dir / "sky").chmod(0o755)
+    return cli_env(PATH=f"{bin_dir}:/usr/bin:/bin", SKY_ARGS=str(tmp_path / "sky-args"), WANDB_API_KEY="x")
+
+
+def sky_calls(tmp_path: Path) -> list[str]:
+    return (tmp_path / "sky-args").read_text().splitlines()
+
+
+@pytest.mark.parametrize("cluster, managed", [("lambda-a100", False), ("k8s-cloud-h100", True)])
+def test_jobs_status_logs_cancel_through_sky(tmp_path, cluster, managed):
+    env = stand_in_sky(tmp_path)
+    root = tmp_path / "storage"
+    p = run_cli("launch", "-c", REPO / "configs" / "llm_tiny.yaml", "--cluster", cluster, "--scheduler", "skypilot",
+                "--root", root, "--set", "job.secret_env=[WANDB_API_KEY]", cwd=tmp_path, env=env)
+    assert p.returncode == 0, p.stderr
+    task = root / "logs" / "llm-tiny" / "launches" / "1" / "task.yaml"
+    launched = sky_calls(tmp_path)[-1]
+    assert launched == (f"jobs launch -y -n llm-tiny --secret WANDB_API_KEY {task}" if managed else
+                        f"launch -y -c llm-tiny --secret WANDB_API_KEY {task}")
+    assert yaml.safe_load(task.read_text().split("\n", 1)[1])["num_nodes"] == 1
+
+    status = run_cli("jobs", "status", "llm-tiny", "--root", root, "--json", env=env, check=True)
+    info = json.loads(status.stdout)
+    assert info["scheduler"] == "skypilot"
+    assert (info["state"], info["detail"]) == (("PENDING", "sky: RECOVERING") if managed else ("RUNNING", "sky: RUNNING"))
+    assert sky_calls(tmp_path)[-1] == ("jobs queue" if managed else "queue llm-tiny")
+
+    logs = run_cli("jobs", "logs", "llm-tiny", "--root", root, env=env, check=True)
+    assert "loss" in logs.stdout
+    assert sky_calls(tmp_path)[-1] == ("jobs logs -n llm-tiny --no-follow" if managed else "logs llm-tiny --no-follow")
+
+    # a second launch while sky says the job is active is refused, as on every scheduler
+    again = run_cli("launch", "-c", REPO / "configs" / "llm_tiny.yaml", "--cluster", cluster, "--scheduler",
+                    "skypilot", "--root", root, "--set", "job.secret_env=[WANDB_API_KEY]", cwd=tmp_path, env=env)
+    assert_one_line_error(again, "already")
+
+    run_cli("jobs", "cancel", "llm-tiny", "--root", root, env=env, check=True)
+    assert sky_calls(tmp_path)[-2:] == (["jobs queue", "jobs cancel -y -n llm-tiny"] if managed else
+                                        ["cancel -y --all llm-tiny", "down -y llm-tiny"])
+
+
+def test_launch_refuses_a_missing_secret_before_sky(tmp_path):
+    env = stand_in_sky(tmp_path)
+    env.pop("WANDB_API_KEY")
+    p = run_cli("launch", "-c", REPO / "configs" / "llm_tiny.yaml", "--cluster", "lambda-a100", "--scheduler",
+                "skypilot", "--root", tmp_path / "storage", "--set", "job.secret_env=[WANDB_API_KEY]", cwd=tmp_path,
+                env=env)
+    assert_one_line_error(p, "WANDB_API_KEY not set")
+    assert not (tmp_path / "sky-args").exists()

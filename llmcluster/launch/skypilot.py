@@ -154,6 +154,31 @@ def sky_program() -> str:
     raise UserError("no `sky` program: run `make sky` (SkyPilot in a venv of its own), or put sky on PATH")
 
 
+# SkyPilot's job states (`sky jobs queue`, `sky queue`) as the project's: the active ones map onto ACTIVE_STATES
+STATES = {"INIT": "PENDING", "PENDING": "PENDING", "SUBMITTED": "PENDING", "STARTING": "PENDING",
+          "SETTING_UP": "PENDING", "RECOVERING": "PENDING", "RUNNING": "RUNNING", "CANCELLING": "COMPLETING",
+          "SUCCEEDED": "COMPLETED", "CANCELLED": "CANCELLED", "FAILED": "FAILED", "FAILED_SETUP": "FAILED",
+          "FAILED_DRIVER": "FAILED", "FAILED_PRECHECKS": "FAILED", "FAILED_NO_RESOURCE": "FAILED",
+          "FAILED_CONTROLLER": "FAILED"}
+
+
+def table_status(text: str, run: str) -> str | None:
+    """The STATUS of `run`'s first row in a table `sky jobs queue` / `sky queue` prints (columns are separated by
+    two or more spaces; the first row is the newest), or None."""
+    import re
+
+    header = None
+    for line in text.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if header is None:
+            if "NAME" in cells and "STATUS" in cells:
+                header = cells
+            continue
+        if len(cells) == len(header) and cells[header.index("NAME")] == run:
+            return cells[header.index("STATUS")]
+    return None
+
+
 def sky(args: list[str], capture: bool = True) -> subprocess.CompletedProcess:
     try:
         return subprocess.run([sky_program(), *args], capture_output=capture, text=True, timeout=600, check=False)
@@ -197,3 +222,39 @@ class SkyPilot(Scheduler):
             write_record({**record, "job_id": spec.run, "state": "FAILED", "exit_code": rc})
             print(f"[llmcluster] sky {' '.join(args[:2])} exited with {rc}", file=sys.stderr)
         return rc
+
+    # -- jobs status|logs|cancel: asked of sky, by the run's name (the managed job's, or the cluster's) --
+    @staticmethod
+    def _managed(rec: dict) -> bool:
+        sp = rec.get("skypilot")
+        return bool(sp.get("managed")) if isinstance(sp, dict) else False
+
+    def state(self, logs: Path, rec: dict) -> dict:
+        if not rec.get("job_id"):
+            return {"state": rec.get("state", "UNKNOWN")}
+        run = line_text(rec["run"], "run")
+        p = sky(["jobs", "queue"] if self._managed(rec) else ["queue", run])
+        if p.returncode:
+            raise UserError(f"sky could not say how {run} stands: {(p.stderr or p.stdout).strip()[-200:]}")
+        status = table_status(p.stdout, run)
+        if status is None:
+            return {"state": "LOST", "detail": f"sky lists no job named {run}"}
+        return {"state": STATES.get(status, status), "detail": f"sky: {status}"}
+
+    def logs(self, logs: Path, rec: dict, follow: bool) -> int:
+        run = line_text(rec["run"], "run")
+        args = ["jobs", "logs", "-n", run] if self._managed(rec) else ["logs", run]
+        return sky(args + ([] if follow else ["--no-follow"]), capture=False).returncode
+
+    def cancel(self, logs: Path, rec: dict) -> str | None:
+        """A managed job: cancelled (SkyPilot tears its cluster down). A cluster's job: cancelled (torchrun forwards
+        the SIGTERM, the ranks checkpoint), then the cluster is torn down, so it stops costing; the sealed steps are
+        in the bucket."""
+        run = line_text(rec["run"], "run")
+        steps = [["jobs", "cancel", "-y", "-n", run]] if self._managed(rec) else \
+            [["cancel", "-y", "--all", run], ["down", "-y", run]]
+        for args in steps:
+            p = sky(args)
+            if p.returncode:
+                raise UserError(f"sky {' '.join(args[:2])} {run} failed: {(p.stderr or p.stdout).strip()[-200:]}")
+        return None
