@@ -54,8 +54,8 @@ def test_push_copies_sealed_steps_only_marker_last_and_pull_brings_the_newest(tm
     for rel in step_files(20):
         assert (got / rel).read_bytes() == (node / "checkpoints" / RUN / "step_20" / rel).read_bytes()
     assert not (fresh / "checkpoints" / RUN / "step_10").exists()      # the newest only
-    assert "0 file(s) copied" in run_cli("storage", "pull", RUN, "--from", bucket, "--root", fresh,
-                                         check=True).stdout
+    assert "step_20 is already here" in run_cli("storage", "pull", RUN, "--from", bucket, "--root", fresh,
+                                                check=True).stdout
 
 
 def test_a_step_whose_push_was_interrupted_is_never_pulled(tmp_path):

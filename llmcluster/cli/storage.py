@@ -53,6 +53,8 @@ def _transfer(cmd: str, run: str, root, where) -> int:
     step, copied, kept = bucket.pull(where, run, root)
     if step is None:
         print(f"no sealed step of {run} in {where}: nothing to pull")
+    elif copied == kept == 0:
+        print(f"{run} step_{step} is already here, sealed: nothing to pull")
     else:
         print(f"pulled {run} step_{step}: {copied} file(s) copied, {kept} already here")
     return 0

@@ -41,6 +41,7 @@ SKY_CLOUDS = {"lambda": "lambda", "kubernetes": "kubernetes", "aws": "aws", "gcp
 NODE_VENV = "$HOME/llmcluster-venv"    # where `setup` installs the package on every node
 PYTHON_ENV = "LLMCLUSTER_PYTHON"       # the nodes' python (default: NODE_VENV's); a test points it elsewhere
 PUSH_EVERY_S = 60                      # how often node 0 copies newly sealed steps to the bucket while training
+PUSH_EVERY_ENV = "LLMCLUSTER_PUSH_EVERY_S"   # ... unless the task's environment says otherwise (`sky --env`)
 SKY_ENV = "LLMCLUSTER_SKY"             # the `sky` program (default: `sky` on PATH, else `make sky`'s venv)
 
 
@@ -102,7 +103,7 @@ def run_block(spec: LaunchSpec) -> str:
         lines += ["# node 0 keeps the checkpoints' copy in the bucket (the other nodes wait for it in the rendezvous)",
                   'if [ "$SKYPILOT_NODE_RANK" = 0 ]; then',
                   f"  {pull} || exit $?",
-                  f"  ( while sleep {PUSH_EVERY_S}; do {push}; done ) &",
+                  f'  ( while sleep "${{{PUSH_EVERY_ENV}:-{PUSH_EVERY_S}}}"; do {push}; done ) &',
                   "  pusher=$!",
                   "fi"]
     lines += [shell_join(argv), "rc=$?"]
