@@ -4,6 +4,8 @@ and (slow, with `make sky`'s venv) every shipped spec x job config accepted by S
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -223,3 +225,55 @@ def test_launch_refuses_a_missing_secret_before_sky(tmp_path):
                 env=env)
     assert_one_line_error(p, "WANDB_API_KEY not set")
     assert not (tmp_path / "sky-args").exists()
+
+
+# -- SkyPilot's optimizer, offline, on catalog fixtures (tests/data/skypilot_catalog/SOURCE.md) ---------------------
+# In process rather than `sky launch --dryrun` (which starts SkyPilot's API server and wants rsync): SkyPilot's state
+# as `sky check` leaves it with Lambda credentials, then the optimizer on the task. The Kubernetes-cloud spec is
+# checked by schema only: its optimizer asks the live cluster.
+OPTIMIZE = """
+import json, sys
+import sky
+from sky import check, global_user_state, optimizer
+from sky.clouds import cloud
+from sky.utils import dag_utils
+global_user_state.set_allowed_clouds(check._get_workspace_allowed_clouds("default"), "default")
+global_user_state.set_enabled_clouds(["Lambda"], cloud.CloudCapability.COMPUTE, "default")
+dag = dag_utils.convert_entrypoint_to_dag(sky.Task.from_yaml_config(json.load(sys.stdin)))
+try:
+    optimizer.Optimizer.optimize(dag, quiet=True)
+except Exception as e:
+    print(json.dumps([type(e).__name__]))
+else:
+    best = dag.tasks[0].best_resources
+    print(json.dumps([str(best.cloud), best.instance_type, best.accelerators]))
+"""
+
+
+def optimize(python: Path, home: Path, task: dict) -> list:
+    p = subprocess.run([str(python), "-c", OPTIMIZE], input=json.dumps(task), capture_output=True, text=True,
+                       timeout=300, check=False, env={**os.environ, "HOME": str(home)}, cwd=home)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_skypilots_optimizer_picks_the_expected_lambda_instance_offline(tmp_path):
+    python = sky_python()
+    if python is None:
+        pytest.skip("no SkyPilot venv (make sky)")
+    home = tmp_path / "home"
+    shutil.copytree(REPO / "tests" / "data" / "skypilot_catalog", home / ".sky" / "catalogs" / "v8",
+                    ignore=shutil.ignore_patterns("*.md"))
+    _, task = task_of(tmp_path, "lambda-a100", "llm_7b", "--nodes", "2")
+    for local in task["file_mounts"].values():
+        Path(local).parent.mkdir(parents=True)
+        Path(local).write_text("run: {}\n")
+    # the shipped spec's candidates, {A100-80GB: 8, A100: 8}: the cheaper of the two (placeholder prices)
+    assert optimize(python, home, task) == ["Lambda", "gpu_8x_a100", {"A100": 8}]
+    only_80gb = {**task, "resources": {**task["resources"], "accelerators": {"A100-80GB": 8}}}
+    assert optimize(python, home, only_80gb) == ["Lambda", "gpu_8x_a100_80gb_sxm4", {"A100-80GB": 8}]
+    # what our own checks refuse earlier, SkyPilot's optimizer refuses too (no such GPU; no spot on Lambda)
+    for bad in ({"accelerators": {"A1000": 4}}, {"use_spot": True}):
+        wrong = {**task, "resources": {**task["resources"], **bad}}
+        assert optimize(python, home, wrong) == ["ResourcesUnavailableError"], bad
