@@ -277,3 +277,10 @@ def test_skypilots_optimizer_picks_the_expected_lambda_instance_offline(tmp_path
     for bad in ({"accelerators": {"A1000": 4}}, {"use_spot": True}):
         wrong = {**task, "resources": {**task["resources"], **bad}}
         assert optimize(python, home, wrong) == ["ResourcesUnavailableError"], bad
+
+
+def test_provision_refuses_a_cloud_spec(tmp_path):
+    """Ansible has no machines of ours to set up on a rented cloud: SkyPilot starts them per run."""
+    assert_one_line_error(run_cli("provision", "--cluster", "lambda-a100", "--out", tmp_path / "out", cwd=tmp_path),
+                          "nothing to provision")
+    assert not (tmp_path / "out").exists()
