@@ -106,3 +106,15 @@ def test_nothing_to_pull_from_an_empty_bucket(tmp_path):
     (tmp_path / "bucket").mkdir()
     out = run_cli("storage", "pull", RUN, "--from", tmp_path / "bucket", "--root", tmp_path / "fresh", check=True)
     assert "nothing to pull" in out.stdout
+
+
+def test_a_link_in_the_bucket_is_refused(tmp_path):
+    bucket = tmp_path / "bucket"
+    sealed_step(tmp_path / "node", 10, step_files(10))
+    run_cli("storage", "push", RUN, "--to", bucket, "--root", tmp_path / "node", check=True)
+    state = bucket / RUN / "step_10" / "train_state.json"
+    (tmp_path / "elsewhere.json").write_bytes(state.read_bytes())
+    state.unlink()
+    state.symlink_to(tmp_path / "elsewhere.json")
+    assert_one_line_error(run_cli("storage", "pull", RUN, "--from", bucket, "--root", tmp_path / "fresh"),
+                          "symbolic link")

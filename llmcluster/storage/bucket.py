@@ -50,6 +50,8 @@ def _files(marker: dict, where: Path) -> dict[str, str]:
 
 def _copy_checked(src: Path, dst: Path, digest: str, what: str) -> None:
     """src -> dst through dst.part, hashing as it copies; a digest other than the marker's is refused."""
+    if src.is_symlink():     # a bucket is written by others: a link would copy some other file of this machine
+        raise UserError(f"{what}: {src} is a symbolic link, not a file of the step: refused")
     dst.parent.mkdir(parents=True, exist_ok=True)
     part = dst.with_name(dst.name + PART)
     h = hashlib.sha256()
