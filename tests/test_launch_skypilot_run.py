@@ -117,7 +117,7 @@ def model_digests(step_dir: Path) -> dict[str, str]:
     return {rel: d for rel, d in files.items() if rel.endswith(".distcp")}
 
 
-def test_run_block_resumes_on_a_new_cluster_from_the_bucket_bitwise(tmp_path):
+def test_run_block_resumes_on_a_new_cluster_from_the_bucket(tmp_path):
     root = repo_source_dataset(tmp_path / "storage", 30)
     bucket = tmp_path / "bucket"
     bucket.mkdir()
