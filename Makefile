@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
 
-.PHONY: venv venv-test sysdeps checkov vllm lmeval readme-venv demo test test-avx2 test-fast test-compat bench clean-storage
+.PHONY: venv venv-test sysdeps checkov vllm lmeval sky readme-venv demo test test-avx2 test-fast test-compat bench clean-storage
 
 # What `make demo` needs: torch (first and pinned, so pip never resolves a multi-GB CUDA build on a CPU machine)
 # and the package with its own dependencies, nothing of the test extras.
@@ -38,6 +38,11 @@ checkov: .venv-checkov/.installed
 # (scripts/vllm_venv.sh: built once per machine, ~3 min; prints its python)
 vllm:
 	bash scripts/vllm_venv.sh
+
+# SkyPilot 0.14.1 for `launch --scheduler skypilot` and its slow tests (SkyPilot's own task parser): a keyed,
+# locked venv of its own outside the clone (scripts/sky_venv.sh; ~520 MB, a few minutes once per machine)
+sky:
+	bash scripts/sky_venv.sh >/dev/null
 
 # lm-evaluation-harness for `llmcluster eval` and the lmeval tests: a keyed venv of its own outside the clone
 # (scripts/engine_venv.sh says why), built once per machine.
@@ -77,7 +82,7 @@ demo: venv
 # they run as a stream of their own beside the workers (scripts/test_suite.sh says why and how).
 TEST_WORKERS ?= 3
 TEST_FAST_WORKERS ?= 2
-test: venv-test sysdeps checkov vllm lmeval readme-venv
+test: venv-test sysdeps checkov vllm lmeval sky readme-venv
 	bash scripts/test_suite.sh $(PY) $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The suite as an AVX2 machine without native bf16 runs it (the kind CI may draw), on an AVX-512 one, as far as

@@ -320,7 +320,8 @@ def test_launch_never_imports_torch():
     code = ("import sys, llmcluster.launch.launcher, llmcluster.launch.slurm, llmcluster.launch.k8s, "
             "llmcluster.launch.scheduler, llmcluster.launch.k8s.pod, llmcluster.launch.k8s.api, "
             "llmcluster.launch.cluster_defaults, "
-            "llmcluster.launch.local, llmcluster.launch.jobs, llmcluster.cli.launch, llmcluster.cli.jobs; "
+            "llmcluster.launch.local, llmcluster.launch.jobs, llmcluster.cli.launch, llmcluster.cli.jobs, "
+            "llmcluster.launch.skypilot, llmcluster.storage.bucket, llmcluster.cli.storage; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 

@@ -10,7 +10,8 @@ from llmcluster.launch import SCHEDULERS
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "launch", help="run a job locally (torchrun), on Slurm (sbatch) or on Kubernetes from one config",
+        "launch", help="run a job locally (torchrun), on Slurm (sbatch), on Kubernetes or on a rented cloud "
+                            "(SkyPilot) from one config",
         description="Render the job for a scheduler and submit it; --dry-run prints exactly what would be "
                     "submitted. Anything after `--` replaces the trainer as the per-rank program.")
     add_config_args(p, required=False)
@@ -55,15 +56,18 @@ def run(args) -> int:
     resolved = load_cluster(args.cluster)
     cluster = resolved.spec          # its values are the job's defaults (the job config and the flags win)
     if args.scheduler is None and resolved.is_default:
-        raise UserError("--scheduler local|slurm|k8s is required without a cluster spec (its scheduler.default)")
+        raise UserError("--scheduler local|slurm|k8s|skypilot is required without a cluster spec (its scheduler.default)")
     args.scheduler = args.scheduler or cluster.scheduler.default
     if args.apply and args.scheduler != "k8s":
         raise UserError("--apply is for --scheduler k8s (slurm and local submit without it)")
     cfg = load_job_config(args.config, args.overrides)
     cfg = cfg.model_copy(update={"job": job_with_cluster_defaults(cfg.job, cluster, args.scheduler)})
     root = resolve_storage_root(args.root, cfg.run.storage or cluster.storage.root)
+    cloud = cluster.cloud
+    if cloud is not None and not cloud.accelerators and cluster.gpus_per_node:   # the one GPU the spec names
+        cloud = cloud.model_copy(update={"accelerators": {cluster.hardware.gpu: cluster.gpus_per_node}})
     spec = build_spec(cfg, args, root, cluster.scheduler.kubernetes.host_paths,
-                      None if resolved.is_default else cluster.name)
+                      None if resolved.is_default else cluster.name, cloud)
     if "nodes" in cluster.model_fields_set and spec.job.nodes > cluster.node_count:
         # The name quoted and its file named: a cluster.yaml from `cluster init` may be called "cluster".
         raise UserError(f"job.nodes ({spec.job.nodes}) is more than the {cluster.node_count} node(s) of cluster "

@@ -273,8 +273,50 @@ class Kubernetes(Section):
         return self
 
 
+# SkyPilot's clouds this project renders for, and those that sell spot capacity (Lambda and a Kubernetes cluster
+# do not: `use_spot` there is refused before sky is asked)
+CLOUDS = ("lambda", "kubernetes", "aws", "gcp", "azure")
+SPOT_CLOUDS = frozenset({"aws", "gcp", "azure"})
+
+
+class Cloud(Section):
+    """Where `launch --scheduler skypilot` rents the nodes (launch/skypilot.py renders it; docs/launch.md)."""
+    provider: Literal[CLOUDS]
+    region: str | None = None
+    # candidate GPU sets, {table GPU: GPUs per node}; SkyPilot takes the cheapest it can get. Empty: hardware.gpu
+    accelerators: dict[str, int] = {}
+    use_spot: bool = False
+    recovery: bool = False             # a managed job (`sky jobs launch`) even without spot
+    max_restarts_on_errors: int = Field(0, ge=0)
+    disk_size_gb: int | None = Field(None, ge=50)
+    bucket: str | None = None          # where each sealed checkpoint step is copied (a path the nodes mount)
+
+    _region = field_validator("region")(_pattern(NAME_RE, NAME_CHARS))
+    _bucket = field_validator("bucket")(_pattern(PATH_RE, PATH_CHARS))
+
+    @field_validator("accelerators")
+    @classmethod
+    def _known(cls, v: dict[str, int]) -> dict[str, int]:
+        out = {}
+        for name, count in v.items():
+            try:
+                gpu = gpu_spec(name).name
+            except UserError as e:
+                raise ValueError(f"cloud.accelerators: {e}") from None
+            if not isinstance(count, int) or count < 1:
+                raise ValueError(f"cloud.accelerators.{name}: {count!r} is not a GPU count (1 or more)")
+            out[gpu] = count
+        return out
+
+    @model_validator(mode="after")
+    def _spot(self):
+        if self.use_spot and self.provider not in SPOT_CLOUDS:
+            raise ValueError(f"cloud.use_spot: {self.provider} has no spot instances (spot: {', '.join(sorted(SPOT_CLOUDS))})")
+        return self
+
+
 class Scheduler(Section):
-    default: Literal["local", "slurm", "k8s"] = "local"
+    default: Literal["local", "slurm", "k8s", "skypilot"] = "local"
     slurm: Slurm = Slurm()
     kubernetes: Kubernetes = Kubernetes()
 
@@ -363,6 +405,7 @@ class ClusterSpec(Section):
     reliability: Reliability = Reliability()
     cost: Cost = Cost()
     provision: Provision = Provision()
+    cloud: Cloud | None = None         # a cloud kind of cluster: rented through SkyPilot
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 

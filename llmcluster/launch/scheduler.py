@@ -81,7 +81,7 @@ class Scheduler:
 
 # lazily imported: `jobs list` on a login node needs neither the kubernetes client nor the Slurm CLIs
 BACKENDS = {"local": ("llmcluster.launch.local", "Local"), "slurm": ("llmcluster.launch.slurm", "Slurm"),
-            "k8s": ("llmcluster.launch.k8s", "Kubernetes")}
+            "k8s": ("llmcluster.launch.k8s", "Kubernetes"), "skypilot": ("llmcluster.launch.skypilot", "SkyPilot")}
 
 
 def under(environ: Mapping[str, str]) -> str:
@@ -94,6 +94,6 @@ def get(name: str) -> Scheduler:
 
     if name not in BACKENDS:
         from llmcluster.errors import UserError
-        raise UserError(f"unknown scheduler {name!r} (local, slurm or k8s)")
+        raise UserError(f"unknown scheduler {name!r} (local, slurm, k8s or skypilot)")
     module, cls = BACKENDS[name]
     return getattr(importlib.import_module(module), cls)()

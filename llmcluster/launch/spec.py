@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmcluster.config.cluster import Cloud
 from llmcluster.config.job import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_FILES, JobSpec
 from llmcluster.config.schema import FtConfig
 from llmcluster.errors import UserError
@@ -43,6 +44,7 @@ class LaunchSpec:
     ft: FtConfig | None = None     # the job's ft section when ft.enabled (per-step fault tolerance), else None
     ft_groups: int = 0             # replica groups (parallel.dp_replicate) when ft.enabled: each its own world
     last_step: int = 0             # the run's final step (train.stop_at or train.steps): its end, for ft's launchers
+    cloud: Cloud | None = None     # the cluster spec's cloud section (--scheduler skypilot), accelerators filled in
 
     @property
     def group_nodes(self) -> int:
@@ -185,7 +187,7 @@ def next_launch_id(logs: Path) -> int:
 
 
 def build_spec(cfg, args, root: Path, host_paths: list[str] | tuple[str, ...] = (),
-               cluster: str | None = None) -> LaunchSpec:
+               cluster: str | None = None, cloud: Cloud | None = None) -> LaunchSpec:
     """The LaunchSpec for `llmcluster launch` from the validated JobConfig and the parsed flags; host_paths
     from the cluster spec."""
     from llmcluster.config.load import saved_config_dict
@@ -215,8 +217,9 @@ def build_spec(cfg, args, root: Path, host_paths: list[str] | tuple[str, ...] = 
                       config_yaml=yaml_text([saved_config_dict(cfg)]),
                       overrides=list(args.overrides), launch_id=launch_id, storage=storage,
                       metrics_port=cfg.log.metrics[1] if cfg.log.metrics else None, host_paths=tuple(host_paths),
-                      cluster=cluster, ft=cfg.ft if cfg.ft.enabled else None,
-                      ft_groups=ft_groups(cfg, job, args.scheduler) if cfg.ft.enabled and args.scheduler != "local" else 0,
+                      cluster=cluster, ft=cfg.ft if cfg.ft.enabled else None, cloud=cloud,
+                      ft_groups=ft_groups(cfg, job, args.scheduler)
+                      if cfg.ft.enabled and args.scheduler not in ("local", "skypilot") else 0,
                       last_step=cfg.train.last_step)
     sched.check(spec)
     return spec

@@ -209,6 +209,9 @@ def provision(spec: ClusterSpec, cluster_text: str, out: Path, scheduler: str | 
               wheel: str | None = None) -> Rendered:
     """Write the Ansible project for `spec` into `out` (see the module docstring)."""
     scheduler = scheduler or spec.scheduler.default
+    if spec.cloud is not None:   # rented nodes: SkyPilot starts and sets them up from its own image, per run
+        raise UserError(f"cluster {spec.name!r} is a cloud ({spec.cloud.provider}) whose nodes SkyPilot rents and "
+                        "sets up per run: nothing to provision (llmcluster launch --scheduler skypilot)")
     try:       # the nodes mount it, whatever scheduler.default says (`--scheduler slurm` on a local spec)
         check_storage_root(spec.storage.root, "on the nodes provision sets up")
     except ValueError as e:
