@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torchft")
 
 from llmcluster.ft.membership import NONCE_BYTES, Prover, QuorumUnproved, check, claim, record  # noqa: E402
-from llmcluster.launch.ft_auth import RunKey  # noqa: E402
+from llmcluster.launch.ft_auth import RunKey, shown  # noqa: E402
 
 KEY, OTHER = RunKey(b"s" * 64), RunKey(b"t" * 64)
 IDS = [KEY.replica_id(f"llmcluster_group_{g}:{g}{g}{g}{g}-aa") for g in range(3)]
@@ -113,3 +113,67 @@ def test_the_proof_runs_over_torchfts_gloo_process_group():
     assert isinstance(got[0], QuorumUnproved) and str(got[0]).startswith(f"replica {IDS[1]} (rank 1)"), got
     assert isinstance(got[1], QuorumUnproved) and str(got[1]).startswith(f"replica {IDS[0]} (rank 0)"), got  # its
     # own secret proves nothing to it either: each side names the other
+
+
+def _gradient_values() -> int:
+    """How many values a step's gradient all-reduce carries in the test's run (llm_tiny's parameters, the loss,
+    one writer entry per group; no straggler slots): what a stranger must send to be summed."""
+    import torch
+
+    from llmcluster.config.load import load_job_config
+    from llmcluster.model.llama import build_model
+
+    with torch.device("meta"):
+        model = build_model(load_job_config("llm_tiny").model, "meta")
+    return sum(p.numel() for p in model.parameters()) + 1 + 2
+
+
+@pytest.mark.slow   # real processes: a 2-group run, one kill and restart, one stranger (60-150 s)
+def test_a_copied_replica_id_after_a_kill_is_refused_and_sums_nothing(tiny_root, tmp_path):
+    """Issue 63's reproduction: group 1's full replica id read from the Lighthouse's `/status` (its MAC is valid),
+    group 1 killed, and a stranger without the secret joins under that id at the run's step (no heal needed),
+    all-reducing 1000s of the gradient's size while group 1's restart is held back. Group 0 refuses the quorum
+    in one line naming the copied id, before any gradient: no committed step holds the stranger's values (every
+    loss stays a byte model's), and after the stranger leaves group 1 heals and both end equal."""
+    import contextlib
+    import json
+    import re
+    import subprocess
+    import sys
+    import urllib.request
+
+    from conftest import REPO, cli_env
+    from faultkit import slowed
+    from test_ft import _digests, _events, _kill_group, _losses, _step, _supervised, _wait
+
+    run, steps = "ft-copy", 24
+    items = ("ft.min_replicas=2", f"train.steps={steps}", "checkpoint.interval_steps=12", "ft.timeout_s=8",
+             "ft.quorum_timeout_s=60")
+    env, go = slowed(tmp_path, "0:1.0", LLMCLUSTER_TEST_FT_SLOW_START_S="35")
+    with contextlib.ExitStack() as stack:
+        proc = stack.enter_context(_supervised(tiny_root, run, items, env))
+        _wait(lambda: _step(tiny_root, run) >= 2, proc, "a second step")
+        job = json.loads((tiny_root / "logs" / run / "job.json").read_text())
+        lighthouse = "http://" + job["ft"]["lighthouse"]
+        status = urllib.request.urlopen(f"{lighthouse}/status", timeout=10).read().decode()
+        copied = re.search(r"llmcluster_group_1:[0-9a-f-]+~[0-9a-f]{32}", status)
+        assert copied, status[:2000]
+        copied = copied[0]
+        _kill_group(tiny_root, run, 1)
+        stranger = subprocess.Popen([sys.executable, str(REPO / "tests" / "ft_stranger.py"), "copy", lighthouse,
+                                     str(tmp_path / "unused"), "25", copied, str(_gradient_values())],
+                                    cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True)
+        said = stranger.communicate(timeout=120)[0]
+        (tmp_path / "stranger.out").write_text(said)
+        go.touch()
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:] + said[-2000:]
+    losses = _losses(tiny_root, run)
+    assert losses and max(losses.values()) < 20, (losses, said[-2000:])   # (own + 1000) / 2 had it been summed
+    refused = [ln for ln in out.splitlines() if "before any gradient" in ln]   # group 0 writes to the run's stdout
+    assert len(refused) == 1 and f"replica {shown(copied)} (rank 1)" in refused[0], (refused, said[-2000:])
+    assert [e["replica_ids"] for e in _events(tiny_root, run) if e["event"] == "ft_stranger"] == [
+        f"replica {shown(copied)} (rank 1)"]
+    digests = _digests(tiny_root, run, out)
+    assert digests[0] == digests[1] and digests[0][0] == steps, digests

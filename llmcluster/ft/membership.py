@@ -34,7 +34,12 @@ _SEP = "\0"          # RunKey joins parts with it: no part of a claim may hold i
 
 
 class QuorumUnproved(Exception):
-    """A quorum not every member proved: the one line that says who (raised before any gradient is summed)."""
+    """A quorum not every member proved: the one line that says who (raised before any gradient is summed).
+    `who`: the members named, without the error's own words (a refusal said again is not logged twice)."""
+
+    def __init__(self, line: str, who: str | None = None):
+        super().__init__(line)
+        self.who = who or line
 
 
 def claim(replica_id: str, manager_address: str, heal_address: str) -> str:
@@ -120,9 +125,11 @@ class Prover:
             own = claim(replica_id, *self.addresses)
             records = self._gather(pg, record(self.key, q.quorum_id, own, nonces), world)
         except Exception as e:   # noqa: BLE001 - a member that does not speak the proof, or one that left
-            raise QuorumUnproved(f"the proof over quorum {q.quorum_id} did not complete ({type(e).__name__}: "
-                                 f"{' '.join(str(e).split())[:160]}): a member does not hold the run's secret or "
-                                 "left") from None
+            # which one cannot be told from an error or a timeout: every other member is named
+            others = ", ".join(f"replica {shown(i)} (rank {r})" for r, i in enumerate(ids) if r != rank)
+            raise QuorumUnproved(f"{others} did not complete the proof over quorum {q.quorum_id} (not holding the "
+                                 f"run's secret, or gone: {type(e).__name__}: {' '.join(str(e).split())[:120]})",
+                                 who=others) from None
         why = check(self.key, q.quorum_id, ids, rank, nonces, records, set(self._seen))
         self._seen.extend(nonces)
         if why:

@@ -100,16 +100,16 @@ def prove_members(self) -> None:
     q, prover = self.tap.last, self.prover
     if q is None or q.quorum_id == prover.proved:
         return
-    why = None
+    refused = None
     try:
         prover.prove(self.manager._pg, q, self.replica_id)
     except QuorumUnproved as e:
-        why = str(e)
-    if D.all_reduce_max(1.0 if why else 0.0, self.t.env) and not why:
+        refused = e
+    if D.all_reduce_max(1.0 if refused else 0.0, self.t.env) and not refused:
         prover.proved = None
-        why = f"another rank of group {self.group} refused quorum {q.quorum_id}"
-    if why:
-        raise QuorumUnproved(why)
+        refused = QuorumUnproved(f"another rank of group {self.group} refused quorum {q.quorum_id}")
+    if refused:
+        raise refused
 
 
 def ask_quorum(self) -> None:
@@ -118,7 +118,7 @@ def ask_quorum(self) -> None:
     ask again. A stranger that keeps joining for ft.quorum_timeout_s stops the run in one line: torchft's
     Lighthouse cannot evict it, and a stranger inside the site's fence is an incident for a person, not a fault
     to absorb (docs/security.md, "torchft")."""
-    t, said, since, waits = self.t, None, time.monotonic(), 0
+    t, said, since, waits = self.t, None, None, 0   # since: the first refusal (a wait for a quorum is not one)
     while True:
         try:
             self.manager.start_quorum()
@@ -139,12 +139,13 @@ def ask_quorum(self) -> None:
                   f"{QUORUM_TRIES})")
         except (StrangerInQuorum, QuorumUnproved) as e:
             self.manager._quorum_future = None   # the next start_quorum must not re-raise this one
-            who = str(e)
-            if who != said and isinstance(e, QuorumUnproved):   # the quorum's process group summed nothing
-                t.log(f"ft: step {t.step + 1}: refused quorum {self.tap.last.quorum_id} before any gradient: {who}; "
-                      "asking for a quorum again (ft/membership.py)")
-                t.events.emit("ft_stranger", t.step, replica_ids=who, quorum_id=self.tap.last.quorum_id)
-                said = who
+            who, since = str(e), since or time.monotonic()
+            if isinstance(e, QuorumUnproved):   # its process group summed nothing
+                if e.who != said:
+                    t.log(f"ft: step {t.step + 1}: refused quorum {self.tap.last.quorum_id} before any gradient: "
+                          f"{who}; asking for a quorum again (ft/membership.py)")
+                    t.events.emit("ft_stranger", t.step, replica_ids=e.who, quorum_id=self.tap.last.quorum_id)
+                said = e.who
             elif who != said:
                 t.log(f"ft: step {t.step + 1}: refused a quorum holding {who}, not a group of this run (no "
                       "proof of the run's secret): nothing is exchanged with it; asking for a quorum again")
