@@ -109,7 +109,9 @@ def copy(lighthouse: str, replica_id: str, n: int, deadline: float) -> None:
         try:
             m.start_quorum()
             m.allreduce(torch.full((n,), 1000.0)).wait()
-            print(f"copy: quorum {seen['q'].quorum_id} at step {seen['q'].max_step}, commit {m.should_commit()}",
+            err = m.errored()
+            print(f"copy: quorum {seen['q'].quorum_id} at step {seen['q'].max_step}, commit {m.should_commit()}"
+                  f"{f' ({type(err.original_exception).__name__}: {str(err.original_exception)[:200]})' if err else ''}",
                   flush=True)
         except Exception as e:   # noqa: BLE001 - a stranger keeps trying
             print("copy:", type(e).__name__, str(e)[:120], flush=True)

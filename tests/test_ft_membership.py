@@ -115,16 +115,21 @@ def test_the_proof_runs_over_torchfts_gloo_process_group():
     # own secret proves nothing to it either: each side names the other
 
 
-def _gradient_values() -> int:
-    """How many values a step's gradient all-reduce carries in the test's run (llm_tiny's parameters, the loss,
-    one writer entry per group; no straggler slots): what a stranger must send to be summed."""
+def _gradient_values(root) -> int:
+    """How many values a step's gradient all-reduce carries in the test's run (the parameters of its model, as the
+    trainer shapes it: the tiny shape, the byte tokenizer's vocabulary; the loss; one writer entry per group; no
+    straggler slots): what a stranger must send to be summed."""
     import torch
 
+    from conftest import TINY
     from llmcluster.config.load import load_job_config
     from llmcluster.model.llama import build_model
+    from llmcluster.train.hf_import import resolve_model_config
 
+    cfg = load_job_config("llm_tiny", list(TINY))
+    resolve_model_config(cfg, root)
     with torch.device("meta"):
-        model = build_model(load_job_config("llm_tiny").model, "meta")
+        model = build_model(cfg.model, "meta")
     return sum(p.numel() for p in model.parameters()) + 1 + 2
 
 
@@ -161,7 +166,7 @@ def test_a_copied_replica_id_after_a_kill_is_refused_and_sums_nothing(tiny_root,
         copied = copied[0]
         _kill_group(tiny_root, run, 1)
         stranger = subprocess.Popen([sys.executable, str(REPO / "tests" / "ft_stranger.py"), "copy", lighthouse,
-                                     str(tmp_path / "unused"), "25", copied, str(_gradient_values())],
+                                     str(tmp_path / "unused"), "25", copied, str(_gradient_values(tiny_root))],
                                     cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True)
         said = stranger.communicate(timeout=120)[0]
