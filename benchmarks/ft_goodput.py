@@ -27,6 +27,10 @@ the trainer times them on each rank (metrics ft_s, ft/group.py):
     buckets in place);
   - allreduce: the cross-group all-reduce of that buffer, after the backward (DDP's overlaps the backward);
   - commit: should_commit, one more round trip among the groups.
+  - membership_proof_s (case `proof`): the membership proof every member makes once per new quorum, before its
+    first all-reduce (ft/membership.py: two all-gathers, a nonce and a MAC'd record, and every MAC checked), timed
+    over torchft's own gloo process group between 2 members in this process (loopback) for --proof-rounds
+    quorum ids: what each quorum change adds to ft's step, not paid by a step of an unchanged quorum.
 What is left of the difference (`rest_s`: ft's step less DDP's less those parts) is what the ft step does besides
 (its data position saved for a retry, the per-group bookkeeping) less what DDP's own all-reduce costs its step
 (which ft's step does not have: it can come out negative). Figures from a loaded machine are not results: run it on a quiet one.
@@ -202,6 +206,45 @@ def step_cost(metrics: dict[str, list[list[dict]]]) -> dict:
             ({p: round(s, 4) for p, s in v.items()} if isinstance(v, dict) else v) for k, v in out.items()}
 
 
+def proof_cost(rounds: int, members: int = 2) -> dict:
+    """The membership proof's seconds per quorum (ft/membership.py): `members` provers, one thread each, over
+    torchft's ProcessGroupGloo on loopback, each proving `rounds` quorum ids in turn; the median and the slowest
+    of each round's slowest member."""
+    import threading
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from torch.distributed import TCPStore
+    from torchft import ProcessGroupGloo
+
+    from llmcluster.ft.membership import Prover
+    from llmcluster.launch.ft_auth import RunKey
+
+    key = RunKey(b"b" * 64)
+    ids = [key.replica_id(f"llmcluster_group_{g}:{g}-bench") for g in range(members)]
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    took = [[0.0] * rounds for _ in range(members)]
+
+    def member(r: int) -> None:
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
+        pg.configure(f"127.0.0.1:{store.port}/bench/0", ids[r], r, members)
+        prover = Prover(key, (f"127.0.0.1:{29000 + r}", f"127.0.0.1:{39000 + r}"))
+        for i in range(rounds):
+            q = SimpleNamespace(quorum_id=i + 1, replica_rank=r, replica_world_size=members, replica_ids=ids)
+            t0 = time.perf_counter()
+            prover.prove(pg, q, ids[r])
+            took[r][i] = time.perf_counter() - t0
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(members)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    per_round = [max(took[r][i] for r in range(members)) for i in range(rounds)]
+    return {"members": members, "rounds": rounds, "median_s": round(statistics.median(per_round), 6),
+            "max_s": round(max(per_round), 6)}
+
+
 def read_metrics(root: Path, run: str) -> list[dict]:
     path = root / "logs" / run / "metrics.jsonl"
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
@@ -214,7 +257,8 @@ def main() -> None:
     ap.add_argument("--interval", type=int, default=20)
     ap.add_argument("--victim-group", type=int, choices=(0, 1), default=1,
                     help="the replica killed (ft: 0 is the writer, whose role passes)")
-    ap.add_argument("--cases", default="kill,hang,cost")
+    ap.add_argument("--cases", default="kill,hang,cost,proof")
+    ap.add_argument("--proof-rounds", type=int, default=50, help="quorum ids proved (case proof)")
     ap.add_argument("--pad-s", type=float, default=0.3, help="every step of the failure runs padded to this")
     ap.add_argument("--dist-timeout-s", type=float, default=30.0, help="dist.timeout_s, both paths")
     ap.add_argument("--ft-timeout-s", type=float, default=10.0, help="ft.timeout_s")
@@ -264,6 +308,8 @@ def main() -> None:
                     chaos(r, [], signal.SIGKILL, 0, 0)
                     metrics[path].append(read_metrics(root, r.run))
             out["cost"] = step_cost(metrics)
+        if "proof" in cases:
+            out["membership_proof_s"] = proof_cost(a.proof_rounds)
     print(json.dumps(out))
 
 

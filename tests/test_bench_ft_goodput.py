@@ -33,3 +33,10 @@ def test_ft_step_cost_side_by_side_and_term_by_term():
     assert cost["ddp_step_s"] == 1.0 and cost["ft_step_s"] == 1.25 and cost["ratio"] == 1.25
     assert cost["ft_parts_s"] == parts and cost["rest_s"] == pytest.approx(0.25 - 0.18)
     assert b.PARTS == __import__("llmcluster.ft.group", fromlist=["TIMINGS"]).TIMINGS   # the trainer's own names
+
+
+def test_the_membership_proofs_cost_is_timed_per_quorum_over_gloo():
+    pytest.importorskip("torchft")
+    cost = bench().proof_cost(rounds=3)
+    assert cost["members"] == 2 and cost["rounds"] == 3
+    assert 0 < cost["median_s"] <= cost["max_s"] < 30   # every round proved (a refusal raises), within the timeout

@@ -32,6 +32,7 @@ from datetime import timedelta
 
 from llmcluster.errors import RunFailure, UserError
 from llmcluster.ft import writer as ft_writer
+from llmcluster.ft.membership import Prover
 from llmcluster.ft.quorum import (BoundManagerServer, QuorumTap, ask_quorum, end_if_finished, own_address,
                                   record_end)
 from llmcluster.ft.watchdog import Watchdog, append_event
@@ -146,6 +147,13 @@ class Replica:
             torchft.manager.ManagerServer = made
         self.transport.source, self.transport.step = f"llmcluster_group_{self.group}", self.manager.current_step
         self.tap = self.manager._client = QuorumTap(self.manager._client, key, self.groups)
+        # Every new quorum is proved by all its members before its first all-reduce (ft/membership.py): this
+        # group's full replica id (what the Lighthouse lists) and the addresses it proves it listens on.
+        from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+        self.replica_id = key.replica_id(self.manager._store.get(REPLICA_ID_KEY).decode())
+        self.prover = Prover(key, (self.manager._store.get(MANAGER_ADDR_KEY).decode(), self.transport.dest),
+                             env.device)
         served = f"ManagerServer {self.manager._manager.address()}, " if self.manager._manager is not None else ""
         trainer.log(f"ft: group {self.group} listens on {address}: {served}heal server {self.transport.metadata()} "
                     "(docs/security.md, torchft)")

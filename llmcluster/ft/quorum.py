@@ -8,6 +8,7 @@ import json
 import time
 
 from llmcluster.errors import EXIT_FAILURE, EXIT_FT_NO_QUORUM, RunFailure, UserError
+from llmcluster.ft.membership import QuorumUnproved
 from llmcluster.launch.ft_auth import RunKey, shown
 from llmcluster.storage.layout import COMPLETE_MARKER
 from llmcluster.storage.owned import replace_atomically
@@ -90,16 +91,37 @@ class QuorumTap:
         return getattr(self._inner, name)
 
 
+def prove_members(self) -> None:
+    """The new quorum's membership proof (ft/membership.py), agreed by every rank of this group: one rank's refusal
+    is the group's (its ranks ask for the next quorum together). Raises QuorumUnproved."""
+    from llmcluster.distributed import process_groups as D
+
+    q, prover = self.tap.last, self.prover
+    if q is None or q.quorum_id == prover.proved:
+        return
+    refused = None
+    try:
+        prover.prove(self.manager._pg, q, self.replica_id)
+    except QuorumUnproved as e:
+        refused = e
+    if D.all_reduce_max(1.0 if refused else 0.0, self.t.env) and not refused:
+        prover.proved = None
+        refused = QuorumUnproved(f"another rank of group {self.group} refused quorum {q.quorum_id}")
+    if refused:
+        raise refused
+
+
 def ask_quorum(self) -> None:
     """torchft's quorum, refused while it holds a member that is not one of this run's groups: the step is not
     started (no process group configured with the stranger, no heal from it, nothing sent to it) and the groups
     ask again. A stranger that keeps joining for ft.quorum_timeout_s stops the run in one line: torchft's
     Lighthouse cannot evict it, and a stranger inside the site's fence is an incident for a person, not a fault
     to absorb (docs/security.md, "torchft")."""
-    t, said, since, waits = self.t, None, time.monotonic(), 0
+    t, said, since, waits = self.t, None, None, 0   # since: the first refusal (a wait for a quorum is not one)
     while True:
         try:
             self.manager.start_quorum()
+            prove_members(self)
             return
         except QuorumNotFormed as e:   # the healthy groups wait for a slow restart; nothing crashes
             self.manager._quorum_future = None
@@ -114,16 +136,22 @@ def ask_quorum(self) -> None:
             t.log(f"ft: step {t.step + 1}: no quorum of ft.min_replicas={t.cfg.ft.min_replicas} group(s) within "
                   f"{t.cfg.ft.quorum_timeout_s:g} s (ft.quorum_timeout_s); waiting for the others ({waits} of "
                   f"{QUORUM_TRIES})")
-        except StrangerInQuorum as e:
+        except (StrangerInQuorum, QuorumUnproved) as e:
             self.manager._quorum_future = None   # the next start_quorum must not re-raise this one
-            who = str(e)
-            if who != said:
+            who, since = str(e), since or time.monotonic()
+            if isinstance(e, QuorumUnproved):   # its process group summed nothing
+                if e.who != said:
+                    t.log(f"ft: step {t.step + 1}: refused quorum {self.tap.last.quorum_id} before any gradient: "
+                          f"{who}; asking for a quorum again (ft/membership.py)")
+                    t.events.emit("ft_stranger", t.step, replica_ids=e.who, quorum_id=self.tap.last.quorum_id)
+                said = e.who
+            elif who != said:
                 t.log(f"ft: step {t.step + 1}: refused a quorum holding {who}, not a group of this run (no "
                       "proof of the run's secret): nothing is exchanged with it; asking for a quorum again")
                 t.events.emit("ft_stranger", t.step, replica_ids=who)
                 said = who
             if time.monotonic() - since > t.cfg.ft.quorum_timeout_s:
-                raise RunFailure(f"ft: replica {who} kept joining this run's quorum for "
+                raise RunFailure(f"ft: {who if isinstance(e, QuorumUnproved) else f'replica {who}'} kept joining this run's quorum for "
                                  f"{t.cfg.ft.quorum_timeout_s:g} s (ft.quorum_timeout_s) without the run's secret: "
                                  "stopping; fence the Lighthouse's port to the run's nodes (docs/security.md)",
                                  exit_code=EXIT_FAILURE) from None
