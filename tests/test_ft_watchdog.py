@@ -138,7 +138,6 @@ def test_a_group_that_gave_up_waiting_for_a_quorum_is_started_again_uncharged(tm
     timeouts in a row: the others did not come) is started again and not charged; any other exit is charged.
     Unit test of the supervisor's loop (processes stood in for)."""
     from llmcluster.errors import EXIT_FT_NO_QUORUM
-    from llmcluster.launch import ft_local
     from llmcluster.storage.events import read_events
     from llmcluster.train.procs import _code_from_reasons
 

@@ -113,7 +113,8 @@ for name, task in json.load(sys.stdin):
 
 def sky_python() -> Path | None:
     cache = Path.home() / ".cache" / "llmcluster"
-    built = [p for p in sorted(cache.glob("sky-*")) if (p / ".installed").is_file()]
+    built = sorted((p for p in cache.glob("sky-*") if (p / ".installed").is_file()),
+                   key=lambda p: (p / ".installed").stat().st_mtime)   # the newest build, as sky_program()
     return built[-1] / "bin" / "python" if built else None
 
 

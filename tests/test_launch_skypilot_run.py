@@ -22,19 +22,15 @@ import torch
 import yaml
 
 from conftest import REPO, cli_env, repo_source_dataset, run_cli
-from faultkit import model_tensors
+from faultkit import TINY_SRC_ARGS, model_tensors
+from llmcluster.launch.ft_local import _tree   # a process and its live descendants, from /proc
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (REPO / "llmcluster" / "train" / "trainer.py").is_file(),
                                  reason="needs the trainer (llmcluster/train/trainer.py)")]
 
 STEPS = 8
-TINY = ["--config", "llm_tiny", "--set", "data.dataset=src", "--set", "model.vocab_size=257",
-        "--set", "model.n_layers=2", "--set", "model.d_model=64", "--set", "model.n_heads=4",
-        "--set", "model.n_kv_heads=2", "--set", "model.ffn_hidden=128",
-        "--set", "data.seq_len=32", "--set", "train.micro_batch=2", "--set", "train.precision=fp32",
-        "--set", "train.warmup_steps=2", "--set", "log.interval=1", "--set", "log.eval_interval=1000",
-        "--set", f"train.steps={STEPS}", "--set", "checkpoint.interval_steps=4",
+TINY = [*TINY_SRC_ARGS, "--set", f"train.steps={STEPS}", "--set", "checkpoint.interval_steps=4",
         # steps 5-8 slowed on rank 0 (a test hook), so the loss of the cluster lands between the two checkpoints
         "--set", "job.env.LLMCLUSTER_TESTING=1", "--set", "job.env.LLMCLUSTER_INJECT_SLEEP=0:1.5:5-8"]
 
@@ -75,25 +71,9 @@ def start_nodes(run_text: str, tmp_path: Path, tag: str) -> list[subprocess.Pope
     return nodes
 
 
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
 def kill_all(nodes: list[subprocess.Popen]) -> None:
     """Every process of every node (torchrun's workers included, whatever session they run in): SIGKILL."""
-    pids = [p for n in nodes for p in descendants(n.pid)]
+    pids = [p for n in nodes for p in _tree(n.pid)]
     for p in pids:
         try:
             os.kill(p, signal.SIGKILL)

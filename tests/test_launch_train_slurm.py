@@ -27,19 +27,14 @@ import pytest
 from slurm_cluster import ACTIVE, job_state, slurm, wait_for  # noqa: F401
 
 from conftest import REPO, assert_nowhere_under, repo_source_dataset, run_cli
+from faultkit import TINY_SRC_ARGS
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow,
               pytest.mark.skipif(not (REPO / "llmcluster" / "train" / "trainer.py").is_file(),
                                  reason="needs the trainer (llmcluster/train/trainer.py)")]
 
 STEPS = 12
-# llm_tiny shrunk further (2 layers, d_model 64) so two ranks on shared CPU cores step fast; byte
-# tokenizer: 256 bytes + EOS = vocab 257.
-TINY = ["--config", "llm_tiny", "--set", "data.dataset=src", "--set", "model.vocab_size=257",
-        "--set", "model.n_layers=2", "--set", "model.d_model=64", "--set", "model.n_heads=4",
-        "--set", "model.n_kv_heads=2", "--set", "model.ffn_hidden=128",
-        "--set", "data.seq_len=32", "--set", "train.micro_batch=2", "--set", "train.precision=fp32",
-        "--set", "train.warmup_steps=2", "--set", "log.interval=1", "--set", "log.eval_interval=1000"]
+TINY = TINY_SRC_ARGS
 
 
 @pytest.fixture(scope="module")

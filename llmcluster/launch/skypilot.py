@@ -149,8 +149,10 @@ def sky_program() -> str:
     if found:
         return found
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmcluster"
-    built = sorted(cache.glob("sky-*/bin/sky"))
-    if built and (built[-1].parent.parent / ".installed").is_file():
+    # the newest complete build (an older key's venv may remain beside it until removed)
+    built = sorted((p for p in cache.glob("sky-*/bin/sky") if (p.parent.parent / ".installed").is_file()),
+                   key=lambda p: (p.parent.parent / ".installed").stat().st_mtime)
+    if built:
         return str(built[-1])
     raise UserError("no `sky` program: run `make sky` (SkyPilot in a venv of its own), or put sky on PATH")
 
