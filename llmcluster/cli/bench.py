@@ -22,6 +22,11 @@ def run(args) -> int:
 
     # The job config before the benchmark's imports (torch and more, seconds): bad input is refused at once.
     cfg = load_job_config(args.config, args.overrides)
+    from llmcluster.config.cluster_load import storage_root
+    from llmcluster.storage.layout import Storage
+
+    root = storage_root(getattr(args, "root", None), cfg.run.storage)
+    Storage(root).require_writable(root / "logs" / "bench")   # where its record goes: refused before torch
     from llmcluster.train.bench import bench_cli
 
     return bench_cli(args, cfg)

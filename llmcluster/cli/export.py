@@ -15,6 +15,17 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from pathlib import Path
+
+    from llmcluster.config.cluster_load import storage_root
+    from llmcluster.export.marker import check_export_request, check_export_target
+    from llmcluster.storage.layout import Storage, check_run_name
+
+    # what arguments and storage decide, before torch (issue 69)
+    root = storage_root(args.root)
+    st = Storage(root)
+    check_export_target(root, Path(args.out) if args.out else st.model_dir(check_run_name(args.run)))
+    check_export_request(st, args.run, args.step)
     from llmcluster.export.hf import export_cli
 
     return export_cli(args.run, root=args.root, step=args.step, out=args.out)

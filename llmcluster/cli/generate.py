@@ -34,6 +34,12 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from llmcluster.errors import UserError
+    from llmcluster.export.marker import exported_model_dir
+
+    exported_model_dir(args.model, args.root)   # refused before torch (issue 69)
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1")
     from llmcluster.export.generate import generate_cli
 
     return generate_cli(args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens,

@@ -38,7 +38,11 @@ def run(args) -> int:
         from llmcluster.errors import UserError
 
         raise UserError("--init-from-checkpoint starts this run from another run's checkpoint: give it with --resume PATH")
-    preflight(cfg, storage_root(args.root, cfg.run.storage), args.resume, args.init_from_checkpoint)
+    root = storage_root(args.root, cfg.run.storage)
+    preflight(cfg, root, args.resume, args.init_from_checkpoint)
+    from llmcluster.storage.layout import Storage
+
+    Storage(root).require_writable(root)   # a read-only or impossible root, refused before torch (issue 69)
 
     if (code := supervise(args)) is not None:   # ft.enabled: the Lighthouse and one world per replica group
         return code

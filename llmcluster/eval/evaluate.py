@@ -68,7 +68,7 @@ def _provenance(target: Target, checkpoint: Path | None) -> Target:
 
 
 def _from_export(d: Path, run: str | None) -> Target:
-    from llmcluster.export.hf import EXPORT_MARKER, is_our_export
+    from llmcluster.export.marker import EXPORT_MARKER, is_our_export
 
     if not (d / "config.json").is_file():
         raise UserError(f"no exported model at {d} (run `llmcluster export --run NAME` first, or give --step N)")

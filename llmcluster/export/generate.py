@@ -72,14 +72,9 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
 def generate_cli(model: str, prompt: str = "", max_new_tokens: int = 200, temperature: float = 0.8,
                  top_k: int = 50, seed: int = 0, root: str | None = None, cache: bool = True) -> int:
     """`llmcluster generate`: sample from an exported model (a run name under models/, or a directory)."""
-    from llmcluster.config.cluster_load import storage_root
-    from llmcluster.storage.layout import Storage, check_run_name
+    from llmcluster.export.marker import exported_model_dir
 
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        if "/" in model:
-            raise UserError(f"no exported model at {path}")
-        path = Storage(storage_root(root)).model_dir(check_run_name(model))
+    path = exported_model_dir(model, root)
     if max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
     net, tok, cfg = load_exported(path)

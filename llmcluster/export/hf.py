@@ -24,7 +24,9 @@ from llmcluster.config.schema import JobConfig, ModelConfig
 from llmcluster.data.tokenizer import EOT, HF_TOKENIZER_FILES
 from llmcluster.errors import DiskFull, UserError, disk_full_line, is_disk_full
 from llmcluster.config.cluster_load import storage_root
-from llmcluster.storage.layout import AREAS, DATASET_KINDS, Storage
+from llmcluster.export.marker import (EXPORT_FORMAT, EXPORT_MARKER, check_export_request,  # noqa: F401
+                                      check_export_target, is_our_export)
+from llmcluster.storage.layout import Storage
 
 
 def hf_config(cfg: ModelConfig, eos_id: int, bos_id: int | None = None) -> dict:
@@ -85,17 +87,14 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
 
     st = Storage(root)
     out = check_export_target(root, out or st.model_dir(run))  # before any work
+    check_export_request(st, run, step)
     if step is None:  # the one `train --resume auto` would pick
         ckpt = newest_verified_checkpoint(st, run, lambda msg: print(msg, file=sys.stderr))
         if ckpt is None:
             raise UserError(f"run {run!r} has no complete checkpoint under {st.run_checkpoints(run)}")
     else:
         ckpt = st.step_dir(run, step)
-        problem = verify_checkpoint(ckpt) if ckpt.is_dir() else "no such checkpoint"
-        if not ckpt.is_dir():   # name the ones there are
-            steps = [s for s, _d, ok in st.checkpoint_steps(run) if ok]
-            problem += f" (run {run}'s complete steps: {', '.join(map(str, steps))})" if steps else f" (run {run} has none)"
-        if problem:
+        if problem := verify_checkpoint(ckpt):
             raise UserError(f"cannot export {ckpt}: {problem}")
     step, cfg, state = _train_state(ckpt)
     # A QLoRA run's checkpoint holds the adapters alone: its base is train.init_from's, quantized to NF4 as the
@@ -293,40 +292,6 @@ def _check_shapes(model, shapes: dict, ckpt: Path, trained_only: bool = False) -
             got = "missing" if name not in shapes else list(shapes[name])
             raise UserError(f"cannot export {ckpt}: train_state.json's model does not match its checkpoint: "
                             f"{name} is {list(want)} there, {got} in {ckpt.name}/.metadata")
-
-
-EXPORT_MARKER = "llmcluster.json"   # written into every export: what makes a directory ours to replace
-EXPORT_FORMAT = "llmcluster-hf-export"
-
-
-def is_our_export(d: Path) -> bool:
-    try:
-        info = json.loads((d / EXPORT_MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    # exports written before the "format" key carry run, step and checkpoint
-    return isinstance(info, dict) and (info.get("format") == EXPORT_FORMAT
-                                       or {"run", "step", "checkpoint"} <= info.keys())
-
-
-def check_export_target(root: Path, out: Path) -> Path:
-    """`export --out DIR` replaces only a fresh directory or an earlier export of ours; never `.`, $HOME, `/`,
-    the storage root, its areas, or anything that contains them."""
-    target = Path(os.path.abspath(out))
-    resolved = target.resolve()
-    storage = Path(os.path.abspath(root)).resolve()
-    cwd, home = Path.cwd().resolve(), Path.home().resolve()
-    protected = {Path("/"), home, cwd, storage, *(storage / a for a in AREAS),
-                 *(storage / "datasets" / k for k in DATASET_KINDS)}
-    if resolved in protected or any(p.is_relative_to(resolved) for p in (storage, cwd, home)):
-        raise UserError(f"export --out {out}: refusing to replace {resolved} (the working directory, $HOME, '/', "
-                        "the storage root or one of its areas): give a new directory")
-    if target.is_symlink() or (target.exists() and not target.is_dir()):
-        raise UserError(f"export --out {out}: exists and is not a directory: give a new directory")
-    if target.is_dir() and any(target.iterdir()) and not is_our_export(target):
-        raise UserError(f"export --out {out}: not empty and not an earlier llmcluster export (no {EXPORT_MARKER}): "
-                        "refusing to replace it; give a new or empty directory")
-    return target
 
 
 def _write(path: Path, data: str | bytes) -> None:
