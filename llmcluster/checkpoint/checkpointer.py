@@ -458,7 +458,8 @@ class Checkpointer:
         if resume != "auto":
             p = Path(resume)
             if not p.is_dir():
-                raise UserError(f"--resume {resume}: no such checkpoint directory")
+                raise UserError(f"--resume {resume}: no such checkpoint directory (--resume takes auto, never or a "
+                                "step_N directory)")
             if not foreign_ok and not is_own_checkpoint(self.storage, self.run, p):
                 raise foreign_resume_error(self.run, resume)
             problem = _first_error(verify_share(p, self.rank, self.world))

@@ -173,7 +173,8 @@ def _preflight(cfg, storage, resume: str, foreign_ok: bool) -> None:
     else:
         path = Path(resume)
         if not path.is_dir():
-            raise UserError(f"--resume {resume}: no such checkpoint directory")
+            raise UserError(f"--resume {resume}: no such checkpoint directory (--resume takes auto, never or a "
+                                "step_N directory)")
         if not foreign_ok and not is_own_checkpoint(storage, run, path):
             raise foreign_resume_error(run, resume)
     if path is None:

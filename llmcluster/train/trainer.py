@@ -383,7 +383,8 @@ class Trainer:
                  f"tokens; MFU vs {peak_note(self.peak_flops, self.peak_source)}{bubble_note(self.dims, self.cfg.train.grad_accum)}")
         self.log(attention_line(cfg, self.env.device))   # the run's summary: after every refusal had its chance
         if self.step == 0:  # the baseline the validation curve is read against
-            self.log(f"step 0 val {self.evaluate():.4f} (untrained; a uniform guess over the vocabulary "
+            start = f"from {cfg.train.init_from}" if cfg.train.init_from else "untrained"   # a base is not untrained
+            self.log(f"step 0 val {self.evaluate():.4f} ({start}; a uniform guess over the vocabulary "
                      f"scores {math.log(cfg.model.vocab_size):.4f})")
         self.step_times: list[float] = []   # since the last record (their median is reported)
         self.busy: list[float] = []
