@@ -119,57 +119,6 @@ def test_demo_script_exports_and_samples_the_run_it_trained(tmp_path):
     assert "precision" not in proc.stderr   # the trainer says it, once (issue 53)
 
 
-def test_cpu_peak_is_the_best_seen_on_this_machine_and_thread_count(tmp_path, monkeypatch):
-    # A peak measured under load is low and inflates MFU: the denominator is the best measured here, cached.
-    import torch
-
-    from llmcluster.train import metrics
-
-    monkeypatch.setenv(metrics.PEAK_CACHE_ENV, str(tmp_path))
-    metrics.measured_cpu_peak_flops.cache_clear()
-    first = metrics.measured_cpu_peak_flops(torch.float32, 1)
-    cache = tmp_path / "cpu_peak.json"
-    (key, value), = json.loads(cache.read_text()).items()
-    assert "1 threads" in key and value == first
-    cache.write_text(json.dumps({key: first * 1000, "junk": "x"}))   # a better figure seen before
-    metrics.measured_cpu_peak_flops.cache_clear()
-    assert metrics.measured_cpu_peak_flops(torch.float32, 1) == first * 1000
-    cache.write_text("not json")                                      # a broken cache is ignored, rewritten
-    metrics.measured_cpu_peak_flops.cache_clear()
-    assert 0 < metrics.measured_cpu_peak_flops(torch.float32, 1) < first * 1000
-    metrics.measured_cpu_peak_flops.cache_clear()
-    assert metrics.peak_note(5.94e10, "measured CPU fp32 matmul peak") == \
-        "0.0594 TFLOP/s, measured CPU fp32 matmul peak"
-
-
-def test_an_emulated_16_bit_path_measures_its_peak_on_a_small_product(tmp_path, monkeypatch):
-    # bf16/fp16 without native support (AVX2) run ~1 GFLOP/s: ten 1024³ products cost every rank ~23 s before its
-    # first step. A slow 256³ probe measures at 256³; a fast one (fp32, AMX bf16) at 1024³, as before; with a best
-    # already cached, one round.
-    import torch
-
-    from llmcluster.train import metrics
-
-    monkeypatch.setenv(metrics.PEAK_CACHE_ENV, str(tmp_path))
-    for probe_s, want in ((2 * 256**3 / 1e9, 256), (2 * 256**3 / 5e10, 1024)):   # 1 GFLOP/s; 50 GFLOP/s
-        sizes = []
-
-        def fake(n, dtype, rounds, probe_s=probe_s, sizes=sizes):
-            sizes.append((n, rounds))
-            return probe_s * (n / 256) ** 3
-
-        monkeypatch.setattr(metrics, "_best_mm_seconds", fake)
-        metrics.measured_cpu_peak_flops.cache_clear()
-        (tmp_path / "cpu_peak.json").unlink(missing_ok=True)
-        peak = metrics.measured_cpu_peak_flops(torch.bfloat16, 1)
-        assert sizes == [(256, 1), (want, metrics.ROUNDS)], sizes
-        assert peak == pytest.approx(2 * 256**3 / probe_s)
-        metrics.measured_cpu_peak_flops.cache_clear()      # the next process: the best is cached, one round
-        assert metrics.measured_cpu_peak_flops(torch.bfloat16, 1) == peak
-        assert sizes[2:] == [(256, 1), (want, 1)], sizes
-    metrics.measured_cpu_peak_flops.cache_clear()
-
-
 def test_emit_config_starts_from_the_preset_and_changes_only_what_the_plan_decides(tmp_path):
     from llmcluster.config.load import load_job_config
 

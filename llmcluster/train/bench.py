@@ -6,7 +6,7 @@ that are not timed (compile, allocator, first all-gathers), then timed steps. Th
 median over the timed steps of the slowest rank.
 
 MFU follows PaLM (6N + 12·L·H·Q·T FLOPs per token, recompute not counted) divided by the peak for the
-precision actually used: the datasheet figure on a known GPU, a measured matmul peak on CPU. With pipeline
+precision actually used: the datasheet figure on a known GPU, the instruction set's peak on CPU (config/cpus.py). With pipeline
 parallelism the measured MFU includes the bubble (idle stages are lost time); the record also carries the
 schedule's bubble fraction (p-1)/(v·m+p-1) so that `plan --calibrate`, whose step-time model adds the
 bubble itself, divides it back out. The record under <root>/logs/bench/ is what `plan --calibrate` reads.
