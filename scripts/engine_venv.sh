@@ -18,15 +18,18 @@ case $ENGINE in
           # pip brings CUDA builds of these from the registry; they break `import vllm` and text serving
           # needs none of them (../shared notes: `operator torchvision::nms does not exist`, libnvrtc.so.13).
           REMOVE=(torchvision torchaudio torchcodec)
-          CHECK="import vllm, vllm.entrypoints.openai.api_server" ;;
+          CHECK="import vllm, vllm.entrypoints.openai.api_server"
+          SIZE="3.5 GB, ~3-5 min" ;;
     lmeval) PKGS=("lm_eval[api,hf]==0.4.13" "transformers>=4.44")   # hf: accelerate, which `--model hf` imports
           REMOVE=()
-          CHECK="import lm_eval, transformers" ;;
+          CHECK="import lm_eval, transformers"
+          SIZE="1.8 GB, ~2-4 min" ;;
     # SkyPilot pins its own stack (ray, cloud SDKs, ~520 MB); pinned here because the tests use SkyPilot internals
     # that move between releases (docs/launch.md). It launches the training elsewhere: no torch in its venv.
     sky) PKGS=("skypilot==0.14.1")
          REMOVE=()
          CHECK="import sky; sky.Task"
+         SIZE="0.5 GB, ~1-2 min"
          WITH_TORCH=0 ;;
     *) echo "error: unknown engine '$ENGINE' (vllm, lmeval or sky)" >&2; exit 2 ;;
 esac
@@ -36,7 +39,9 @@ mkdir -p "$(dirname "$VENV")"
 exec 9>"$VENV.lock"
 flock 9
 if [[ ! -f $VENV/.installed ]]; then
-    echo "building $VENV ($ENGINE: ${PKGS[*]}; once per machine)" >&2
+    # said once, before the wait: what is built, its size and how long it takes (2 cores from the package mirror;
+    # a busy machine or a slow mirror takes longer), so a first `eval` or `serve start` is not a silent wait
+    echo "building $VENV ($ENGINE: ${PKGS[*]}; about $SIZE; once per machine)" >&2
     rm -rf "$VENV"
     python3 -m venv "$VENV" >&2
     if ((WITH_TORCH)); then

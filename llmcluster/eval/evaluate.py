@@ -141,7 +141,10 @@ def evaluate(root: Path, model: str | None = None, step: int | None = None, endp
         cfg = _read_json(target.model_dir / "config.json") or {}
         model_args = harness.model_arguments(target.model_dir, target.endpoint, name,
                                              int(cfg.get("max_position_embeddings") or 2048))
-        python = python or harness.harness_python()
+        if python is None:   # a first use builds the harness's venv (minutes): not the evaluation's time
+            built = time.monotonic()
+            python = harness.harness_python()
+            t0 += time.monotonic() - built
         log = out / f"harness_{time.strftime('%Y-%m-%dT%H-%M-%S')}.log"   # kept, failed or not
         results_file = harness.run_harness(python, model_args, [t.name for t in chosen],
                                            write_include_dir(chosen, scratch / "tasks"), scratch / "out", log,
