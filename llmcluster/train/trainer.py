@@ -400,6 +400,9 @@ class Trainer:
         self.recent_dt.append(dt)
         self.busy.append(self.busy_s)
         self.events.heartbeat(self.step)   # a killed attempt's end, to within a step
+        if len(self.recent_dt) == 1 and not self.metrics.due(self.step):   # else nothing on screen until a record
+            self.log(f"first step took {dt:.1f} s" + (" (compiling: torch.compile builds the step's kernels once)"
+                                                      if self.cfg.train.compile else ""))
 
     def _record(self, loss: float, norm: float, val: dict) -> None:
         record_step(self, loss, norm, val)
