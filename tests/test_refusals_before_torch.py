@@ -53,3 +53,16 @@ def test_a_refusal_decided_by_arguments_and_storage_comes_before_torch(tmp_path,
     errors = [ln for ln in lines if ln.startswith(f"llmcluster {argv[0]}: error: ")]
     assert len(errors) == 1 and needle in errors[0] and "Traceback" not in p.stderr, p.stderr[-2000:]
     print(f"{case}: {cpu:.2f} CPU-s")
+
+
+def test_importing_torchao_for_the_nf4_base_and_low_bit_adamw_is_quiet():
+    """Issue 69: on a CPU torchao's CUDA extensions fail to load and torch warns about its pytree registration,
+    before the tool's first line on the QLoRA path: silenced for the import (llmcluster/quiet.py)."""
+    pytest.importorskip("torchao")
+    code = ("from llmcluster.checkpoint.nf4_base import nf4_module\nnf4_module()\n"
+            "from llmcluster.config.schema import TrainConfig\nfrom llmcluster.train.optimizer import low_bit_adamw\n"
+            "import torch\nlow_bit_adamw([{'params': [torch.nn.Parameter(torch.zeros(256, 256))]}], "
+            "TrainConfig(optimizer='adamw8bit'))\nprint('ok')\n")
+    p = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+    assert "Failed to load" not in p.stderr and "_pytree" not in p.stderr, p.stderr[-2000:]

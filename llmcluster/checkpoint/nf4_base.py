@@ -26,8 +26,11 @@ NF4_WEIGHTS = "nf4_weights"   # its key in train_state.json: the plain names of 
 
 def nf4_module():
     """torchao's NF4 module, or one line saying how to get it."""
+    from llmcluster.quiet import quiet_torchao_import
+
     try:
-        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+        with quiet_torchao_import():   # the NF4 base is CPU-side work; CUDA kernels' load failures are noise here
+            from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError as e:
         raise UserError(f"train.lora.base_precision=nf4 needs torchao >= 0.18 ({e}): pip install "
                         "'llmcluster[float8]' (torchao), or use base_precision=bf16") from None

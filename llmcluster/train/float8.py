@@ -16,7 +16,6 @@ H100, H200); `emulate: true` runs the same casts in high precision so CPU tests 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from importlib import metadata
 
 import torch
@@ -72,18 +71,11 @@ def apply_float8(model: nn.Module, cfg: Float8Config, device: torch.device) -> i
     """Check, then swap the eligible Linear layers of `model` (any device, meta included) for torchao's
     Float8Linear in place. Returns how many were converted."""
     check_float8(cfg, device)
-    # Import noise, not news: on a CPU torchao logs that its CUDA extensions cannot load, and torch warns that
-    # torchao registers an Enum with pytree the deprecated way.
-    quiet = [logging.getLogger("torch.utils._pytree")] + [logging.getLogger("torchao")] * (device.type != "cuda")
-    levels = [log.level for log in quiet]
-    for log in quiet:
-        log.setLevel(logging.ERROR)
-    try:
+    from llmcluster.quiet import quiet_torchao_import
+
+    with quiet_torchao_import(cuda=device.type == "cuda"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
-    finally:
-        for log, level in zip(quiet, levels):
-            log.setLevel(level)
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(cfg.recipe), emulate=cfg.emulate,
                                  enable_fsdp_float8_all_gather=False)
     convert_to_float8_training(model, config=config, module_filter_fn=convertible)

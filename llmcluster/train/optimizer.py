@@ -32,9 +32,11 @@ def low_bit_adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer
     """torchao.optim's AdamW8bit / AdamW4bit: the two moments block-quantized (1 or 0.5 bytes a value plus
     scales); their update compiles with inductor on first use. Saved through DCP like AdamW's."""
     from llmcluster.errors import UserError
+    from llmcluster.quiet import quiet_torchao_import
 
     try:
-        from torchao.optim import AdamW4bit, AdamW8bit
+        with quiet_torchao_import(cuda=torch.cuda.is_available()):
+            from torchao.optim import AdamW4bit, AdamW8bit
     except ImportError as e:
         raise UserError(f"train.optimizer={cfg.optimizer} needs torchao ({e}): pip install 'llmcluster[float8]'") \
             from None
