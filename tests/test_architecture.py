@@ -19,7 +19,7 @@ PKG = Path(__file__).resolve().parents[1] / "llmcluster"
 # higher one). Changing this table is changing the architecture: docs/architecture.md draws the same table.
 LAYERS: list[set[str]] = [
     {"errors"},                                       # UserError and the exit codes: imports nothing of ours
-    {"render", "floor", "paths", "console", "testing", "llmcluster"},   # base modules: stdlib (+ errors)
+    {"render", "floor", "paths", "console", "testing", "quiet", "llmcluster"},   # base modules: stdlib (+ errors)
     {"config"},                                       # the one vocabulary: a leaf over the base modules
     {"model", "storage"},                             # the model (config only); the layout and a run's records
     {"data", "distributed"},                          # tokens on disk; process groups, mesh, torch shims
