@@ -41,9 +41,12 @@ def launch_ranks(argv: list[str], nprocs: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # The agent's own INFO/WARNING lines ("Sending process N closing signal SIGTERM", ...) are not the tool's.
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # The agent's own INFO/WARNING lines ("Sending process N closing signal SIGTERM", "Received 2 death signal,
+    # shutting down workers" on every Ctrl-C) are not the tool's. Each of its modules' loggers has its own level
+    # (torch's elastic get_logger sets it at import), so the parent's is not enough: every one of them.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="llmcluster-ranks-") as tmp, _ranks_env(
             OMP_NUM_THREADS="1",                 # as torchrun: N ranks sharing the cores, not N x cores
             **{exit_reason.EXIT_DIR_ENV: tmp}):  # unless a batch script already collects the reasons
