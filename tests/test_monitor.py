@@ -360,8 +360,10 @@ def test_watch_once_shows_node_storage_and_training_and_marks_dead_targets(stora
         dead = free_port()
         env = cli_env(COLUMNS="200")
         proc = run_cli("monitor", "watch", "--once", "--targets", f"127.0.0.1:{port},127.0.0.1:{m.port},127.0.0.1:{dead}",
-                       env=env, check=True)
+                       env=env)
         out = proc.stdout
+        # one target DOWN fails the check (issue 69: exit 0 while a training target was DOWN), the rest still shown
+        assert proc.returncode == 1 and f"1 of 3 target(s) DOWN: 127.0.0.1:{dead}" in proc.stderr, proc.stderr
         assert "watch-run" in out and "77" in out and "1.2345" in out and "5678" in out and "12.3" in out
         assert "rank 3" in out
         assert "0/4" in out and "absent" in out          # GPUs present/expected, NVML absent

@@ -8,6 +8,7 @@ the first frame (and `--once`) shows the load average only.
 from __future__ import annotations
 
 import math
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -173,7 +174,10 @@ def watch(targets: list[str], interval: float, once: bool) -> int:
     if once:
         snaps = [scrape(t) for t in targets]
         console.print(render(snaps, prev))
-        return 0 if any(not s.error for s in snaps) else 1
+        down = [s.target for s in snaps if s.error]
+        if down:   # a check (`--once` in a script): a DOWN target is a failure, said in one line after the tables
+            print(f"monitor watch: {len(down)} of {len(snaps)} target(s) DOWN: {', '.join(down)}", file=sys.stderr)
+        return 1 if down else 0
     from rich.live import Live
 
     with Live(console=console, auto_refresh=False, screen=False) as live:
