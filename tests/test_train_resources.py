@@ -39,6 +39,27 @@ def test_the_estimate_is_the_planners_and_grows_with_the_micro_batch():
     assert need("train.micro_batch=4", "train.lora.rank=8")[0] < small[0]
 
 
+def test_the_advice_says_when_no_micro_batch_can_make_the_job_fit(monkeypatch):
+    """Issue 69: a 7B on a host smaller than its weights, gradients and optimizer states was told to lower the
+    micro-batch or use more ranks (neither makes it fit); a job whose activations decide is told to lower it."""
+    import torch
+
+    from llmcluster.train import resources
+
+    def problem(preset: str, have_gib: float) -> str:
+        cfg = load_job_config(preset, ["train.micro_batch=1", "train.precision=fp32"])
+        monkeypatch.setattr(resources, "host_available_bytes", lambda: have_gib * 1024**3)
+        return resources.fit_problem(cfg, ParallelDims.from_config(cfg, 1), torch.device("cpu"), 1)
+
+    weights = problem("llm_7b", 16)
+    assert "a smaller micro-batch cannot fit it" in weights and "train.lora" in weights, weights
+    cfg = load_job_config("llm_tiny", ["train.micro_batch=1000"])
+    need, acts = needed_bytes(cfg, ParallelDims.from_config(cfg, 1))
+    monkeypatch.setattr(resources, "host_available_bytes", lambda: need - acts / 2)   # the states fit, not the batch
+    acts_only = resources.fit_problem(cfg, ParallelDims.from_config(cfg, 1), torch.device("cpu"), 1)
+    assert acts_only and "lower train.micro_batch" in acts_only and "cannot fit it" not in acts_only, acts_only
+
+
 # -- parallel.activation_checkpoint: auto (issue 36) ---------------------------------------------------------
 
 def _ac_case(mode: str = "auto"):

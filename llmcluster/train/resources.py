@@ -122,10 +122,15 @@ def fit_problem(cfg: JobConfig, dims, device, local_world: int) -> str | None:
         where = "available on this host" + (f" per rank ({local_world} ranks)" if local_world > 1 else "")
     if need <= have:
         return None
-    return (f"the job needs at least {need / GIB:,.1f} GiB per rank by the planner's memory model "
+    head = (f"the job needs at least {need / GIB:,.1f} GiB per rank by the planner's memory model "
             f"(activations of train.micro_batch={cfg.train.micro_batch}: {activations / GIB:,.1f} GiB), "
-            f"{have / GIB:,.1f} GiB {where}: lower train.micro_batch (raise train.grad_accum to keep the global "
-            "batch) or use more ranks")
+            f"{have / GIB:,.1f} GiB {where}: ")
+    if need - activations > have:   # no micro-batch makes it fit (issue 69: the advice said to lower it)
+        return head + (f"the weights, gradients and optimizer states alone need {(need - activations) / GIB:,.1f} "
+                       "GiB, so a smaller micro-batch cannot fit it: shard them over more devices or hosts "
+                       "(parallel.dp_shard), train adapters only (train.lora, QLoRA), or a machine with more memory")
+    return head + ("lower train.micro_batch (raise train.grad_accum to keep the global batch) or shard the job "
+                   "over more devices")
 
 
 def require_fit(cfg: JobConfig, dims, device, local_world: int) -> list[str]:
