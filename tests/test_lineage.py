@@ -1,0 +1,175 @@
+"""A model's record (issue 67): every export holds lineage.json (export files -> checkpoint -> run -> datasets -> base)
+and a model card (README.md, Hugging Face's format) made from the run's records; `llmcluster lineage --verify`
+recomputes every digest and names the first link that no longer holds in one line, exit 1.
+
+One LoRA run from a small HF base (3 steps), exported once for the module; each tampering test changes one file and
+puts it back."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import assert_one_line_error, cli_env, cli_inprocess, run_cli
+from hf_helpers import make_hf_storage
+from test_hf_import import LORA, job
+
+pytestmark = pytest.mark.timeout(600)
+pytest.importorskip("transformers")
+RUN = "lineage-lora"
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from llmcluster.storage import eval_log
+
+    base = tmp_path_factory.mktemp("lineage")
+    hf = make_hf_storage(base)
+    root = hf["root"]
+    run_cli("train", "--root", root, "--resume", "never", *job(hf["model"], RUN, f"train.steps={STEPS}", LORA),
+            check=True)
+    # an evaluation of the step exported, as `llmcluster eval` records it (its shape: storage/eval_log.py)
+    eval_log.append(root / "logs" / RUN, {
+        "time": "2026-01-01T00:00:00Z", "run": RUN, "step": STEPS, "tokens": None, "dataset_digest": None,
+        "model": str(root / "models" / RUN), "endpoint": None, "backend": "hf",
+        "tasks": {"hellaswag": {"metrics": {"acc": 0.25, "acc_norm": 0.5}, "stderr": {"acc": 0.01}, "n": 10}}})
+    run_cli("export", "--run", RUN, "--root", root, check=True)
+    return SimpleNamespace(root=root, base=hf["model"], export=root / "models" / RUN)
+
+
+@contextlib.contextmanager
+def changed(path: Path):
+    """`path` with one byte flipped (its size and mtime kept: only a digest can tell), put back after."""
+    data = path.read_bytes()
+    st = path.stat()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    try:
+        yield
+    finally:
+        path.write_bytes(data)
+        import os
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def lineage(capsys, model, *args):
+    return cli_inprocess(capsys, "lineage", RUN, "--root", model.root, *args)
+
+
+def test_the_export_holds_its_lineage_and_verify_passes(capsys, model):
+    t0 = time.monotonic()
+    proc = lineage(capsys, model, "--verify")
+    assert proc.returncode == 0, proc.stderr
+    for link in ("export: verified", f"checkpoint {RUN} step_{STEPS}: verified", f"run {RUN}: verified",
+                 "dataset corpus: verified", f"base {model.base.resolve()}: verified"):
+        assert link in proc.stdout, (link, proc.stdout)
+    print(f"lineage --verify: {time.monotonic() - t0:.2f} s")
+    rec = json.loads(cli_inprocess(capsys, "lineage", str(model.export), "--json").stdout)["lineage"]
+    assert rec["checkpoint"]["step"] == STEPS and rec["checkpoint"]["path"] == f"checkpoints/{RUN}/step_{STEPS}"
+    assert {"model.safetensors", "config.json", "llmcluster.json", "adapter/adapter_model.safetensors"} \
+        <= set(rec["export"]["files"])
+    assert "README.md" not in rec["export"]["files"] and "lineage.json" not in rec["export"]["files"]
+    assert rec["run"]["attempts"] == 1 and rec["run"]["lora"]["rank"] == 4
+    assert rec["base"]["files"].keys() == {p.name for p in model.base.iterdir() if p.is_file()}
+
+
+@pytest.mark.parametrize("what", ["dataset shard", "checkpoint file", "export file", "base file"])
+def test_a_changed_file_names_its_link(capsys, model, what):
+    """One change at a time, each named in one line with exit 1; put back, the chain verifies again."""
+    ds = model.root / "datasets" / "text" / "corpus"
+    path, link = {
+        "dataset shard": (sorted(ds.glob("train_*.bin"))[0], "dataset corpus"),
+        "checkpoint file": (model.root / "checkpoints" / RUN / f"step_{STEPS}" / "train_state.json",
+                            f"checkpoint {RUN} step_{STEPS}"),
+        "export file": (model.export / "config.json", "export"),
+        "base file": (model.base / "config.json", "base"),
+    }[what]
+    with changed(path):
+        proc = lineage(capsys, model, "--verify")
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith(f"llmcluster lineage: broken at {link}") and path.name in lines[0], lines[0]
+    assert lineage(capsys, model, "--verify").returncode == 0
+
+
+def test_a_file_added_to_the_export_breaks_it(capsys, model):
+    extra = model.export / "extra.bin"
+    extra.write_bytes(b"x")
+    try:
+        proc = lineage(capsys, model, "--verify")
+    finally:
+        extra.unlink()
+    assert proc.returncode == 1 and "broken at export" in proc.stderr and "extra.bin" in proc.stderr
+
+
+@pytest.mark.parametrize("text, needle", [("{", "is not JSON"), ("[]", "not a JSON object"),
+                                          ('{"format": "llmcluster-lineage-v1"}', "export")])
+def test_a_malformed_record_is_one_line(capsys, model, text, needle):
+    path = model.export / "lineage.json"
+    saved = path.read_bytes()
+    path.write_text(text)
+    try:
+        proc = lineage(capsys, model, "--verify")
+    finally:
+        path.write_bytes(saved)
+    assert_one_line_error(proc, "lineage.json", needle)
+
+
+def test_the_card_parses_and_says_what_the_records_say(model):
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(model.export / "README.md")
+    data = card.data.to_dict()
+    state = json.loads((model.root / "checkpoints" / RUN / f"step_{STEPS}" / "train_state.json").read_text())
+    rec = json.loads((model.export / "lineage.json").read_text())
+    ours = data["llmcluster"]
+    assert data["license"] == "other" and "base_model" not in data   # a local base: no Hub id
+    assert ours["training"]["steps"] == STEPS == state["step"]
+    assert ours["training"]["tokens_seen"] == state["sampler"]["consumed"] * state["config"]["data"]["seq_len"]
+    assert ours["training"]["lora"] == state["config"]["train"]["lora"]
+    assert ours["training"]["precision"] == "fp32"
+    meta = json.loads((model.root / "datasets" / "text" / "corpus" / "meta.json").read_text())
+    assert [(d["name"], d["tokens"]) for d in ours["datasets"]] == [("corpus", meta["tokens"])]
+    assert ours["datasets"][0]["meta_sha256"] == rec["datasets"][0]["meta_sha256"]
+    assert ours["base"]["path"] == str(model.base.resolve())
+    from llmcluster.export.card import base_digest
+    assert ours["base"]["sha256"] == base_digest(rec["base"]["files"])
+    assert ours["compute"]["train_flops"] > 0 and ours["compute"]["energy_kwh"] is None
+    assert ours["software"]["llmcluster"]
+    from llmcluster.storage.layout import sha256_file
+    assert ours["lineage_sha256"] == sha256_file(model.export / "lineage.json")
+    scores = {(r.dataset_type, r.metric_type): r.metric_value for r in card.data.eval_results}
+    assert scores == {("hellaswag", "acc"): 0.25, ("hellaswag", "acc_norm"): 0.5}
+    assert card.text.count("**To be written**") == 3
+
+
+def test_lineage_without_an_export_is_one_line(capsys, model, tmp_path):
+    assert_one_line_error(cli_inprocess(capsys, "lineage", "nosuchrun", "--root", model.root), "no exported model")
+
+
+# An auditor's machine: torch cannot be imported at all (any attempt raises ImportError)
+NO_TORCH = ("import sys\n"
+            "class NoTorch:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'torch': raise ImportError('no torch on this machine')\n"
+            "sys.meta_path.insert(0, NoTorch())\n"
+            "import runpy\n"
+            "sys.argv = ['llmcluster', *sys.argv[1:]]\n"
+            "runpy.run_module('llmcluster', run_name='__main__')\n")
+
+
+def test_verify_runs_where_torch_cannot_be_imported(model):
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", NO_TORCH, "lineage", RUN, "--root", str(model.root), "--verify"],
+                       env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "every link that could be reached holds (5 verified)" in p.stdout, p.stdout
+    print(f"lineage --verify without torch: {time.monotonic() - t0:.2f} s")
