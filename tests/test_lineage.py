@@ -173,3 +173,18 @@ def test_verify_runs_where_torch_cannot_be_imported(model):
     assert p.returncode == 0, p.stderr[-2000:]
     assert "every link that could be reached holds (5 verified)" in p.stdout, p.stdout
     print(f"lineage --verify without torch: {time.monotonic() - t0:.2f} s")
+
+
+def test_a_dataset_rebuilt_between_training_and_export_is_said_and_breaks_the_chain(capsys, model, tmp_path):
+    """The export records the data as it is then; the run's train state says what it trained on: both said."""
+    import shutil
+
+    root = tmp_path / "storage"
+    shutil.copytree(model.root, root, ignore=shutil.ignore_patterns("models"))
+    meta = root / "datasets" / "text" / "corpus" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "created": "later"}, indent=2))
+    proc = run_cli("export", "--run", RUN, "--root", root, check=True)
+    assert "not the data the run trained on" in proc.stderr, proc.stderr
+    proc = cli_inprocess(capsys, "lineage", RUN, "--root", root, "--verify")
+    assert proc.returncode == 1 and "broken at dataset corpus: not the data the run trained on" in proc.stderr, \
+        proc.stderr

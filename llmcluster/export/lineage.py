@@ -129,6 +129,10 @@ def build(export_dir: Path, root: Path, run: str, ckpt: Path, state: dict, datas
     if train.get("init_from"):
         base = Path(train["init_from"]).resolve()
         rec["base"] = {"path": str(base), "files": digests(base, set(), say)}
+    why = _trained_on(rec)
+    if why:   # recorded as it is: `lineage --verify` names the same link
+        (say or _stderr)(f"warning: export: {why[0]}: {why[1]}; the lineage records what is there now, and "
+                         "`llmcluster lineage --verify` will say so")
     return rec
 
 
@@ -282,6 +286,9 @@ def verify(export_dir: Path, rec: dict, root: Path, say=None) -> list[tuple[str,
             raise Broken(link, "the checkpoint's fingerprint is not the one recorded")
         out.append((link, "verified"))
 
+    why = _trained_on(rec)
+    if why:
+        raise Broken(*why)
     for ds in rec["datasets"]:
         d = _where(ds["path"], root)
         link = f"dataset {ds['name']}"
@@ -302,6 +309,27 @@ def verify(export_dir: Path, rec: dict, root: Path, say=None) -> list[tuple[str,
             _check_files(link, d, base["files"], say)
             out.append((link, "verified"))
     return out
+
+
+def _trained_on(rec: dict) -> tuple[str, str] | None:
+    """(link, why) when the record's datasets or base are not those its run's train state says it trained on (the
+    dataset digest, the tokenizer's and an NF4 base's in the fingerprint): a dataset rebuilt, or a base replaced,
+    between training and export. None when they agree, or when the run recorded nothing to compare with."""
+    from llmcluster.checkpoint.fingerprint import dataset_digest, weights_digest
+
+    run, fp = rec["run"], rec["run"]["fingerprint"]
+    names = ", ".join(d["name"] for d in rec["datasets"])
+    if rec["datasets"] and isinstance(run.get("dataset_digest"), str) and \
+            dataset_digest([d["meta_sha256"] for d in rec["datasets"]]) != run["dataset_digest"]:
+        return f"dataset {names}", "not the data the run trained on (its meta.json was rebuilt since: the run's " \
+                                   f"train state says {run['dataset_digest'][:12]})"
+    if rec["datasets"] and isinstance(fp.get("tokenizer"), str) and \
+            not rec["datasets"][0]["tokenizer_sha256"].startswith(fp["tokenizer"]):
+        return f"dataset {rec['datasets'][0]['name']}", "its tokenizer.json is not the one the run trained with"
+    base = rec.get("base")
+    if base is not None and isinstance(fp.get("base_weights"), str) and weights_digest(base["files"]) != fp["base_weights"]:
+        return f"base {base['path']}", "its weights are not those the run trained on (the fingerprint's base_weights)"
+    return None
 
 
 def _train_state(step_dir: Path, link: str) -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import math
 import os
 import statistics
@@ -35,7 +34,7 @@ from llmcluster.distributed import process_groups as D
 from llmcluster.train.attention import attention_line
 from llmcluster.train.batch import resume_batch
 from llmcluster.checkpoint.checkpointer import Checkpointer
-from llmcluster.checkpoint.fingerprint import checked_state, run_fingerprint
+from llmcluster.checkpoint.fingerprint import checked_state, dataset_digest, run_fingerprint
 from llmcluster.checkpoint.nf4_base import NF4_WEIGHTS, nf4_names
 from llmcluster.train.downstream import Downstream, pending_steps
 from llmcluster.train.gc_cadence import GarbageCollection
@@ -112,9 +111,7 @@ class Trainer:
         self.sampler = Prefetcher(sampler)  # steps gathered ahead on a thread; position as trained
         # What the run trains on, so that a resume over a rebuilt dataset is refused: meta.json's digest (for a
         # mixture, the digest of every source's, in order).
-        digests = [sha256_file(d / META) for _, d, _ in data_sources(root, cfg.data)]
-        self.dataset_digest = (digests[0] if len(digests) == 1
-                               else hashlib.sha256(" ".join(digests).encode()).hexdigest())
+        self.dataset_digest = dataset_digest([sha256_file(d / META) for _, d, _ in data_sources(root, cfg.data)])
         self.fingerprint = run_fingerprint(cfg, sha256_file(data_sources(root, cfg.data)[0][1] / "tokenizer.json")[:16])
         if path is not None:  # the one check before any weight is loaded; the global batch before the model and PP
             saved, notes = checked_state(path, self.fingerprint, self.storage, cfg.run.name)
