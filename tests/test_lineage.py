@@ -155,18 +155,20 @@ def test_lineage_without_an_export_is_one_line(capsys, model, tmp_path):
     assert_one_line_error(cli_inprocess(capsys, "lineage", "nosuchrun", "--root", model.root), "no exported model")
 
 
-# An auditor's machine: torch cannot be imported at all (any attempt raises ImportError)
+# An auditor's machine (docs/lineage.md): none of the training stack can be imported (any attempt raises ImportError)
 NO_TORCH = ("import sys\n"
             "class NoTorch:\n"
             "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name.split('.')[0] == 'torch': raise ImportError('no torch on this machine')\n"
+            "        if name.split('.')[0] in {'torch', 'numpy', 'safetensors', 'tokenizers', 'transformers',\n"
+            "                                  'huggingface_hub', 'rich'}:\n"
+            "            raise ImportError(f'no {name} on this machine')\n"
             "sys.meta_path.insert(0, NoTorch())\n"
             "import runpy\n"
             "sys.argv = ['llmcluster', *sys.argv[1:]]\n"
             "runpy.run_module('llmcluster', run_name='__main__')\n")
 
 
-def test_verify_runs_where_torch_cannot_be_imported(model):
+def test_verify_runs_where_torch_and_numpy_cannot_be_imported(model):
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-c", NO_TORCH, "lineage", RUN, "--root", str(model.root), "--verify"],
                        env=cli_env(), capture_output=True, text=True, timeout=120)
