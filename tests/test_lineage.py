@@ -142,7 +142,11 @@ def test_the_card_parses_and_says_what_the_records_say(model):
     assert ours["base"]["path"] == str(model.base.resolve())
     from llmcluster.export.card import base_digest
     assert ours["base"]["sha256"] == base_digest(rec["base"]["files"])
-    assert ours["compute"]["train_flops"] > 0 and ours["compute"]["energy_kwh"] is None
+    c = ours["compute"]
+    assert c["train_flops"] == c["flops_per_token"] * ours["training"]["tokens_seen"] > 0
+    assert c["device"] == state["device"] == "cpu" and c["device_hours"] == rec["run"]["wall_s"] / 3600 > 0
+    assert c["energy_kwh_measured"] is None and c["energy_kwh_estimate"] is None
+    assert "not estimated: trained on cpu" in c["energy_note"]
     assert ours["software"]["llmcluster"]
     from llmcluster.storage.layout import sha256_file
     assert ours["lineage_sha256"] == sha256_file(model.export / "lineage.json")
@@ -190,3 +194,17 @@ def test_a_dataset_rebuilt_between_training_and_export_is_said_and_breaks_the_ch
     proc = cli_inprocess(capsys, "lineage", RUN, "--root", root, "--verify")
     assert proc.returncode == 1 and "broken at dataset corpus: not the data the run trained on" in proc.stderr, \
         proc.stderr
+
+
+def test_energy_on_a_gpu_of_the_planners_table_is_its_estimate_and_says_so():
+    from llmcluster.config.gpus import GPUS
+    from llmcluster.export.card import energy
+    from llmcluster.plan.tables import hardware
+
+    out = energy({"device": "NVIDIA H100 80GB HBM3", "world_size": 8, "wall_s": 1800.0})
+    h100 = GPUS["H100"]
+    assert out["device_hours"] == 4.0 and out["energy_kwh_measured"] is None
+    assert out["energy_kwh_estimate"] == pytest.approx(
+        4.0 * h100.server_power_factor * h100.power_w / 1000 * hardware()["training_load"])
+    assert out["energy_note"].startswith("an ESTIMATE, not a measurement")
+    assert energy({"device": "NVIDIA Unknown 9000", "world_size": 1, "wall_s": 1.0})["energy_kwh_estimate"] is None

@@ -79,12 +79,31 @@ def card_fields(root: Path, rec: dict, state: dict) -> dict:
                      "seq_len": (config.get("data") or {}).get("seq_len"), "global_batch": state.get("global_batch"),
                      "config_sha256": run["config_sha256"]},
         "compute": {"train_flops": None if per_token is None or tokens is None else per_token * tokens,
-                    "flops_per_token": per_token, "flops_convention": FLOP_CONVENTION,
-                    "energy_kwh": None,
-                    "energy_note": "not measured: no NVML energy figure is recorded for this run, and the planner's "
-                                   "estimate (`llmcluster plan`) is not computed here"},
+                    "flops_per_token": per_token, "flops_convention": FLOP_CONVENTION, **energy(run)},
         "software": _versions(),
     }
+
+
+def energy(run: dict) -> dict:
+    """Device-hours and energy from the lineage's run link. No NVML figure is recorded yet: on GPUs of the planner's
+    table the energy is its estimate, said to be one; otherwise none is given, and why."""
+    from llmcluster.config.gpus import match_device_name
+    from llmcluster.plan.power import training_energy_kwh
+
+    device, world, wall = run.get("device"), run.get("world_size"), run.get("wall_s")
+    hours = None if world is None or wall is None else world * wall / 3600
+    out = {"device": device, "device_hours": hours, "energy_kwh_measured": None, "energy_kwh_estimate": None}
+    spec = match_device_name(device) if device and device not in ("cpu", "mps") else None
+    if spec is not None and hours is not None:
+        out["energy_kwh_estimate"] = training_energy_kwh(spec, hours)
+        out["energy_note"] = (f"an ESTIMATE, not a measurement: {hours:.3g} {spec.name} GPU-hours (the attempts' wall "
+                              "time, events.jsonl, x the checkpoint's world size) x the planner's power model "
+                              "(TDP x server factor x average training load, plan/power.py), IT load before PUE")
+    else:
+        why = ("the run's events or world size are not recorded" if hours is None else
+               f"trained on {device or 'an unrecorded device'}: the planner's power model prices known GPUs only")
+        out["energy_note"] = f"not measured (no NVML figure recorded) and not estimated: {why}"
+    return out
 
 
 def eval_results(root: Path, run: str, step: int):
@@ -153,7 +172,7 @@ LoRA/QLoRA: {t['lora'] or 'none'}.
 
 ## Compute
 
-Training FLOPs: {flops} ({c['flops_convention']}). Energy: {c['energy_note']}.
+Training FLOPs: {flops} ({c['flops_convention']}). Device-hours: {c['device_hours']}. Energy: {c['energy_note']}.
 
 ## Evaluation
 

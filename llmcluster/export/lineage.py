@@ -44,7 +44,8 @@ SHAPE = {
     "checkpoint": ({"run": records.TEXT, "step": records.integer(0), "path": records.TEXT,
                     "complete_sha256": records.TEXT}, {}),
     "run": ({"name": records.TEXT, "config_sha256": records.TEXT, "fingerprint": records.OBJECT},
-            {"attempts": records.integer(0), "job_config_sha256": records.TEXT, "dataset_digest": records.TEXT,
+            {"attempts": records.integer(0), "wall_s": records.number(0), "device": records.TEXT,
+             "world_size": records.integer(1), "job_config_sha256": records.TEXT, "dataset_digest": records.TEXT,
              "tokens_seen": records.integer(0), "parallel": records.TEXT, "precision": records.TEXT,
              "lora": records.OBJECT}),
     "dataset": ({"name": records.TEXT, "path": records.TEXT, "meta_sha256": records.TEXT,
@@ -113,8 +114,12 @@ def build(export_dir: Path, root: Path, run: str, ckpt: Path, state: dict, datas
     seq_len = (config.get("data") or {}).get("seq_len") or 0
     sampler = state.get("sampler") or {}
     consumed = sampler.get("consumed") if isinstance(sampler.get("consumed"), int) else None
+    atts = run_attempts(root, run)
     run_rec = {"name": run, "config_sha256": config_sha256(config), "fingerprint": state.get("fingerprint") or {},
-               "attempts": attempts(root, run), "job_config_sha256": _job_config_sha256(root, run),
+               "attempts": None if atts is None else len(atts),
+               "wall_s": None if atts is None else round(sum(a[-1]["t"] - a[0]["t"] for a in atts), 3),
+               "device": state.get("device"), "world_size": state.get("world_size"),
+               "job_config_sha256": _job_config_sha256(root, run),
                "dataset_digest": state.get("dataset_digest"),
                "tokens_seen": None if consumed is None else (consumed - int(state.get("ft_skipped_samples") or 0))
                * int(seq_len),
@@ -145,15 +150,12 @@ def dataset_link(name: str, d: Path, root: Path, say=None) -> dict:
             "tokens": meta.get("tokens")}
 
 
-def attempts(root: Path, run: str) -> int | None:
-    """The run's attempts as its events record them (a no-op start is not one: `jobs goodput`'s count)."""
-    from llmcluster.storage.events import EVENTS, NOOP, read_events
+def run_attempts(root: Path, run: str) -> list[list[dict]] | None:
+    """The run's attempts as its events record them (`jobs goodput`'s: a no-op start is none); None: no events."""
+    from llmcluster.storage.events import EVENTS, read_events, trained_attempts
 
     events = read_events(Path(root) / "logs" / run / EVENTS, warn=None)
-    if not events:
-        return None
-    noop = {e["attempt"] for e in events if e["event"] == NOOP}
-    return len({e["attempt"] for e in events} - noop)
+    return trained_attempts(events) if events else None
 
 
 def _job_config_sha256(root: Path, run: str) -> str | None:

@@ -37,34 +37,18 @@ import statistics
 from pathlib import Path
 
 from llmcluster.errors import UserError
-from llmcluster.storage.events import EVENTS, NOOP, read_events
+# the attempts and ft's records have their home in storage/events.py (the lineage counts attempts too)
+from llmcluster.storage.events import EVENTS, FT_PREFIX, HANG, attempts, read_events, trained_attempts  # noqa: F401
 
 BUCKETS = ("startup", "checkpoint_restore", "checkpoint_save", "eval", "lost_progress", "hang_or_straggler",
            "failure", "other")
 BAR = {"productive": "#", "startup": "s", "checkpoint_restore": "r", "checkpoint_save": "c", "eval": "e",
        "lost_progress": "l", "hang_or_straggler": "h", "failure": "f", "other": "o"}   # the text bar's letters
 PLOT = "goodput.png"   # what --plot DIR writes
-FT_PREFIX = "ft_"   # per-step fault tolerance's records (ft_summary)
-HANG = "hang"       # an ft group's watchdog fired (ft/watchdog.py): a record of ft's, it splits no interval either
-
-
-def _is_ft(e: dict) -> bool:
-    return e["event"].startswith(FT_PREFIX) or e["event"] == HANG
 SLOW = 3.0   # a step over this many median steps counts its excess as hang_or_straggler
 _STEP_END = {"step", "eval_start", "save_start", "checkpointed"}   # closes an interval of training at `step`
 _SPANS = {"eval_end": "eval", "save_end": "checkpoint_save", "restore_end": "checkpoint_restore",
           "init_done": "startup", "restore_start": "startup"}
-
-
-def attempts(events: list[dict]) -> list[list[dict]]:
-    """The run's attempts that could train, in order, each its events in time order. A no-op start (already
-    finished, refused: it says so with a noop_start event) is no attempt: its seconds are neither the job's
-    wall time nor queued time, so re-running a finished run leaves its goodput as it was."""
-    by: dict[int, list[dict]] = {}
-    for e in events:
-        by.setdefault(e["attempt"], []).append(e)
-    return [sorted(by[a], key=lambda e: e["t"]) for a in sorted(by)
-            if not any(e["event"] == NOOP for e in by[a])]
 
 
 def _start_step(att: list[dict]) -> int | None:
@@ -166,7 +150,7 @@ class _Groups:
 def goodput(events: list[dict]) -> dict:
     ft = ft_summary(events)
     groups = _Groups([e for e in events if e["event"].startswith(FT_PREFIX)])
-    atts = attempts([e for e in events if not _is_ft(e)])
+    atts = trained_attempts(events)
     if not atts:
         raise UserError("no attempt that trained is recorded for this run (events.jsonl is written by the "
                         "trainer's rank 0; starts that did nothing are left out)")

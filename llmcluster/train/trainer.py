@@ -159,6 +159,7 @@ class Trainer:
         self.ckpt.prepare_start(resume, path, self.step)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops, self.peak_source = device_peak_flops(env.device, t.precision)
+        self.device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type
         self.preempt = PreemptionFlag().install()
         self.evaluator = Evaluator(cfg, env, dims, self.model, self.pipe, self.autocast, self.dataset, sampler,
                                    self.events)
@@ -229,6 +230,7 @@ class Trainer:
                 "ft_skipped_samples": self.ft_skipped,
                 "config": saved_config_dict(self.cfg), "dataset_digest": self.dataset_digest,  # job.env redacted
                 "parallel": self.dims.describe(), "global_batch": self.global_batch, "fingerprint": self.fingerprint,
+                "device": self.device_name,   # what the model card's energy estimate prices (export/card.py)
                 NF4_WEIGHTS: nf4_names(self.raw_model)}   # the export rebuilds an NF4 base from init_from with it
 
     # -- one optimizer step ------------------------------------------------------------------------
