@@ -208,3 +208,43 @@ def test_energy_on_a_gpu_of_the_planners_table_is_its_estimate_and_says_so():
         4.0 * h100.server_power_factor * h100.power_w / 1000 * hardware()["training_load"])
     assert out["energy_note"].startswith("an ESTIMATE, not a measurement")
     assert energy({"device": "NVIDIA Unknown 9000", "world_size": 1, "wall_s": 1.0})["energy_kwh_estimate"] is None
+
+
+# -- serving: the record's digest, --require-lineage, and the endpoint as the chain's first link ------------------
+def serve_dry_run(model, *extra):
+    digest = "vllm/vllm-openai:v0.11.0@sha256:" + "b" * 64
+    return run_cli("serve", "start", "--model", RUN, "--root", model.root, "--scheduler", "k8s", "--cluster",
+                   "rtx4090-box", "--namespace", "ml", "--image", digest, "--set", "job.mem_per_node=64G",
+                   "--dry-run", *extra)
+
+
+def test_serve_start_require_lineage_refuses_a_broken_chain(model):
+    ok = serve_dry_run(model, "--require-lineage")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    with changed(model.export / "adapter" / "adapter_model.safetensors"):
+        proc = serve_dry_run(model, "--require-lineage")
+    assert_one_line_error(proc, "--require-lineage", "broken at export", "adapter_model.safetensors")
+
+
+def test_the_serving_record_names_the_lineage_and_lineage_starts_at_the_endpoint(capsys, model):
+    """`serve start` puts what export/lineage.served gives into job.json (a record written here as it writes it:
+    no engine runs in this test); `lineage ENDPOINT --verify` checks that digest first."""
+    from llmcluster.export.lineage import served
+    from llmcluster.storage.job_record import write_record
+
+    fields = served(model.export, require=True)
+    assert fields == {"lineage_sha256": json.loads(cli_inprocess(capsys, "lineage", RUN, "--root", model.root,
+                                                                 "--json").stdout)["lineage_sha256"],
+                      "lineage_verified": True}
+    logs = model.root / "logs" / "serve-lin"
+    logs.mkdir(parents=True, exist_ok=True)
+    job = {"run": "serve-lin", "kind": "serve", "scheduler": "local", "model": RUN,
+           "model_dir": str(model.base.resolve()), "adapter": str(model.export / "adapter"), **fields}
+    write_record(logs, job)
+    proc = cli_inprocess(capsys, "lineage", "serve-lin", "--root", model.root, "--verify")
+    assert proc.returncode == 0, proc.stderr
+    assert "endpoint serve-lin: verified" in proc.stdout and f"base {model.base.resolve()}: verified" in proc.stdout
+    write_record(logs, {**job, "lineage_sha256": "0" * 64})   # another export's digest
+    proc = cli_inprocess(capsys, "lineage", "serve-lin", "--root", model.root, "--verify")
+    assert proc.returncode == 1 and proc.stderr.startswith("llmcluster lineage: broken at endpoint serve-lin"), \
+        proc.stderr

@@ -221,6 +221,74 @@ def digest(export_dir: Path) -> str:
     return sha256_file(export_dir / LINEAGE)
 
 
+def storage_root_for(export_dir: Path, rec: dict, given: str | Path | None) -> Path:
+    """The storage root the record's relative paths are under: `given` (--root), else the one the export sits in
+    (<root>/models/<name>), else the one it was exported from (an `export --out` elsewhere), else the default."""
+    if given:
+        return Path(given)
+    if export_dir.parent.name == "models":
+        return export_dir.parent.parent
+    if isinstance(rec.get("storage_root"), str):
+        return Path(rec["storage_root"])
+    from llmcluster.config.cluster_load import storage_root
+
+    return storage_root(None)
+
+
+def served(export_dir: Path, require: bool) -> dict:
+    """What a serving record holds of the export it serves (`serve start`): its lineage digest, and whether the chain
+    was verified (`--require-lineage`: it must be, else one line and nothing starts). Without the flag, a model
+    without a record (an export made before lineage records, anyone's HF model) is served as before, and one whose
+    record is malformed too, with one note: the flag is what makes the lineage a condition."""
+    if not (export_dir / LINEAGE).is_file():
+        if require:
+            raise UserError(f"--require-lineage: {export_dir} has no {LINEAGE} (not an export, or one made before "
+                            "lineage records: export it again)")
+        return {}
+    try:
+        rec = read(export_dir)
+    except UserError as e:
+        if require:
+            raise UserError(f"--require-lineage: {e}") from None
+        _stderr(f"note: {e}: the serving record names no lineage")
+        return {}
+    if require:
+        try:
+            verify(export_dir, rec, storage_root_for(export_dir, rec, None))
+        except Broken as e:
+            raise UserError(f"--require-lineage: {export_dir}: its lineage is broken at {e}") from None
+    return {"lineage_sha256": digest(export_dir), "lineage_verified": require}
+
+
+def endpoint_export(root: Path, name: str) -> tuple[Path, dict] | None:
+    """The export a serving job (`jobs list`'s name) serves, and its job.json; None when `name` is no serving job.
+    The record's paths are data: only strings are taken, and the directory must exist."""
+    from llmcluster.storage.job_record import read_record
+    from llmcluster.storage.layout import Storage, check_run_name
+
+    job = read_record(Storage(Path(root)).run_logs(check_run_name(name, "model, run or endpoint")))
+    if not job or job.get("kind") != "serve":
+        return None
+    where = job.get("adapter") if isinstance(job.get("adapter"), str) else job.get("model_dir")
+    if not isinstance(where, str):
+        raise UserError(f"serving job {name}: its job.json names no model directory")
+    export = Path(where).parent if isinstance(job.get("adapter"), str) else Path(where)
+    if not export.is_dir():
+        raise UserError(f"serving job {name}: the export it served, {export}, is not here")
+    return export, job
+
+
+def check_endpoint(name: str, job: dict, export_dir: Path) -> tuple[str, str]:
+    """The endpoint link: the lineage digest `serve start` recorded is the export's now."""
+    link = f"endpoint {name}"
+    recorded = job.get("lineage_sha256")
+    if recorded is None:
+        return link, "not recorded: started without a lineage digest (before lineage records, or an export without one)"
+    if digest(export_dir) != recorded:
+        raise Broken(link, f"{export_dir / LINEAGE} changed since `serve start` (recorded {recorded[:12]})")
+    return link, "verified"
+
+
 class Broken(Exception):
     """A link that no longer holds: its name and what changed (one line)."""
 
