@@ -248,3 +248,29 @@ def test_the_serving_record_names_the_lineage_and_lineage_starts_at_the_endpoint
     proc = cli_inprocess(capsys, "lineage", "serve-lin", "--root", model.root, "--verify")
     assert proc.returncode == 1 and proc.stderr.startswith("llmcluster lineage: broken at endpoint serve-lin"), \
         proc.stderr
+
+
+def test_an_eval_after_the_export_reaches_the_cards_model_index_and_keeps_what_a_person_wrote(capsys, model):
+    """What `llmcluster eval` of an export calls once its record is appended (eval/evaluate.py refresh_card)."""
+    from huggingface_hub import ModelCard
+
+    from llmcluster.export.card import TO_BE_WRITTEN, refresh_evals
+    from llmcluster.storage import eval_log
+
+    card_file, log = model.export / "README.md", model.root / "logs" / RUN / "eval.jsonl"
+    saved_card, saved_log = card_file.read_bytes(), log.read_bytes()
+    try:
+        card_file.write_text(card_file.read_text().replace(TO_BE_WRITTEN, "Internal code completion only.", 1))
+        eval_log.append(model.root / "logs" / RUN, {
+            "run": RUN, "step": STEPS, "endpoint": None, "backend": "hf",
+            "tasks": {"llmc_stdlib_mc": {"metrics": {"acc": 0.75}, "stderr": {}}}})
+        assert refresh_evals(model.export, model.root)
+        card = ModelCard.load(card_file)
+        scores = {(r.dataset_type, r.metric_type): r.metric_value for r in card.data.eval_results}
+        assert scores == {("hellaswag", "acc"): 0.25, ("hellaswag", "acc_norm"): 0.5, ("llmc_stdlib_mc", "acc"): 0.75}
+        assert "Internal code completion only." in card.text and card.text.count("**To be written**") == 2
+        assert card.data.to_dict()["llmcluster"]["run"] == RUN
+        assert lineage(capsys, model, "--verify").returncode == 0   # the card is not among the hashed files
+    finally:
+        card_file.write_bytes(saved_card)
+        log.write_bytes(saved_log)

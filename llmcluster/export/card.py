@@ -183,3 +183,27 @@ Training FLOPs: {flops} ({c['flops_convention']}). Device-hours: {c['device_hour
 
 def write(export_dir: Path, root: Path, rec: dict, state: dict) -> None:
     make(root, rec, state, lineage_digest(export_dir)).save(export_dir / CARD)
+
+
+def refresh_evals(export_dir: Path, root: Path) -> bool:
+    """After `llmcluster eval` of an export: its card's model-index from the run's evaluations of the exported step,
+    the rest of the card (what a person wrote in it included) kept as it is. Only a card of ours, in an export with
+    a lineage record (which names the run and step), is touched; README.md is outside the hashed files, so the
+    lineage still verifies. Returns whether the card was rewritten."""
+    from huggingface_hub import ModelCard
+
+    from llmcluster.export import lineage
+
+    path = export_dir / CARD
+    if not path.is_file() or not (export_dir / LINEAGE).is_file():
+        return False
+    rec = lineage.read(export_dir)   # a malformed record: one line (the caller says it as a warning)
+    card = ModelCard.load(path)      # YAML read as data (huggingface_hub's safe loader)
+    ours = getattr(card.data, "llmcluster", None)
+    run, step = rec["run"]["name"], rec["checkpoint"]["step"]
+    if not isinstance(ours, dict) or ours.get("run") != run:
+        return False
+    card.data.model_name = run
+    card.data.eval_results = eval_results(root, run, step) or None
+    card.save(path)
+    return True
