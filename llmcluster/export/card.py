@@ -85,8 +85,9 @@ def card_fields(root: Path, rec: dict, state: dict) -> dict:
 
 
 def energy(run: dict) -> dict:
-    """Device-hours and energy from the lineage's run link. No NVML figure is recorded yet: on GPUs of the planner's
-    table the energy is its estimate, said to be one; otherwise none is given, and why."""
+    """Device-hours and energy from the lineage's run link: measured when the run's GPU ranks recorded NVML's
+    counters (storage/energy.py); else on GPUs of the planner's table its estimate, said to be one; else none, and
+    why."""
     from llmcluster.config.gpus import match_device_name
     from llmcluster.plan.power import training_energy_kwh
 
@@ -94,7 +95,11 @@ def energy(run: dict) -> dict:
     hours = None if world is None or wall is None else world * wall / 3600
     out = {"device": device, "device_hours": hours, "energy_kwh_measured": None, "energy_kwh_estimate": None}
     spec = match_device_name(device) if device and device not in ("cpu", "mps") else None
-    if spec is not None and hours is not None:
+    if run.get("energy_j") is not None:
+        out["energy_kwh_measured"] = run["energy_j"] / 3.6e6
+        out["energy_note"] = ("measured: NVML's energy counters of the run's GPUs, summed over its ranks and attempts "
+                              "(logs/<run>/energy/), the GPUs alone (not the servers' CPUs, fans or cooling)")
+    elif spec is not None and hours is not None:
         out["energy_kwh_estimate"] = training_energy_kwh(spec, hours)
         out["energy_note"] = (f"an ESTIMATE, not a measurement: {hours:.3g} {spec.name} GPU-hours (the attempts' wall "
                               "time, events.jsonl, x the checkpoint's world size) x the planner's power model "

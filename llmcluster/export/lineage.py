@@ -29,6 +29,7 @@ from pathlib import Path
 from llmcluster.errors import UserError
 from llmcluster.storage import records
 from llmcluster.storage.layout import COMPLETE_MARKER, check_marker, sha256_file
+from llmcluster.storage.energy import run_energy
 
 LINEAGE = "lineage.json"
 LINEAGE_FORMAT = "llmcluster-lineage-v1"
@@ -45,7 +46,7 @@ SHAPE = {
                     "complete_sha256": records.TEXT}, {}),
     "run": ({"name": records.TEXT, "config_sha256": records.TEXT, "fingerprint": records.OBJECT},
             {"attempts": records.integer(0), "wall_s": records.number(0), "device": records.TEXT,
-             "world_size": records.integer(1), "job_config_sha256": records.TEXT, "dataset_digest": records.TEXT,
+             "world_size": records.integer(1), "energy_j": records.number(0), "job_config_sha256": records.TEXT, "dataset_digest": records.TEXT,
              "tokens_seen": records.integer(0), "parallel": records.TEXT, "precision": records.TEXT,
              "lora": records.OBJECT}),
     "dataset": ({"name": records.TEXT, "path": records.TEXT, "meta_sha256": records.TEXT,
@@ -119,6 +120,7 @@ def build(export_dir: Path, root: Path, run: str, ckpt: Path, state: dict, datas
                "attempts": None if atts is None else len(atts),
                "wall_s": None if atts is None else round(sum(a[-1]["t"] - a[0]["t"] for a in atts), 3),
                "device": state.get("device"), "world_size": state.get("world_size"),
+               "energy_j": (run_energy(Path(root) / "logs" / run) or {}).get("joules"),
                "job_config_sha256": _job_config_sha256(root, run),
                "dataset_digest": state.get("dataset_digest"),
                "tokens_seen": None if consumed is None else (consumed - int(state.get("ft_skipped_samples") or 0))

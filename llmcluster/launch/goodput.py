@@ -38,6 +38,7 @@ from pathlib import Path
 
 from llmcluster.errors import UserError
 # the attempts and ft's records have their home in storage/events.py (the lineage counts attempts too)
+from llmcluster.storage.energy import run_energy
 from llmcluster.storage.events import EVENTS, FT_PREFIX, HANG, attempts, read_events, trained_attempts  # noqa: F401
 
 BUCKETS = ("startup", "checkpoint_restore", "checkpoint_save", "eval", "lost_progress", "hang_or_straggler",
@@ -248,6 +249,7 @@ def run_goodput(root: Path, run: str) -> dict:
     events = read_events(path)
     result = {"run": run, **goodput(events)}
     result["model"] = model(events, result)
+    result["energy"] = run_energy(path.parent)   # GPU ranks' NVML counters (storage/energy.py); None: not measured
     return result
 
 
@@ -281,6 +283,9 @@ def render(result: dict, plan: dict | None = None, width: int = 60, label: str =
         lines.append(f"  {k:<20}{v:>10.2f}{share:>9.1%}{p}")
     bar = "".join(BAR[k] * round(width * v / wall if wall > 0 else 0) for k, v in rows)
     lines.append(f"  [{bar[:width]:<{width}}]  " + ", ".join(f"{c} {k}" for k, c in BAR.items()))
+    if en := result.get("energy"):
+        lines.append(f"  energy: {en['kwh']:.3f} kWh measured (NVML energy counters of {en['processes']} GPU rank "
+                     f"process(es), {en['ranks']} rank(s))")
     if ft := result.get("ft"):
         lines.append(f"  ft: {ft['groups']} groups, {ft['group_failures']} group failure(s), "
                      f"{ft.get('stragglers_dropped', 0)} dropped as straggler(s), {ft['heals']} heal(s) "

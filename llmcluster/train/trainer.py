@@ -45,6 +45,7 @@ from llmcluster.train.evaluate import Evaluator
 from llmcluster.ft import group as ft
 from llmcluster.ft.quorum import RunFinished, StopAsked
 from llmcluster.storage.events import EventLog
+from llmcluster.monitor.energy import EnergyMeter
 from llmcluster.train.metrics import device_peak_flops, peak_note, record_step
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
 from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, step_context
@@ -160,6 +161,9 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops, self.peak_source = device_peak_flops(env.device, t.precision)
         self.device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type
+        # every GPU rank measures its GPU's energy (NVML) for the run's records (storage/energy.py, issue 67)
+        self.energy = EnergyMeter(self.storage.run_logs(cfg.run.name), env.rank, str(
+            torch.cuda.get_device_properties(env.device).uuid) if env.device.type == "cuda" else None)
         self.preempt = PreemptionFlag().install()
         self.evaluator = Evaluator(cfg, env, dims, self.model, self.pipe, self.autocast, self.dataset, sampler,
                                    self.events)
@@ -430,6 +434,7 @@ class Trainer:
             return
         step = int(path.name.rsplit("_", 1)[-1])
         self.events.emit("checkpointed", self.step, ckpt=step)
+        self.energy.record(self.events.attempt)
         self.downstream.checkpointed(step, final=step == self.cfg.train.steps)
         self.metrics.checkpoint(self.step, self.ckpt.last_save_s or 0.0)
         self.log(f"checkpoint {path} ({self.ckpt.last_write_s:.2f} s)")
@@ -485,6 +490,8 @@ class Trainer:
             self.sample_log.close()
         self.metrics.status = {"completed": "FINISHED", "preempted": "PREEMPTED"}.get(reason, "FAILED")
         self.metrics.close()
+        if getattr(self, "energy", None):
+            self.energy.record(self.events.attempt)
         self.events.close(reason, detail)
 
 
