@@ -140,8 +140,8 @@ def test_the_card_parses_and_says_what_the_records_say(model):
     assert [(d["name"], d["tokens"]) for d in ours["datasets"]] == [("corpus", meta["tokens"])]
     assert ours["datasets"][0]["meta_sha256"] == rec["datasets"][0]["meta_sha256"]
     assert ours["base"]["path"] == str(model.base.resolve())
-    from llmcluster.export.card import base_digest
-    assert ours["base"]["sha256"] == base_digest(rec["base"]["files"])
+    from llmcluster.export.lineage import base_digest
+    assert ours["base"]["sha256"] == rec["base"]["sha256"] == base_digest(rec["base"]["files"])
     c = ours["compute"]
     assert c["train_flops"] == c["flops_per_token"] * ours["training"]["tokens_seen"] > 0
     assert c["device"] == state["device"] == "cpu" and c["device_hours"] == rec["run"]["wall_s"] / 3600 > 0

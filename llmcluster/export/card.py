@@ -11,22 +11,15 @@ of what is loaded are read from the process (sys.modules) or the installed distr
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from importlib import metadata
 from pathlib import Path
 
-from llmcluster.export.lineage import CARD, LINEAGE, digest as lineage_digest
+from llmcluster.export.lineage import CARD, LINEAGE, base_digest, digest as lineage_digest
 
 TO_BE_WRITTEN = "**To be written** by the model's owner before the model is shared or served."
 FLOP_CONVENTION = ("6·N + 12·L·H·Q·T per token (N the matmul parameters, the trainer's MFU convention, "
                    "model/flops.py) × tokens seen")
-
-
-def base_digest(files: dict[str, str]) -> str:
-    """One sha256 for a base model directory: over its files' names and sha256s, in name order. What a served
-    adapter's base is checked by (the lineage record holds every file's)."""
-    return hashlib.sha256("".join(f"{n}:{d}\n" for n, d in sorted(files.items())).encode()).hexdigest()
 
 
 def _versions() -> dict[str, str | None]:
@@ -68,7 +61,8 @@ def card_fields(root: Path, rec: dict, state: dict) -> dict:
     return {
         "lineage_sha256": None,   # filled by write(): lineage.json's digest
         "run": run["name"], "step": rec["checkpoint"]["step"],
-        "base": None if base is None else {"path": base["path"], "sha256": base_digest(base["files"]),
+        "base": None if base is None else {"path": base["path"],
+                                           "sha256": base.get("sha256") or base_digest(base["files"]),
                                            "files": len(base["files"])},
         "datasets": [{"name": d["name"], "kind": d.get("kind"), "tokens": d.get("tokens"),
                       "meta_sha256": d["meta_sha256"], "tokenizer_sha256": d["tokenizer_sha256"],

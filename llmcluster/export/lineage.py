@@ -52,7 +52,7 @@ SHAPE = {
     "dataset": ({"name": records.TEXT, "path": records.TEXT, "meta_sha256": records.TEXT,
                  "tokenizer_sha256": records.TEXT, "shards": DIGESTS},
                 {"kind": records.TEXT, "tokens": records.OBJECT}),
-    "base": ({"path": records.TEXT, "files": DIGESTS}, {}),
+    "base": ({"path": records.TEXT, "files": DIGESTS}, {"sha256": records.TEXT}),
 }
 
 
@@ -86,6 +86,12 @@ def files_of(d: Path, skip: set[str] = frozenset()) -> list[Path]:
 
 def digests(d: Path, skip: set[str] = frozenset(), say=None) -> dict[str, str]:
     return {p.relative_to(d).as_posix(): hash_file(p, say) for p in files_of(d, skip)}
+
+
+def base_digest(files: dict[str, str]) -> str:
+    """One sha256 for a base model directory: over its files' names and sha256s, in name order. Recorded with the
+    base link (and in the card): what a served adapter's base can be checked by without listing every file."""
+    return hashlib.sha256("".join(f"{n}:{d}\n" for n, d in sorted(files.items())).encode()).hexdigest()
 
 
 def config_sha256(config: dict) -> str:
@@ -135,7 +141,8 @@ def build(export_dir: Path, root: Path, run: str, ckpt: Path, state: dict, datas
            "base": None}
     if train.get("init_from"):
         base = Path(train["init_from"]).resolve()
-        rec["base"] = {"path": str(base), "files": digests(base, set(), say)}
+        files = digests(base, set(), say)
+        rec["base"] = {"path": str(base), "sha256": base_digest(files), "files": files}
     why = _trained_on(rec)
     if why:   # recorded as it is: `lineage --verify` names the same link
         (say or _stderr)(f"warning: export: {why[0]}: {why[1]}; the lineage records what is there now, and "
@@ -375,6 +382,8 @@ def verify(export_dir: Path, rec: dict, root: Path, say=None) -> list[tuple[str,
     if base is not None:
         d = Path(base["path"])
         link = f"base {d}"
+        if base.get("sha256") not in (None, base_digest(base["files"])):
+            raise Broken(link, "the record's base digest is not its files' (the record was edited)")
         if not d.is_dir():
             out.append((link, f"not reachable here: {d} is absent"))
         else:
