@@ -139,7 +139,8 @@ def test_the_card_parses_and_says_what_the_records_say(model):
     meta = json.loads((model.root / "datasets" / "text" / "corpus" / "meta.json").read_text())
     assert [(d["name"], d["tokens"]) for d in ours["datasets"]] == [("corpus", meta["tokens"])]
     assert ours["datasets"][0]["meta_sha256"] == rec["datasets"][0]["meta_sha256"]
-    assert ours["base"]["path"] == str(model.base.resolve())
+    assert ours["base"]["path"] == str(model.base.resolve()) and ours["adapter"] == "adapter/"
+    assert f"`{model.base.resolve()}`" in card.text and "Adapter: `adapter/`" in card.text
     from llmcluster.export.lineage import base_digest
     assert ours["base"]["sha256"] == rec["base"]["sha256"] == base_digest(rec["base"]["files"])
     c = ours["compute"]

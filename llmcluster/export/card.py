@@ -64,6 +64,8 @@ def card_fields(root: Path, rec: dict, state: dict) -> dict:
         "base": None if base is None else {"path": base["path"],
                                            "sha256": base.get("sha256") or base_digest(base["files"]),
                                            "files": len(base["files"])},
+        # a LoRA/QLoRA export: its adapter alone, in PEFT's format, beside the merged weights (export/hf.py)
+        "adapter": "adapter/" if any(f.startswith("adapter/") for f in rec["export"]["files"]) else None,
         "datasets": [{"name": d["name"], "kind": d.get("kind"), "tokens": d.get("tokens"),
                       "meta_sha256": d["meta_sha256"], "tokenizer_sha256": d["tokenizer_sha256"],
                       "shards": len(d["shards"])} for d in rec["datasets"]],
@@ -139,6 +141,8 @@ def _body(f: dict, evals: bool) -> str:
     data = "\n".join(f"- `{d['name']}` ({d['kind']}): {d['tokens']} tokens, meta.json sha256 `{d['meta_sha256']}`"
                      for d in f["datasets"])
     flops = f"{c['train_flops']:.3g}" if c["train_flops"] is not None else "not known"
+    adapter = (f"\n\nAdapter: `{f['adapter']}` (PEFT format; `model.safetensors` holds the base with the adapter "
+               "merged in)") if f["adapter"] else ""
     return f"""# {f['run']} (step {f['step']})
 
 Written by `llmcluster export` from the run's records. The lineage record beside this card (`{LINEAGE}`,
@@ -158,7 +162,7 @@ sha256 `{f['lineage_sha256']}`) holds every digest; `llmcluster lineage {f['run'
 
 ## Base model
 
-{base}
+{base}{adapter}
 
 ## Training data
 
