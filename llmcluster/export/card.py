@@ -138,8 +138,12 @@ def _body(f: dict, evals: bool) -> str:
     t, c = f["training"], f["compute"]
     base = (f"`{f['base']['path']}` (sha256 of its {f['base']['files']} files: `{f['base']['sha256']}`)"
             if f["base"] else "none: trained from scratch")
-    data = "\n".join(f"- `{d['name']}` ({d['kind']}): {d['tokens']} tokens, meta.json sha256 `{d['meta_sha256']}`"
+    data = "\n".join(f"- `{d['name']}` ({d['kind']}): {_tokens(d['tokens'])}, meta.json sha256 `{d['meta_sha256']}`"
                      for d in f["datasets"])
+    lora = t["lora"]
+    lora = (f"rank {lora.get('rank')}, alpha {lora.get('alpha')} on {', '.join(lora.get('targets') or [])} (base "
+            f"{lora.get('base_precision', 'fp32')})") if isinstance(lora, dict) else "none"
+    hours = f"{c['device_hours']:.3g}" if c["device_hours"] is not None else "not recorded"
     flops = f"{c['train_flops']:.3g}" if c["train_flops"] is not None else "not known"
     adapter = (f"\n\nAdapter: `{f['adapter']}` (PEFT format; `model.safetensors` holds the base with the adapter "
                "merged in)") if f["adapter"] else ""
@@ -171,17 +175,23 @@ sha256 `{f['lineage_sha256']}`) holds every digest; `llmcluster lineage {f['run'
 ## Training
 
 {t['steps']} steps, {t['tokens_seen']} tokens seen, precision {t['precision']}, layout: {t['parallel']},
-LoRA/QLoRA: {t['lora'] or 'none'}.
+LoRA/QLoRA: {lora}.
 
 ## Compute
 
-Training FLOPs: {flops} ({c['flops_convention']}). Device-hours: {c['device_hours']}. Energy: {c['energy_note']}.
+Training FLOPs: {flops} ({c['flops_convention']}). Device-hours ({c['device']}): {hours}. Energy: {c['energy_note']}.
 
 ## Evaluation
 
 {"See `model-index` in this card's metadata (`llmcluster eval`'s results of this step)." if evals
  else "No evaluation of this step was recorded when it was exported (`llmcluster eval`)."}
 """
+
+
+def _tokens(tokens) -> str:
+    if not isinstance(tokens, dict):
+        return "tokens not recorded"
+    return " + ".join(f"{n:,} {split}" for split, n in tokens.items() if isinstance(n, int)) + " tokens"
 
 
 def write(export_dir: Path, root: Path, rec: dict, state: dict) -> None:
