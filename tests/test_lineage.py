@@ -275,3 +275,35 @@ def test_an_eval_after_the_export_reaches_the_cards_model_index_and_keeps_what_a
     finally:
         card_file.write_bytes(saved_card)
         log.write_bytes(saved_log)
+
+
+def test_unreachable_links_are_said_and_an_nf4_base_is_checked_against_the_fingerprint(capsys, tmp_path):
+    """No training: a record made here. The checkpoint and dataset are on another machine (not reachable: said,
+    exit 0); the base is here, and a QLoRA run's fingerprint names its weights' digest, which must be the base's."""
+    from llmcluster.checkpoint.fingerprint import base_weights_sha256
+    from llmcluster.export.lineage import LINEAGE_FORMAT, base_digest, digests
+
+    export, base = tmp_path / "models" / "q", tmp_path / "base"
+    export.mkdir(parents=True)
+    base.mkdir()
+    (export / "config.json").write_text("{}")
+    (base / "model.safetensors").write_bytes(b"weights")
+    (base / "config.json").write_text("{}")
+    files = digests(base)
+    sha = "a" * 64
+    rec = {"format": LINEAGE_FORMAT, "export": {"files": digests(export)},
+           "checkpoint": {"run": "q", "step": 5, "path": "checkpoints/q/step_5", "complete_sha256": sha},
+           "run": {"name": "q", "config_sha256": sha, "fingerprint": {"base_weights": base_weights_sha256(base)}},
+           "datasets": [{"name": "d", "path": "datasets/text/d", "meta_sha256": sha, "tokenizer_sha256": sha,
+                         "shards": {}}],
+           "base": {"path": str(base), "sha256": base_digest(files), "files": files}}
+    (export / "lineage.json").write_text(json.dumps(rec))
+    proc = cli_inprocess(capsys, "lineage", str(export), "--verify")
+    assert proc.returncode == 0, proc.stderr
+    assert "checkpoint q step_5: not reachable here" in proc.stdout and "dataset d: not reachable here" in proc.stdout
+    assert f"base {base}: verified" in proc.stdout and "(2 verified, 3 not reachable here)" in proc.stdout
+    rec["run"]["fingerprint"]["base_weights"] = "0" * 16     # the run quantized other weights than these
+    (export / "lineage.json").write_text(json.dumps(rec))
+    proc = cli_inprocess(capsys, "lineage", str(export), "--verify")
+    assert proc.returncode == 1 and f"broken at base {base}: its weights are not those the run trained on" in \
+        proc.stderr, proc.stderr
