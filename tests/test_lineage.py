@@ -307,3 +307,27 @@ def test_unreachable_links_are_said_and_an_nf4_base_is_checked_against_the_finge
     proc = cli_inprocess(capsys, "lineage", str(export), "--verify")
     assert proc.returncode == 1 and f"broken at base {base}: its weights are not those the run trained on" in \
         proc.stderr, proc.stderr
+
+
+def test_an_unreadable_dataset_record_refuses_the_export_and_a_missing_base_is_said(capsys, model, tmp_path):
+    """The export records every dataset the run read or is not written (one line); a LoRA run's base gone since
+    training (its checkpoint holds every weight) is exported, the gap said, and --verify says it is not reachable."""
+    import shutil
+
+    root = tmp_path / "storage"
+    shutil.copytree(model.root, root, ignore=shutil.ignore_patterns("models"))
+    meta = root / "datasets" / "text" / "corpus" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "shards": {"train": [{"file": 1}]}}))
+    assert_one_line_error(run_cli("export", "--run", RUN, "--root", root, "--out", tmp_path / "x"),
+                          "cannot record the lineage: dataset corpus")
+    assert not (tmp_path / "x").exists()
+
+    aside = model.base.with_name("llama-aside")
+    model.base.rename(aside)
+    try:
+        proc = run_cli("export", "--run", RUN, "--root", model.root, "--out", tmp_path / "y", check=True)
+        assert "train.init_from" in proc.stderr and "is not here" in proc.stderr
+        proc = cli_inprocess(capsys, "lineage", str(tmp_path / "y"), "--root", model.root, "--verify")
+    finally:
+        aside.rename(model.base)
+    assert proc.returncode == 0 and f"base {model.base.resolve()}: not reachable here" in proc.stdout, proc.stdout

@@ -141,7 +141,10 @@ def build(export_dir: Path, root: Path, run: str, ckpt: Path, state: dict, datas
            "base": None}
     if train.get("init_from"):
         base = Path(train["init_from"]).resolve()
-        files = digests(base, set(), say)
+        if not base.is_dir():   # a LoRA checkpoint holds every weight: the export goes on, the gap is said
+            (say or _stderr)(f"warning: export: train.init_from {base} is not here: the lineage records its path "
+                             "and no digest (`lineage --verify` says it is not reachable)")
+        files = digests(base, set(), say) if base.is_dir() else {}
         rec["base"] = {"path": str(base), "sha256": base_digest(files), "files": files}
     why = _trained_on(rec)
     if why:   # recorded as it is: `lineage --verify` names the same link
@@ -151,9 +154,15 @@ def build(export_dir: Path, root: Path, run: str, ckpt: Path, state: dict, datas
 
 
 def dataset_link(name: str, d: Path, root: Path, say=None) -> dict:
-    meta = json.loads((d / "meta.json").read_text())
-    shards = {s["file"]: s["sha256"] for group in ("shards", "masks") for split in (meta.get(group) or {}).values()
-              for s in split}
+    try:   # meta.json is the data team's record: read as data, its shard list checked for shape
+        meta = json.loads((d / "meta.json").read_text())
+        shards = {s["file"]: s["sha256"] for group in ("shards", "masks")
+                  for split in (meta.get(group) or {}).values() for s in split}
+        if not _digest_map(shards):
+            raise ValueError("a shard's file or sha256 is not a string")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:   # every dataset recorded, or no export
+        raise UserError(f"cannot record the lineage: dataset {name}: {d / 'meta.json'} is unreadable or not a "
+                        f"dataset's ({getattr(e, 'strerror', None) or e})") from None
     return {"name": name, "kind": meta.get("kind"), "path": _rel(d, root), "meta_sha256": sha256_file(d / "meta.json"),
             "tokenizer_sha256": hash_file(d / "tokenizer.json", say), "shards": shards,
             "tokens": meta.get("tokens")}
