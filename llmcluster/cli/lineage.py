@@ -21,12 +21,12 @@ def register(sub) -> None:
 
 def run(args) -> int:
     import sys
-    from llmcluster.export import lineage
-    from llmcluster.export.marker import exported_model_dir
-    from llmcluster.storage.records import dumps
 
     from llmcluster.config.cluster_load import storage_root
     from llmcluster.errors import UserError
+    from llmcluster.export import lineage
+    from llmcluster.export.marker import exported_model_dir
+    from llmcluster.storage.records import dumps
 
     endpoint = None   # a serving job's name (`jobs list`): the chain starts at the endpoint
     try:
