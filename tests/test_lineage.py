@@ -331,3 +331,19 @@ def test_an_unreadable_dataset_record_refuses_the_export_and_a_missing_base_is_s
     finally:
         aside.rename(model.base)
     assert proc.returncode == 0 and f"base {model.base.resolve()}: not reachable here" in proc.stdout, proc.stdout
+
+
+def test_a_large_file_is_hashed_with_progress(tmp_path, monkeypatch):
+    """A base of many GB takes minutes to hash: --verify (and the export) say how far they are every few seconds."""
+    import hashlib
+
+    from llmcluster.export import lineage as lin
+
+    big = tmp_path / "model-00001.safetensors"
+    big.write_bytes(b"x" * (3 << 22))          # three 4 MiB reads
+    monkeypatch.setattr(lin, "PROGRESS_BYTES", 1 << 20)
+    clock = iter(range(0, 1000, 6))             # each look at the clock is 6 s later
+    monkeypatch.setattr(lin.time, "monotonic", lambda: next(clock))
+    said = []
+    assert lin.hash_file(big, said.append) == hashlib.sha256(big.read_bytes()).hexdigest()
+    assert said and said[0].startswith(f"hashing {big}: 33% of 0.0 GB") and said[-1].endswith("100% of 0.0 GB")
