@@ -44,6 +44,11 @@ ONLY = {   # room -> the rooms (besides its own) it may import at all
     "errors": set(),
 }
 NO_TORCH = ["plan", "launch", "storage", "provision", "config", "render"]   # head node, fast start
+# Modules of other rooms that must not reach torch either: what an auditor runs on a machine without it (issue 67:
+# `llmcluster lineage` reads and verifies an export's record, docs/lineage.md), and the model card's maker.
+# cli.lineage is checked at run time only: its --root helper's module (cli/common.py) reaches torch statically through
+# --procs-per-node's lazy import, a path `lineage` never takes (tests/test_lineage.py runs it with torch unimportable).
+NO_TORCH_MODULES = ["llmcluster.export.lineage", "llmcluster.export.card", "llmcluster.export.marker"]
 NEVER_TRAINING_LOOP = ["launch", "export", "eval", "serve", "plan", "monitor", "checkpoint", "ft"]
 
 
@@ -128,10 +133,16 @@ def test_head_node_rooms_never_reach_torch(room):
     assert not bad, f"{room}: these modules reach torch: {bad}"
 
 
+@pytest.mark.parametrize("module", NO_TORCH_MODULES)
+def test_head_node_modules_never_reach_torch(module):
+    assert module in GRAPH, f"{module} is gone: update NO_TORCH_MODULES"
+    assert "torch" not in _reach(module), f"{module} reaches torch"
+
+
 def test_head_node_rooms_import_without_torch_at_run_time():
     """And at run time: importing every module of those rooms leaves torch out of sys.modules (the static check
     above could miss an import by importlib; this one could miss a lazy path: each covers the other)."""
-    mods = sorted(m for m in GRAPH if _room(m) in NO_TORCH)
+    mods = sorted(m for m in GRAPH if _room(m) in NO_TORCH) + NO_TORCH_MODULES + ["llmcluster.cli.lineage"]
     code = ("import importlib, sys\n"
             f"for m in {mods!r}: importlib.import_module(m)\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")

@@ -51,12 +51,26 @@ def run_fingerprint(cfg, tokenizer: str | None = None, **more) -> dict:
 def base_weights_sha256(path: Path) -> str:
     """sha256 over the safetensors files of an HF model directory, in name order (16 hex digits): an NF4 run's
     checkpoint leaves the base out and a resume quantizes these files again, so they must be the same ones."""
-    import hashlib
-
     from llmcluster.storage.layout import sha256_file
 
-    files = sorted(path.glob("*.safetensors"))
-    return hashlib.sha256(" ".join(f"{f.name}:{sha256_file(f)}" for f in files).encode()).hexdigest()[:16]
+    return weights_digest({f.name: sha256_file(f) for f in path.glob("*.safetensors")})
+
+
+def weights_digest(files: dict[str, str]) -> str:
+    """base_weights_sha256 from the digests of a directory's files (name -> sha256; only *.safetensors count): the
+    lineage record (export/lineage.py) checks its base against an NF4 run's fingerprint without hashing again."""
+    import hashlib
+
+    pairs = sorted((n, d) for n, d in files.items() if n.endswith(".safetensors") and "/" not in n)
+    return hashlib.sha256(" ".join(f"{n}:{d}" for n, d in pairs).encode()).hexdigest()[:16]
+
+
+def dataset_digest(meta_digests: list[str]) -> str:
+    """What a run trains on, saved in its train state: its dataset's meta.json sha256, or for a mixture the sha256
+    of every source's, in order (a resume over a rebuilt dataset is refused by it; the lineage checks it too)."""
+    import hashlib
+
+    return meta_digests[0] if len(meta_digests) == 1 else hashlib.sha256(" ".join(meta_digests).encode()).hexdigest()
 
 
 def base_index_sha256(path: Path) -> str:

@@ -16,7 +16,7 @@ from llmcluster.errors import EXIT_INTERRUPTED, EXIT_USAGE, RunFailure, UserErro
 
 # (module under llmcluster.cli, in --help order)
 _COMMAND_MODULES = (
-    "storage", "data", "train", "bench", "export", "generate", "eval",
+    "storage", "data", "train", "bench", "export", "lineage", "generate", "eval",
     "cluster", "plan", "serve", "launch", "jobs", "validate", "monitor", "provision",
 )
 

@@ -41,6 +41,8 @@ def register(sub) -> None:
     st.add_argument("--prometheus-namespace", default="monitoring", metavar="NS",
                     help="k8s: the namespace of the Prometheus the NetworkPolicy lets scrape /metrics "
                          "(default monitoring)")
+    st.add_argument("--require-lineage", action="store_true",
+                    help="refuse an export whose lineage does not verify (`llmcluster lineage MODEL --verify`)")
     st.add_argument("--dry-run", action="store_true", help="print what would be launched; launch nothing")
     _job_args(st, run_start)
 

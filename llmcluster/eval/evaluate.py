@@ -175,7 +175,20 @@ def evaluate(root: Path, model: str | None = None, step: int | None = None, endp
     except Exception as e:   # a tracking server that is down must not fail an evaluation that is done
         print(f"warning: eval results not sent to the run's tracking sinks: {type(e).__name__}: {e}",
               file=sys.stderr)
+    if target.endpoint is None and Path(target.source) == target.model_dir.resolve():   # an export (not a step's)
+        refresh_card(target.model_dir, root)
     return record
+
+
+def refresh_card(export_dir: Path, root: Path) -> None:
+    """The export's model card gets this evaluation in its model-index (export/card.py); the results are safe
+    already, so a card that cannot be rewritten is a warning."""
+    from llmcluster.export.card import refresh_evals
+
+    try:
+        refresh_evals(export_dir, root)
+    except Exception as e:   # a hand-edited card huggingface_hub cannot parse, a read-only export, a bad record
+        print(f"warning: the model card of {export_dir} was not updated: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def summary_lines(record: dict) -> list[str]:

@@ -97,6 +97,7 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
         if problem := verify_checkpoint(ckpt):
             raise UserError(f"cannot export {ckpt}: {problem}")
     step, cfg, state = _train_state(ckpt)
+    saved_state = state   # train_state.json, for the lineage record (`state` is the weights further down)
     # A QLoRA run's checkpoint holds the adapters alone: its base is train.init_from's, quantized to NF4 as the
     # trainer did (checkpoint/nf4_base.py). The merged weights are that dequantized base + s·B·A, kept in float32
     # as every export is (not bf16): vLLM serves a float32 checkpoint in float32, so it answers greedily as
@@ -175,6 +176,7 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
                 {"bos_token": EOT, "eos_token": EOT, "pad_token": EOT}, indent=2))
         _write(tmp / EXPORT_MARKER, json.dumps({"format": EXPORT_FORMAT, "run": run, "step": step,
                                                 "checkpoint": str(ckpt)}))
+        _write_records(tmp, root, run, ckpt, saved_state, cfg)
         for f in tmp.rglob("*"):
             if f.is_file():
                 _fsync(f)
@@ -197,6 +199,16 @@ def export(root: Path, run: str, step: int | None, out: Path | None = None) -> P
         if not swapping or not tmp.exists() or _replaceable(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _write_records(tmp: Path, root: Path, run: str, ckpt: Path, saved_state: dict, cfg: JobConfig) -> None:
+    """The export's lineage.json (every file above hashed: written last but for the card) and its model card."""
+    from llmcluster.data.dataset import data_sources
+    from llmcluster.export import card, lineage
+
+    rec = lineage.build(tmp, root, run, ckpt, saved_state, [(n, d) for n, d, _w in data_sources(root, cfg.data)])
+    lineage.write(tmp, rec)
+    card.write(tmp, root, rec, saved_state)
 
 
 def chat_template(tok_file: Path, hf_conf: dict | None, meta: dict) -> tuple[str | None, int | None]:

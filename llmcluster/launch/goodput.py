@@ -37,34 +37,19 @@ import statistics
 from pathlib import Path
 
 from llmcluster.errors import UserError
-from llmcluster.storage.events import EVENTS, NOOP, read_events
+# the attempts and ft's records have their home in storage/events.py (the lineage counts attempts too)
+from llmcluster.storage.energy import run_energy
+from llmcluster.storage.events import EVENTS, FT_PREFIX, HANG, attempts, read_events, trained_attempts  # noqa: F401
 
 BUCKETS = ("startup", "checkpoint_restore", "checkpoint_save", "eval", "lost_progress", "hang_or_straggler",
            "failure", "other")
 BAR = {"productive": "#", "startup": "s", "checkpoint_restore": "r", "checkpoint_save": "c", "eval": "e",
        "lost_progress": "l", "hang_or_straggler": "h", "failure": "f", "other": "o"}   # the text bar's letters
 PLOT = "goodput.png"   # what --plot DIR writes
-FT_PREFIX = "ft_"   # per-step fault tolerance's records (ft_summary)
-HANG = "hang"       # an ft group's watchdog fired (ft/watchdog.py): a record of ft's, it splits no interval either
-
-
-def _is_ft(e: dict) -> bool:
-    return e["event"].startswith(FT_PREFIX) or e["event"] == HANG
 SLOW = 3.0   # a step over this many median steps counts its excess as hang_or_straggler
 _STEP_END = {"step", "eval_start", "save_start", "checkpointed"}   # closes an interval of training at `step`
 _SPANS = {"eval_end": "eval", "save_end": "checkpoint_save", "restore_end": "checkpoint_restore",
           "init_done": "startup", "restore_start": "startup"}
-
-
-def attempts(events: list[dict]) -> list[list[dict]]:
-    """The run's attempts that could train, in order, each its events in time order. A no-op start (already
-    finished, refused: it says so with a noop_start event) is no attempt: its seconds are neither the job's
-    wall time nor queued time, so re-running a finished run leaves its goodput as it was."""
-    by: dict[int, list[dict]] = {}
-    for e in events:
-        by.setdefault(e["attempt"], []).append(e)
-    return [sorted(by[a], key=lambda e: e["t"]) for a in sorted(by)
-            if not any(e["event"] == NOOP for e in by[a])]
 
 
 def _start_step(att: list[dict]) -> int | None:
@@ -166,7 +151,7 @@ class _Groups:
 def goodput(events: list[dict]) -> dict:
     ft = ft_summary(events)
     groups = _Groups([e for e in events if e["event"].startswith(FT_PREFIX)])
-    atts = attempts([e for e in events if not _is_ft(e)])
+    atts = trained_attempts(events)
     if not atts:
         raise UserError("no attempt that trained is recorded for this run (events.jsonl is written by the "
                         "trainer's rank 0; starts that did nothing are left out)")
@@ -264,6 +249,7 @@ def run_goodput(root: Path, run: str) -> dict:
     events = read_events(path)
     result = {"run": run, **goodput(events)}
     result["model"] = model(events, result)
+    result["energy"] = run_energy(path.parent)   # GPU ranks' NVML counters (storage/energy.py); None: not measured
     return result
 
 
@@ -297,6 +283,9 @@ def render(result: dict, plan: dict | None = None, width: int = 60, label: str =
         lines.append(f"  {k:<20}{v:>10.2f}{share:>9.1%}{p}")
     bar = "".join(BAR[k] * round(width * v / wall if wall > 0 else 0) for k, v in rows)
     lines.append(f"  [{bar[:width]:<{width}}]  " + ", ".join(f"{c} {k}" for k, c in BAR.items()))
+    if en := result.get("energy"):
+        lines.append(f"  energy: {en['kwh']:.3f} kWh measured (NVML energy counters of {en['processes']} GPU rank "
+                     f"process(es), {en['ranks']} rank(s))")
     if ft := result.get("ft"):
         lines.append(f"  ft: {ft['groups']} groups, {ft['group_failures']} group failure(s), "
                      f"{ft.get('stragglers_dropped', 0)} dropped as straggler(s), {ft['heals']} heal(s) "

@@ -27,7 +27,18 @@ class Power:
 def node_kw(cluster: PlanCluster) -> float:
     if cluster.node_power_kw:
         return cluster.node_power_kw
-    return cluster.spec.server_power_factor * cluster.gpus_per_node * cluster.spec.power_w / 1000
+    return cluster.gpus_per_node * gpu_server_kw(cluster.spec)
+
+
+def gpu_server_kw(spec) -> float:
+    """A GPU's share of its server's maximum power (kW): its TDP × the server's overhead factor (Epoch AI)."""
+    return spec.server_power_factor * spec.power_w / 1000
+
+
+def training_energy_kwh(spec, gpu_hours: float) -> float:
+    """The planner's estimate of the energy (IT load, before PUE) a training of `gpu_hours` on `spec` GPUs drew:
+    each GPU's server share at the average training load (hardware.yaml's training_load), as `power` models it."""
+    return gpu_hours * gpu_server_kw(spec) * hardware()["training_load"]
 
 
 def power(cluster: PlanCluster, pue: float) -> Power:

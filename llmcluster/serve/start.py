@@ -48,6 +48,7 @@ class ServeJob:
     launch_id: int
     slo_ttft_p99_ms: float | None = None   # serve.slo: `monitor config` alerts above it
     auth: bool = True              # vLLM requires the job's API key (--no-auth: it answers anyone who reaches it)
+    lineage: dict | None = None    # the served export's lineage digest (export/lineage.py `served`), for job.json
 
     @property
     def logs(self) -> Path:
@@ -307,6 +308,7 @@ def start(job: ServeJob, *, dry_run: bool, timeout: float, time_limit: str | Non
               "slo_ttft_p99_ms": job.slo_ttft_p99_ms, "auth": job.auth}
     if job.target.adapter is not None:
         record["adapter"] = str(job.target.adapter)
+    record.update(job.lineage or {})
     if job.scheduler == "k8s":
         from llmcluster.serve.k8s import submit
 
@@ -358,11 +360,15 @@ def build(args, cfg, root: Path):
     problems = eng.refusals(target, engine, sizing)
     if problems:
         raise UserError(f"{target.directory}: " + "; ".join(problems))
+    from llmcluster.export.lineage import served
+
+    lineage = served(target.export, getattr(args, "require_lineage", False))   # before anything is written
     name = check_run_name(args.name or f"serve-{target.name}")
     line_text(str(root), "storage root")
     port = args.port or (free_port(host) if args.scheduler == "local" else 8000)
     job = ServeJob(name, args.scheduler, root, engine, target, sizing, host, port,
-                   next_launch_id(root / "logs" / name), cfg.serve.slo.ttft_p99_ms, auth=not args.no_auth)
+                   next_launch_id(root / "logs" / name), cfg.serve.slo.ttft_p99_ms, auth=not args.no_auth,
+                   lineage=lineage)
     k8s = None
     if args.scheduler == "k8s":
         from llmcluster.launch.cluster_defaults import job_with_cluster_defaults

@@ -55,6 +55,30 @@ OPTIONAL = {"ckpt": records.integer(0), "reason": records.TEXT, "pid": records.i
             "waited_s": records.number(0), "deadline_s": records.number(0)}
 
 
+FT_PREFIX = "ft_"   # per-step fault tolerance's records (launch/goodput.py's ft_summary)
+HANG = "hang"       # an ft group's watchdog fired (ft/watchdog.py): a record of ft's, it splits no interval either
+
+
+def is_ft(e: dict) -> bool:
+    return e["event"].startswith(FT_PREFIX) or e["event"] == HANG
+
+
+def attempts(events: list[dict]) -> list[list[dict]]:
+    """The run's attempts that could train, in order, each its events in time order. A no-op start (already
+    finished, refused: it says so with a noop_start event) is no attempt: its seconds are neither the job's
+    wall time nor queued time, so re-running a finished run leaves its goodput as it was."""
+    by: dict[int, list[dict]] = {}
+    for e in events:
+        by.setdefault(e["attempt"], []).append(e)
+    return [sorted(by[a], key=lambda e: e["t"]) for a in sorted(by)
+            if not any(e["event"] == NOOP for e in by[a])]
+
+
+def trained_attempts(events: list[dict]) -> list[list[dict]]:
+    """`attempts` of the trainer's own lines (ft's records split nothing): what `jobs goodput` counts."""
+    return attempts([e for e in events if not is_ft(e)])
+
+
 def read_events(path: Path, warn=records.note) -> list[dict]:
     """The records of an events file that have their shape; anything else (a line cut by a crash, a hand
     edit) is skipped, with one note for the file through `warn` (None: silently)."""

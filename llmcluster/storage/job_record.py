@@ -37,7 +37,7 @@ RECORD_OPTIONAL = {"job_id": records.of_type(str, int, what="a string or an inte
                    "artifact": records.TEXT, "submitted_at": records.TEXT, "code_version": records.TEXT,
                    "cluster": records.TEXT, "endpoint": records.TEXT, "previous_job_ids": records.LIST,
                    "k8s": records.OBJECT, "ft": records.OBJECT, "slo_ttft_p99_ms": records.number(0),
-                   "config_sha256": records.TEXT}
+                   "config_sha256": records.TEXT, "lineage_sha256": records.TEXT, "lineage_verified": records.BOOL}
 
 
 def read_record(logs: Path, own: bool = False, refuse: bool = False) -> dict | None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import math
 import os
 import statistics
@@ -35,7 +34,7 @@ from llmcluster.distributed import process_groups as D
 from llmcluster.train.attention import attention_line
 from llmcluster.train.batch import resume_batch
 from llmcluster.checkpoint.checkpointer import Checkpointer
-from llmcluster.checkpoint.fingerprint import checked_state, run_fingerprint
+from llmcluster.checkpoint.fingerprint import checked_state, dataset_digest, run_fingerprint
 from llmcluster.checkpoint.nf4_base import NF4_WEIGHTS, nf4_names
 from llmcluster.train.downstream import Downstream, pending_steps
 from llmcluster.train.gc_cadence import GarbageCollection
@@ -46,6 +45,7 @@ from llmcluster.train.evaluate import Evaluator
 from llmcluster.ft import group as ft
 from llmcluster.ft.quorum import RunFinished, StopAsked
 from llmcluster.storage.events import EventLog
+from llmcluster.monitor.energy import EnergyMeter
 from llmcluster.train.metrics import device_peak_flops, peak_note, record_step
 from llmcluster.train.optimizer import build_optimizer, build_scheduler
 from llmcluster.train.parallelize import build_parallel_model, clip_grad_norm, step_context
@@ -112,9 +112,7 @@ class Trainer:
         self.sampler = Prefetcher(sampler)  # steps gathered ahead on a thread; position as trained
         # What the run trains on, so that a resume over a rebuilt dataset is refused: meta.json's digest (for a
         # mixture, the digest of every source's, in order).
-        digests = [sha256_file(d / META) for _, d, _ in data_sources(root, cfg.data)]
-        self.dataset_digest = (digests[0] if len(digests) == 1
-                               else hashlib.sha256(" ".join(digests).encode()).hexdigest())
+        self.dataset_digest = dataset_digest([sha256_file(d / META) for _, d, _ in data_sources(root, cfg.data)])
         self.fingerprint = run_fingerprint(cfg, sha256_file(data_sources(root, cfg.data)[0][1] / "tokenizer.json")[:16])
         if path is not None:  # the one check before any weight is loaded; the global batch before the model and PP
             saved, notes = checked_state(path, self.fingerprint, self.storage, cfg.run.name)
@@ -162,6 +160,10 @@ class Trainer:
         self.ckpt.prepare_start(resume, path, self.step)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops, self.peak_source = device_peak_flops(env.device, t.precision)
+        self.device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type
+        # every GPU rank measures its GPU's energy (NVML) for the run's records (storage/energy.py, issue 67)
+        self.energy = EnergyMeter(self.storage.run_logs(cfg.run.name), env.rank, str(
+            torch.cuda.get_device_properties(env.device).uuid) if env.device.type == "cuda" else None)
         self.preempt = PreemptionFlag().install()
         self.evaluator = Evaluator(cfg, env, dims, self.model, self.pipe, self.autocast, self.dataset, sampler,
                                    self.events)
@@ -232,6 +234,7 @@ class Trainer:
                 "ft_skipped_samples": self.ft_skipped,
                 "config": saved_config_dict(self.cfg), "dataset_digest": self.dataset_digest,  # job.env redacted
                 "parallel": self.dims.describe(), "global_batch": self.global_batch, "fingerprint": self.fingerprint,
+                "device": self.device_name,   # what the model card's energy estimate prices (export/card.py)
                 NF4_WEIGHTS: nf4_names(self.raw_model)}   # the export rebuilds an NF4 base from init_from with it
 
     # -- one optimizer step ------------------------------------------------------------------------
@@ -434,6 +437,7 @@ class Trainer:
             return
         step = int(path.name.rsplit("_", 1)[-1])
         self.events.emit("checkpointed", self.step, ckpt=step)
+        self.energy.record(self.events.attempt)
         self.downstream.checkpointed(step, final=step == self.cfg.train.steps)
         self.metrics.checkpoint(self.step, self.ckpt.last_save_s or 0.0)
         self.log(f"checkpoint {path} ({self.ckpt.last_write_s:.2f} s)")
@@ -489,6 +493,8 @@ class Trainer:
             self.sample_log.close()
         self.metrics.status = {"completed": "FINISHED", "preempted": "PREEMPTED"}.get(reason, "FAILED")
         self.metrics.close()
+        if getattr(self, "energy", None):
+            self.energy.record(self.events.attempt)
         self.events.close(reason, detail)
 
 
