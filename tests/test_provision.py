@@ -20,7 +20,9 @@ from llmcluster.provision import render, slurm
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-EXAMPLES = sorted(p.name for p in (REPO / "clusters").glob("*.yaml"))
+# the on-premise specs: a cloud spec (a `cloud:` section) is refused by provision, SkyPilot sets up its nodes
+# (tests/test_launch_skypilot.py checks the refusal)
+EXAMPLES = sorted(p.name for p in (REPO / "clusters").glob("*.yaml") if "\ncloud:" not in p.read_text())
 LEVELS = ["os", "gpu", "fabric", "storage", "scheduler", "container", "ml", "monitoring"]
 
 
