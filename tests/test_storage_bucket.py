@@ -118,3 +118,27 @@ def test_a_link_in_the_bucket_is_refused(tmp_path):
     state.symlink_to(tmp_path / "elsewhere.json")
     assert_one_line_error(run_cli("storage", "pull", RUN, "--from", bucket, "--root", tmp_path / "fresh"),
                           "symbolic link")
+
+
+def test_a_file_in_the_staging_folder_that_no_pull_wrote_is_never_deleted(tmp_path):
+    """The staging folder lives in shared storage: a file there that is neither the step's nor a pull's half copy
+    (.part) stops the pull in one line and stays where it is ("never delete what we did not write")."""
+    import pytest as _pytest
+
+    from llmcluster.errors import UserError
+    from llmcluster.storage import bucket
+
+    src = tmp_path / "bucket" / "r" / "step_2"
+    src.mkdir(parents=True)
+    (src / "w.bin").write_bytes(b"weights")
+    from llmcluster.storage.layout import COMPLETE_MARKER, sha256_file
+    import json
+    (src / COMPLETE_MARKER).write_text(json.dumps({"step": 2, "files": {"w.bin": sha256_file(src / "w.bin")}}))
+    root = tmp_path / "storage"
+    stage = root / "checkpoints" / "r" / f"{bucket.PULL_PREFIX}step_2"
+    stage.mkdir(parents=True)
+    foreign = stage / "notes.txt"
+    foreign.write_text("a colleague's")
+    with _pytest.raises(UserError, match="not written by a pull"):
+        bucket.pull(tmp_path / "bucket", "r", root)
+    assert foreign.read_text() == "a colleague's"

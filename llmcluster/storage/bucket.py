@@ -140,6 +140,9 @@ def pull(source: Path, run: str, root: Path) -> tuple[int | None, int, int]:
         _copy_checked(src / rel, dst, digest, f"storage pull {run} {src.name}")
         copied += 1
     for left in [p for p in stage.rglob("*") if p.is_file() and p.relative_to(stage).as_posix() not in files]:
+        if not left.name.endswith(PART):   # not a half copy of ours: never deleted, the pull stops instead
+            raise UserError(f"storage pull {run}: {left} is in the pull's staging folder but not in the step's "
+                            "marker, and was not written by a pull: move it aside first")
         left.unlink()        # a half-copied .part of an interrupted pull: the verifier refuses unlisted files
     _write_marker(src, stage)
     os.rename(stage, final)
