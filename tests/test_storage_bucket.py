@@ -131,8 +131,9 @@ def test_a_file_in_the_staging_folder_that_no_pull_wrote_is_never_deleted(tmp_pa
     src = tmp_path / "bucket" / "r" / "step_2"
     src.mkdir(parents=True)
     (src / "w.bin").write_bytes(b"weights")
-    from llmcluster.storage.layout import COMPLETE_MARKER, sha256_file
     import json
+
+    from llmcluster.storage.layout import COMPLETE_MARKER, sha256_file
     (src / COMPLETE_MARKER).write_text(json.dumps({"step": 2, "files": {"w.bin": sha256_file(src / "w.bin")}}))
     root = tmp_path / "storage"
     stage = root / "checkpoints" / "r" / f"{bucket.PULL_PREFIX}step_2"
